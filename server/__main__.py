@@ -1,0 +1,97 @@
+"""Entry point of the `sluice` command (and `python -m server`).
+
+The only place that reads the process environment: `os.environ` goes into the
+frozen Settings once, here, and is passed down. vLLM starts its engine
+processes with spawn, which re-imports the main module, hence the
+`if __name__ == "__main__"` guard at the bottom.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _serve(argv: Sequence[str]) -> int:
+    # Set before vLLM is imported: nothing may reach a model hub, ever; a
+    # model is a local path (or already in the local cache).
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+    from server.logs import setup_logging
+
+    fmt = "plain" if "--log-format=plain" in argv or _flag_value(argv, "--log-format") == "plain" \
+        else "json"
+    setup_logging(fmt)
+
+    import logging
+
+    log = logging.getLogger("sluice")
+    from server.cli import parse_serve_args
+
+    settings = parse_serve_args(argv, os.environ)
+    if settings.demo_model:
+        log.info(
+            "no --model given and no GPU: serving the offline demo model (random weights, "
+            "gibberish text)",
+            extra={"fields": {"path": settings.model_path, "name": settings.model_name}},
+        )
+
+    import uvloop
+
+    from server.app import serve
+    from server.engine import EngineAdapter
+    from server.sdnotify import Notifier
+    from server.watchdog import make_watchdog
+
+    async def main() -> int:
+        engine = EngineAdapter(settings.engine_args, settings.model_name)
+        notifier = Notifier(settings.env.notify_socket, settings.env.watchdog_usec)
+        return await serve(settings, engine, notifier, make_watchdog(settings))
+
+    return uvloop.run(main())
+
+
+def _flag_value(argv: Sequence[str], flag: str) -> str | None:
+    for i, a in enumerate(argv[:-1]):
+        if a == flag:
+            return argv[i + 1]
+    return None
+
+
+def _make_demo_model(argv: Sequence[str]) -> int:
+    if len(argv) != 1 or argv[0].startswith("-"):
+        print("usage: sluice make-demo-model DIR", file=sys.stderr)
+        return 2
+    from server.demo_model import build_demo_model
+
+    path = build_demo_model(Path(argv[0]))
+    print(path)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from server.cli import USAGE
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        from server import __version__
+
+        print(f"sluice {__version__}")
+        return 0
+    cmd, rest = args[0], args[1:]
+    if cmd == "serve":
+        return _serve(rest)
+    if cmd == "make-demo-model":
+        return _make_demo_model(rest)
+    print(f"sluice: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

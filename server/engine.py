@@ -1,0 +1,266 @@
+"""The engine adapter: the one module (with server/cli.py) that imports vLLM.
+
+It owns one vLLM `AsyncLLM` built from the CLI's engine flags and offers the
+rest of Sluice a small surface:
+
+* `tokenize_chat` / `tokenize_prompts`: tokenization on our side, in batches,
+  on a worker thread (never on the event loop), so the engine gets token ids;
+* `sampling_params`: our frozen `Sampling` value to vLLM's `SamplingParams`,
+  always in DELTA mode, so a lagging reader gets several tokens merged into
+  one output instead of a backlog (vLLM's RequestOutputCollector merges them);
+* `add`: one request to the engine (the driver calls it back to back for the
+  entries of a batch, in the core's order, with their priorities);
+* `abort`, `stats`, `errored`, `check_health`, `shutdown`.
+
+Engine statistics (KV-cache use, running/waiting, prefix-cache hits,
+preemptions) arrive through a vLLM stat logger registered at construction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+from server.errors import SluiceError
+from server.protocol import Message, Sampling
+from server.watchdog import EngineStats
+
+log = logging.getLogger("sluice.engine")
+
+__all__ = ["EngineAdapter", "EngineDeadError", "EngineStats"]
+
+
+class _StatsBox:
+    """Latest engine statistics, written by vLLM's stat logger, read by anyone.
+
+    vLLM calls the logger from its output handler on the event loop; a lock
+    keeps the reading consistent should that ever move to a thread.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = EngineStats(
+            kv_cache_usage=0.0,
+            running=0,
+            waiting=0,
+            preemptions_total=0,
+            prefix_cache_queries_total=0,
+            prefix_cache_hits_total=0,
+        )
+
+    def get(self) -> EngineStats:
+        with self._lock:
+            return self._stats
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        with self._lock:
+            s = self._stats
+            preempted = getattr(iteration_stats, "num_preempted_reqs", 0) if iteration_stats else 0
+            if scheduler_stats is None:
+                if preempted:
+                    self._stats = _replace(s, preemptions_total=s.preemptions_total + preempted)
+                return
+            pc = scheduler_stats.prefix_cache_stats
+            self._stats = EngineStats(
+                kv_cache_usage=float(scheduler_stats.kv_cache_usage),
+                running=int(scheduler_stats.num_running_reqs),
+                waiting=int(scheduler_stats.num_waiting_reqs),
+                preemptions_total=s.preemptions_total + preempted,
+                prefix_cache_queries_total=s.prefix_cache_queries_total + int(pc.queries),
+                prefix_cache_hits_total=s.prefix_cache_hits_total + int(pc.hits),
+            )
+
+
+def _replace(stats: EngineStats, **changes: Any) -> EngineStats:
+    import dataclasses
+
+    return dataclasses.replace(stats, **changes)
+
+
+def _stat_logger_factory(box: _StatsBox) -> Callable[..., StatLoggerBase]:
+    class SluiceStatLogger(StatLoggerBase):
+        """Feeds the engine's per-step statistics into Sluice's _StatsBox."""
+
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            box.record(scheduler_stats, iteration_stats)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return SluiceStatLogger
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    name: str
+    max_model_len: int
+    eos_token_id: int | None
+    created: int
+
+
+class EngineAdapter:
+    """One vLLM AsyncLLM, and what Sluice needs from it."""
+
+    def __init__(self, engine_args: Any, model_name: str) -> None:
+        self._engine_args = engine_args
+        self._model_name = model_name
+        self._stats = _StatsBox()
+        self._llm: AsyncLLM | None = None
+        self._tokenizer: Any = None
+        # One thread: tokenizer calls are serialised (HF fast tokenizers are
+        # not safe to share across threads mid-call) and batched by the caller.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-tok")
+        self.info = ModelInfo(model_name, 0, None, int(time.time()))
+
+    # -- life cycle ---------------------------------------------------------
+
+    async def start(self) -> None:
+        """Build the engine on a worker thread (it takes seconds to minutes),
+        so the event loop keeps answering /health and /ready meanwhile."""
+        factory = _stat_logger_factory(self._stats)
+        llm = await asyncio.to_thread(
+            AsyncLLM.from_engine_args, self._engine_args, stat_loggers=[factory]
+        )
+        self._llm = llm
+        self._tokenizer = llm.get_tokenizer()
+        self.info = ModelInfo(
+            name=self._model_name,
+            max_model_len=int(llm.model_config.max_model_len),
+            eos_token_id=getattr(self._tokenizer, "eos_token_id", None),
+            created=int(time.time()),
+        )
+
+    def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def started(self) -> bool:
+        return self._llm is not None
+
+    @property
+    def errored(self) -> bool:
+        return self._llm is not None and bool(self._llm.errored)
+
+    async def check_health(self) -> None:
+        if self._llm is None:
+            raise SluiceError("engine not started", status=503)
+        await self._llm.check_health()
+
+    def stats(self) -> EngineStats:
+        return self._stats.get()
+
+    def num_unfinished(self) -> int:
+        return 0 if self._llm is None else int(self._llm.get_num_unfinished_requests())
+
+    # -- tokenization -------------------------------------------------------
+
+    async def tokenize_chat(
+        self,
+        conversations: Sequence[tuple[Sequence[Message], dict[str, Any]]],
+    ) -> list[list[int]]:
+        """Apply the chat template and tokenize, for several conversations at once."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, self._tokenize_chat_sync, conversations
+        )
+
+    def _tokenize_chat_sync(
+        self, conversations: Sequence[tuple[Sequence[Message], dict[str, Any]]]
+    ) -> list[list[int]]:
+        tok = self._tokenizer
+        texts = []
+        for messages, kwargs in conversations:
+            msgs = [{"role": m.role, "content": m.content} for m in messages]
+            try:
+                texts.append(
+                    tok.apply_chat_template(
+                        msgs, tokenize=False, add_generation_prompt=True, **kwargs
+                    )
+                )
+            except Exception as exc:  # a template that raises for this input
+                raise SluiceError(f"chat template failed: {exc}", param="messages") from exc
+        return self._encode(texts)
+
+    async def tokenize_prompts(self, texts: Sequence[str]) -> list[list[int]]:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, self._encode, list(texts)
+        )
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        if not texts:
+            return []
+        # A batch call: one trip into the Rust tokenizer for all texts.
+        encoded = self._tokenizer(texts, add_special_tokens=False)
+        return [list(ids) for ids in encoded["input_ids"]]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(ids)))
+
+    # -- generation ---------------------------------------------------------
+
+    @staticmethod
+    def sampling_params(s: Sampling, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            n=s.n,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            min_p=s.min_p,
+            seed=s.seed,
+            stop=list(s.stop) or None,
+            stop_token_ids=list(s.stop_token_ids) or None,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            repetition_penalty=s.repetition_penalty,
+            max_tokens=max_tokens,
+            min_tokens=s.min_tokens,
+            logprobs=s.logprobs,
+            ignore_eos=s.ignore_eos,
+            skip_special_tokens=s.skip_special_tokens,
+            include_stop_str_in_output=s.include_stop_str_in_output,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def add(
+        self,
+        request_id: str,
+        prompt_tokens: Sequence[int],
+        params: SamplingParams,
+        priority: int,
+    ) -> Any:
+        """Add one request; returns vLLM's per-request output collector."""
+        if self._llm is None:
+            raise SluiceError("engine not started", status=503, retry_after=5)
+        return await self._llm.add_request(
+            request_id,
+            {"prompt_token_ids": list(prompt_tokens)},
+            params,
+            priority=priority,
+        )
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        if self._llm is not None and request_ids and not self._llm.errored:
+            await self._llm.abort(list(request_ids))
