@@ -22,8 +22,11 @@ def _serve(argv: Sequence[str]) -> int:
 
     from server.logs import setup_logging
 
-    fmt = "plain" if "--log-format=plain" in argv or _flag_value(argv, "--log-format") == "plain" \
+    fmt = (
+        "plain"
+        if "--log-format=plain" in argv or _flag_value(argv, "--log-format") == "plain"
         else "json"
+    )
     setup_logging(fmt)
 
     import logging
@@ -32,6 +35,10 @@ def _serve(argv: Sequence[str]) -> int:
     from server.cli import parse_serve_args
 
     settings = parse_serve_args(argv, os.environ)
+    # systemd's notify socket is for this process alone: vLLM's engine
+    # processes inherit the environment and must not speak for the service.
+    for var in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
+        os.environ.pop(var, None)
     if settings.demo_model:
         log.info(
             "no --model given and no GPU: serving the offline demo model (random weights, "
@@ -41,15 +48,18 @@ def _serve(argv: Sequence[str]) -> int:
 
     import uvloop
 
-    from server.app import serve
+    from server.app import serve, watchdog_factory
     from server.engine import EngineAdapter
-    from server.sdnotify import Notifier
-    from server.watchdog import make_watchdog
+    from server.sdnotify import SdNotify
 
     async def main() -> int:
         engine = EngineAdapter(settings.engine_args, settings.model_name)
-        notifier = Notifier(settings.env.notify_socket, settings.env.watchdog_usec)
-        return await serve(settings, engine, notifier, make_watchdog(settings))
+        notifier = SdNotify(
+            settings.env.notify_socket,
+            settings.env.watchdog_usec,
+            watchdog_pid=settings.env.watchdog_pid,
+        )
+        return await serve(settings, engine, notifier, watchdog_factory(settings))
 
     return uvloop.run(main())
 

@@ -36,7 +36,7 @@ from batching import AdmissionState, Coalescer, CoalescerConfig
 from server.driver import Driver
 from server.errors import SluiceError
 from server.metrics import Metrics
-from server.sdnotify import Notifier
+from server.sdnotify import SdNotify
 from server.settings import Settings
 
 log = logging.getLogger("sluice")
@@ -72,7 +72,7 @@ ENGINE = web.AppKey("engine", object)  # server.engine.EngineAdapter or a test d
 DRIVER = web.AppKey("driver", Driver)
 METRICS = web.AppKey("metrics", Metrics)
 RUNTIME = web.AppKey("runtime", Runtime)
-NOTIFIER = web.AppKey("notifier", Notifier)
+NOTIFIER = web.AppKey("notifier", SdNotify)
 WATCHDOG = web.AppKey("watchdog", object)
 
 
@@ -144,8 +144,13 @@ async def _boot(app: web.Application) -> None:
     took = round(time.monotonic() - t0, 1)
     log.info(
         "ready",
-        extra={"fields": {"model": settings.model_name, "startup_s": took,
-                          "url": f"http://{settings.host}:{settings.port}/v1"}},
+        extra={
+            "fields": {
+                "model": settings.model_name,
+                "startup_s": took,
+                "url": f"http://{settings.host}:{settings.port}/v1",
+            }
+        },
     )
     app[NOTIFIER].ready()
 
@@ -193,10 +198,10 @@ async def _monitor(app: web.Application) -> None:
         if now - last_status >= 5:
             rate = (rt.tokens_out - last_tokens) / max(now - last_t, 1e-9)
             last_tokens, last_t, last_status = rt.tokens_out, now, now
+            running = len(driver.running_generations())
             notifier.status(
                 f"{rt.phase.value}, admission {rt.admission.name.lower()}, "
-                f"queued {driver.core.queued_requests}, running {len(driver.running_generations())}, "
-                f"{rate:.0f} tok/s"
+                f"queued {driver.core.queued_requests}, running {running}, {rate:.0f} tok/s"
             )
 
 
@@ -263,11 +268,58 @@ def on_admission(app: web.Application, state: AdmissionState) -> None:
     app[DRIVER].set_state(state)
 
 
+_PRESSURE_TO_ADMISSION = {
+    0: AdmissionState.OK,
+    1: AdmissionState.SHEDDING,
+    2: AdmissionState.CRITICAL,
+}
+
+
+def watchdog_factory(settings: Settings) -> Callable[[web.Application], Any]:
+    """The memory watchdog wired to this app: its state gates admission, its
+    abort requests fail the newest lowest-priority running generations."""
+    from server.watchdog import EngineReader, HostMemoryReader, NvmlReader, Watchdog
+
+    def make(app: web.Application) -> Any:
+        engine: Any = app[ENGINE]
+
+        def on_state(state: Any, transition: Any) -> None:
+            on_admission(app, _PRESSURE_TO_ADMISSION[int(state)])
+
+        def on_abort(n: int, decision: Any) -> None:
+            gens = sorted(
+                app[DRIVER].running_generations(),
+                key=lambda g: (g.priority, g.started),  # lowest priority = highest value
+            )
+            err = SluiceError(
+                "aborted: server memory critical; retry shortly",
+                status=503,
+                retry_after=10,
+                code="memory",
+            )
+            for gen in gens[::-1][:n]:
+                app[METRICS].rejections.labels("memory_abort").inc()
+                gen.fail(err)
+
+        return Watchdog(
+            gpu=NvmlReader(settings.env.cuda_visible_devices),
+            host=HostMemoryReader(),
+            engine=EngineReader(engine.stats),
+            config=settings.pressure,
+            interval=settings.watchdog_interval,
+            on_state=on_state,
+            on_abort=on_abort,
+            registry=app[METRICS].registry,
+        )
+
+    return make
+
+
 def build_app(
     settings: Settings,
     engine: Any,
     *,
-    notifier: Notifier | None = None,
+    notifier: SdNotify | None = None,
     watchdog_factory: Callable[[web.Application], Any] | None = None,
 ) -> web.Application:
     from server import handlers
@@ -280,7 +332,7 @@ def build_app(
     app[ENGINE] = engine
     app[METRICS] = Metrics()
     app[RUNTIME] = Runtime()
-    app[NOTIFIER] = notifier or Notifier(None, None)
+    app[NOTIFIER] = notifier or SdNotify(None)
     if watchdog_factory is not None:
         app[WATCHDOG] = watchdog_factory(app)
     handlers.add_routes(app)
@@ -298,8 +350,13 @@ async def drain(app: web.Application, timeout: float) -> None:
     app[NOTIFIER].stopping()
     log.info(
         "draining",
-        extra={"fields": {"queued": driver.core.queued_requests,
-                          "running": len(driver.running_generations()), "timeout_s": timeout}},
+        extra={
+            "fields": {
+                "queued": driver.core.queued_requests,
+                "running": len(driver.running_generations()),
+                "timeout_s": timeout,
+            }
+        },
     )
     try:
         await asyncio.wait_for(driver.idle.wait(), timeout)
@@ -311,8 +368,12 @@ async def drain(app: web.Application, timeout: float) -> None:
             await asyncio.wait_for(driver.idle.wait(), 2.0)
 
 
-async def serve(settings: Settings, engine: Any, notifier: Notifier,
-                watchdog_factory: Callable[[web.Application], Any] | None = None) -> int:
+async def serve(
+    settings: Settings,
+    engine: Any,
+    notifier: SdNotify,
+    watchdog_factory: Callable[[web.Application], Any] | None = None,
+) -> int:
     """Run until a signal or engine death; return the process exit code."""
     app = build_app(settings, engine, notifier=notifier, watchdog_factory=watchdog_factory)
     runner = web.AppRunner(
@@ -327,8 +388,14 @@ async def serve(settings: Settings, engine: Any, notifier: Notifier,
     rt = app[RUNTIME]
     log.info(
         "listening",
-        extra={"fields": {"host": settings.host, "port": settings.port,
-                          "model": settings.model_name, "demo_model": settings.demo_model}},
+        extra={
+            "fields": {
+                "host": settings.host,
+                "port": settings.port,
+                "model": settings.model_name,
+                "demo_model": settings.demo_model,
+            }
+        },
     )
     loop = asyncio.get_running_loop()
     signals_seen = 0
@@ -342,8 +409,10 @@ async def serve(settings: Settings, engine: Any, notifier: Notifier,
         nonlocal signals_seen, drain_task
         signals_seen += 1
         if signals_seen == 1 and rt.phase is not Phase.DEAD:
-            log.info("signal received, draining",
-                     extra={"fields": {"signal": signal.Signals(signum).name}})
+            log.info(
+                "signal received, draining",
+                extra={"fields": {"signal": signal.Signals(signum).name}},
+            )
             drain_task = loop.create_task(_drain_then_stop())  # awaited below
         else:
             log.warning("second signal, stopping now")

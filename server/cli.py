@@ -56,45 +56,108 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
         default=d.adaptive_window,
         help="skip the window while the engine is idle (default: %(default)s)",
     )
-    g.add_argument("--max-batch-seqs", type=int, default=None,
-                   help="sequence cap of one coalesced batch (default: the engine's max_num_seqs)")
-    g.add_argument("--max-batch-tokens", type=int, default=None,
-                   help="prompt-token cap of one batch (default: the engine's per-step budget)")
-    g.add_argument("--max-pending-requests", type=int, default=d.max_pending_requests,
-                   help="admission limit: queued + running requests (default: %(default)s)")
-    g.add_argument("--max-pending-tokens", type=int, default=d.max_pending_tokens,
-                   help="admission limit: queued + running prompt+max_tokens (default: %(default)s)")
-    g.add_argument("--queue-timeout", type=float, default=d.queue_timeout,
-                   help="seconds a request may wait in Sluice's queue (default: %(default)s)")
-    g.add_argument("--dedupe", action=argparse.BooleanOptionalAction, default=d.dedupe,
-                   help="share one generation among identical deterministic requests "
-                   "(default: %(default)s)")
-    g.add_argument("--prefix-leader", action=argparse.BooleanOptionalAction,
-                   default=d.prefix_leader,
-                   help="release one shared-prefix leader before its followers "
-                   "(default: %(default)s)")
-    g.add_argument("--result-cache-ttl", type=float, default=d.result_cache_ttl,
-                   help="seconds to cache deterministic non-thinking results; 0 = off")
-    g.add_argument("--api-key-file", type=Path, default=None,
-                   help="file holding the bearer API key (or set SLUICE_API_KEY); none = open")
-    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
-                   help="largest request body accepted (default: %(default)s)")
+    g.add_argument(
+        "--max-batch-seqs",
+        type=int,
+        default=None,
+        help="sequence cap of one coalesced batch (default: the engine's max_num_seqs)",
+    )
+    g.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=None,
+        help="prompt-token cap of one batch (default: the engine's per-step budget)",
+    )
+    g.add_argument(
+        "--max-pending-requests",
+        type=int,
+        default=d.max_pending_requests,
+        help="admission limit: queued + running requests (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-pending-tokens",
+        type=int,
+        default=d.max_pending_tokens,
+        help="admission limit: queued + running prompt+max_tokens (default: %(default)s)",
+    )
+    g.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=d.queue_timeout,
+        help="seconds a request may wait in Sluice's queue (default: %(default)s)",
+    )
+    g.add_argument(
+        "--dedupe",
+        action=argparse.BooleanOptionalAction,
+        default=d.dedupe,
+        help="share one generation among identical deterministic requests (default: %(default)s)",
+    )
+    g.add_argument(
+        "--prefix-leader",
+        action=argparse.BooleanOptionalAction,
+        default=d.prefix_leader,
+        help="release one shared-prefix leader before its followers (default: %(default)s)",
+    )
+    g.add_argument(
+        "--result-cache-ttl",
+        type=float,
+        default=d.result_cache_ttl,
+        help="seconds to cache deterministic non-thinking results; 0 = off",
+    )
+    g.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help="file holding the bearer API key (or set SLUICE_API_KEY); none = open",
+    )
+    g.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=d.max_body_bytes,
+        help="largest request body accepted (default: %(default)s)",
+    )
     g.add_argument("--max-n", type=int, default=d.max_n, help="largest n (default: %(default)s)")
-    g.add_argument("--default-thinking", action=argparse.BooleanOptionalAction,
-                   default=d.default_thinking,
-                   help="Qwen3 thinking mode when a request does not say (default: %(default)s)")
-    g.add_argument("--log-format", choices=("json", "plain"), default=d.log_format,
-                   help="request log format (default: %(default)s)")
-    g.add_argument("--log-prompts", action="store_true",
-                   help="include prompt and output text in request logs (off by default)")
-    g.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
-                   help="seconds to let in-flight work finish on SIGTERM (default: %(default)s)")
-    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=d.warmup,
-                   help="run one generation before reporting ready (default: %(default)s)")
-    g.add_argument("--watchdog-interval-ms", type=float, default=d.watchdog_interval * 1000,
-                   help="memory poll interval (default: %(default)s)")
-    g.add_argument("--demo-cache-dir", type=Path, default=None,
-                   help="where the demo model is built (default: $XDG_CACHE_HOME/sluice)")
+    g.add_argument(
+        "--default-thinking",
+        action=argparse.BooleanOptionalAction,
+        default=d.default_thinking,
+        help="Qwen3 thinking mode when a request does not say (default: %(default)s)",
+    )
+    g.add_argument(
+        "--log-format",
+        choices=("json", "plain"),
+        default=d.log_format,
+        help="request log format (default: %(default)s)",
+    )
+    g.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="include prompt and output text in request logs (off by default)",
+    )
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=d.drain_timeout,
+        help="seconds to let in-flight work finish on SIGTERM (default: %(default)s)",
+    )
+    g.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=d.warmup,
+        help="run one generation before reporting ready (default: %(default)s)",
+    )
+    g.add_argument(
+        "--watchdog-interval-ms",
+        type=float,
+        default=d.watchdog_interval * 1000,
+        help="memory poll interval (default: %(default)s)",
+    )
+    g.add_argument(
+        "--demo-cache-dir",
+        type=Path,
+        default=None,
+        help="where the demo model is built (default: $XDG_CACHE_HOME/sluice)",
+    )
     _add_pressure_flags(parser)
 
 
@@ -131,15 +194,16 @@ def build_serve_parser() -> argparse.ArgumentParser:
     AsyncEngineArgs.add_cli_args(parser)
     # Sentinels, so that "not given" can get a platform-aware default below.
     parser.set_defaults(model=None, gpu_memory_utilization=None)
-    return parser
+    result: argparse.ArgumentParser = parser
+    return result
 
 
 def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     """Parse `sluice serve` arguments and the environment into Settings."""
-    from batching.pressure import PressureConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.platforms import current_platform
 
+    from batching.pressure import PressureConfig
     from server import demo_model
 
     parser = build_serve_parser()

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batching import (
-    Admitted,
     AdmissionState,
+    Admitted,
     Batch,
     Coalescer,
     EngineLoad,
@@ -104,6 +104,12 @@ class Generation:
             while True:
                 try:
                     out = await self._collector.get()
+                except SluiceError:
+                    self._finish()
+                    raise
+                except Exception as exc:
+                    self._finish()
+                    raise self.driver.engine_error(exc) from exc
                 except BaseException:
                     self._finish()
                     raise
@@ -122,7 +128,9 @@ class Generation:
                 if out.finished:
                     return
             if self._error is not None:
-                raise self._error
+                if isinstance(self._error, SluiceError):
+                    raise self._error
+                raise self.driver.engine_error(self._error)
             if self._done:
                 return
             changed.clear()
@@ -298,6 +306,13 @@ class Driver:
         for gen in gens:
             gen.fail(error)
         return len(gens)
+
+    def engine_error(self, exc: BaseException) -> SluiceError:
+        """The caller-facing error for an engine failure."""
+        if self._dead is not None or getattr(self.engine, "errored", False):
+            return SluiceError("the engine died; retry shortly", status=503, retry_after=5)
+        log.error("generation failed: %r", exc)
+        return SluiceError("generation failed", status=500)
 
     def engine_died(self, exc: BaseException) -> None:
         self._dead = exc

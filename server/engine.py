@@ -90,7 +90,7 @@ def _replace(stats: EngineStats, **changes: Any) -> EngineStats:
 
 
 def _stat_logger_factory(box: _StatsBox) -> Callable[..., StatLoggerBase]:
-    class SluiceStatLogger(StatLoggerBase):
+    class SluiceStatLogger(StatLoggerBase):  # type: ignore[misc]
         """Feeds the engine's per-step statistics into Sluice's _StatsBox."""
 
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:

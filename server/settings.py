@@ -19,6 +19,7 @@ class EnvView:
 
     notify_socket: str | None = None  # NOTIFY_SOCKET, set by systemd for Type=notify
     watchdog_usec: int | None = None  # WATCHDOG_USEC, set by systemd with WatchdogSec=
+    watchdog_pid: int | None = None  # WATCHDOG_PID: the watchdog is ours only if it is our pid
     cuda_visible_devices: str | None = None  # which GPUs the engine (and NVML) use
     api_key: str | None = None  # SLUICE_API_KEY; a key file (--api-key-file) wins
     cache_root: Path | None = None  # XDG_CACHE_HOME, for the demo model
@@ -26,10 +27,12 @@ class EnvView:
     @classmethod
     def from_mapping(cls, env: Mapping[str, str]) -> EnvView:
         usec = env.get("WATCHDOG_USEC")
+        wpid = env.get("WATCHDOG_PID")
         cache = env.get("SLUICE_CACHE_DIR") or env.get("XDG_CACHE_HOME")
         return cls(
             notify_socket=env.get("NOTIFY_SOCKET") or None,
             watchdog_usec=int(usec) if usec and usec.isdigit() else None,
+            watchdog_pid=int(wpid) if wpid and wpid.isdigit() else None,
             cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
             api_key=env.get("SLUICE_API_KEY") or None,
             cache_root=Path(cache) if cache else None,

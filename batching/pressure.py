@@ -1,0 +1,446 @@
+"""Memory-pressure policy: readings in, admission state out (sans-IO).
+
+Why a separate, pure module: the watchdog (server/watchdog.py) only *reads*
+NVML, /proc/meminfo and the engine's stats; every decision about what those
+numbers mean lives here, where a test can replay any sequence of readings with
+any timestamps and no threads, sleeps or GPU.
+
+Three signals feed one state:
+
+* **gpu** - the lowest free VRAM over the engine's devices (tensor parallel
+  fails when *any* card runs out). vLLM reserves its KV cache up front, so this
+  mostly tracks *other* processes on the workstation.
+* **kv** - the engine's KV-cache usage (0..1) and its preemption counter. This
+  tracks our own load.
+* **host** - available host RAM (MemAvailable), for the OOM killer's sake.
+
+Each signal keeps its own level with hysteresis (enter below one level, leave
+above a higher one), the state is the highest level of any signal, escalation
+is immediate and relaxing waits until no signal has demanded the current state
+for ``min_dwell`` seconds. A reader that *was* working and now fails counts as
+unknown, never as fine: after ``unknown_shed_after`` consecutive unknowns it
+demands SHEDDING. A reader that never worked (no NVML on this machine, engine
+not started) is ignored.
+
+In CRITICAL the policy also asks the server to abort running requests, one per
+poll, while a critical signal keeps getting worse (free memory at least
+``abort_step_mib`` below the reference, or vLLM still preempting).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+MIB = 1024 * 1024
+
+
+class State(enum.IntEnum):
+    """Admission state; the int value is what ``sluice_admission_state`` exports.
+
+    The batching core's own ``AdmissionState`` (batching/types.py) adds DRAINING,
+    which is the server's business, not memory's; the server maps between them.
+    """
+
+    OK = 0
+    SHEDDING = 1
+    CRITICAL = 2
+
+
+# --------------------------------------------------------------------------
+# Readings: one frozen snapshot per poll.
+
+
+@dataclass(frozen=True, slots=True)
+class Unknown:
+    """A reader failed (or has no data yet). ``reason`` goes into the log line."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class GpuMemory:
+    """One device as NVML reports it. ``index`` is NVML's (nvidia-smi's) index."""
+
+    index: int
+    free: int  # bytes
+    used: int  # bytes
+    total: int  # bytes
+
+
+@dataclass(frozen=True, slots=True)
+class HostMemory:
+    available: int  # bytes, MemAvailable: what can be allocated without swapping
+    total: int  # bytes
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The engine adapter's latest stats snapshot (counters are cumulative)."""
+
+    kv_cache_usage: float  # 0..1, fraction of KV-cache blocks in use
+    running: int
+    waiting: int
+    preemptions_total: int
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+
+
+GpuReading = tuple[GpuMemory, ...] | Unknown
+HostReading = HostMemory | Unknown
+EngineReading = EngineStats | Unknown
+
+_NOT_READ = Unknown("not read")
+
+
+@dataclass(frozen=True, slots=True)
+class Readings:
+    """Everything one poll saw. An empty ``gpus`` tuple means "no GPU to watch"."""
+
+    gpus: GpuReading = _NOT_READ
+    host: HostReading = _NOT_READ
+    engine: EngineReading = _NOT_READ
+
+
+# --------------------------------------------------------------------------
+# Configuration.
+
+
+@dataclass(frozen=True, slots=True)
+class PressureConfig:
+    """Thresholds; every field will be overridable from the CLI.
+
+    Defaults, and why:
+
+    * GPU free VRAM: shed below 1024 MiB, leave above 2048 MiB, critical below
+      512 MiB. vLLM has its KV cache already; what still allocates at run time
+      is the CUDA context of a newcomer, cuBLAS workspaces, sampler scratch and
+      the caching allocator's growth - tens to hundreds of MiB. 1 GiB leaves
+      room for that plus one more small process; 512 MiB is one bad allocation
+      from an OOM. The 1 GiB gap between enter and leave is wider than the
+      jitter of a desktop compositor (a few hundred MiB) so the state does not
+      flap. A card is watched only if it is one the engine uses.
+    * KV-cache usage: shed at >= 0.90, leave at <= 0.75, critical at >= 0.98
+      *and* preemptions rising. A full KV cache alone is normal for a busy
+      engine (the scheduler just waits); it is the preemptions (requests
+      evicted and recomputed) that waste GPU time. Shedding at 0.90 keeps new
+      work out before that; 0.75 is far enough below to absorb the burst of
+      queued requests that arrives when shedding stops.
+    * Host MemAvailable: shed below 1024 MiB, leave above 2048 MiB, critical
+      below 512 MiB - the same reasoning as VRAM, for the kernel's OOM killer.
+    * ``min_dwell`` 2 s: 8 polls at 250 ms; longer than a client's typical
+      first retry, so refused clients do not bounce the state back at once.
+    * ``unknown_shed_after`` 4: a reader that worked and then fails 4 polls in
+      a row (1 s) is treated as pressure; one failed read is noise, a second
+      of blindness is not. ``None`` never sheds on unknown readings.
+    * ``abort_step_mib`` 64: in CRITICAL, one running request is aborted per
+      poll whenever free memory is another 64 MiB below where it was when the
+      state was entered or the last abort was asked for (NVML's free value
+      moves by a few MiB between polls on an idle card).
+    """
+
+    gpu_shed_free_mib: int = 1024
+    gpu_leave_free_mib: int = 2048
+    gpu_critical_free_mib: int = 512
+
+    kv_shed_usage: float = 0.90
+    kv_leave_usage: float = 0.75
+    kv_critical_usage: float = 0.98
+
+    host_shed_available_mib: int = 1024
+    host_leave_available_mib: int = 2048
+    host_critical_available_mib: int = 512
+
+    min_dwell: float = 2.0  # seconds
+    unknown_shed_after: int | None = 4  # consecutive unknown polls
+    abort_step_mib: int = 64
+    # Aborting our requests frees KV blocks and host buffers, but vLLM keeps its
+    # VRAM in its own pools, so aborts rarely give VRAM back to the driver:
+    # off by default, so falling VRAM sheds and stops new work but does not
+    # kill running requests (KV preemptions and host memory still abort).
+    abort_on_gpu: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.gpu_critical_free_mib < self.gpu_shed_free_mib < self.gpu_leave_free_mib:
+            raise ValueError("need 0 <= gpu critical < gpu shed < gpu leave (free MiB)")
+        if not (
+            0
+            <= self.host_critical_available_mib
+            < self.host_shed_available_mib
+            < self.host_leave_available_mib
+        ):
+            raise ValueError("need 0 <= host critical < host shed < host leave (available MiB)")
+        if not 0.0 <= self.kv_leave_usage < self.kv_shed_usage <= self.kv_critical_usage <= 1.0:
+            raise ValueError("need 0 <= kv leave < kv shed <= kv critical <= 1 (usage)")
+        if not (self.min_dwell >= 0.0 and math.isfinite(self.min_dwell)):
+            raise ValueError("min_dwell must be a finite number of seconds >= 0")
+        if self.unknown_shed_after is not None and self.unknown_shed_after < 1:
+            raise ValueError("unknown_shed_after must be >= 1 or None")
+        if self.abort_step_mib < 0:
+            raise ValueError("abort_step_mib must be >= 0")
+
+
+# --------------------------------------------------------------------------
+# Outputs.
+
+
+@dataclass(frozen=True, slots=True)
+class Reason:
+    """Which signal decided, and the reading, for one log line."""
+
+    signal: str  # "gpu" | "kv" | "host" | "none"
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.signal}: {self.detail}"
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    old: State
+    new: State
+    at: float  # the ``now`` passed to update()
+    reason: Reason
+
+    def __str__(self) -> str:
+        return f"admission {self.old.name} -> {self.new.name} ({self.reason})"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What one poll means. ``transition`` is set only when the state changed."""
+
+    state: State
+    reason: Reason
+    transition: Transition | None = None
+    # Running requests to abort now (the server picks the newest, lowest-priority).
+    abort_newest: int = 0
+
+
+# --------------------------------------------------------------------------
+# The state machine.
+
+
+@dataclass(slots=True)
+class _Signal:
+    """One signal's private state: its own hysteresis level and unknown count."""
+
+    name: str
+    level: State = State.OK
+    ever_known: bool = False
+    unknown_streak: int = 0
+    detail: str = "no reading yet"
+    # Worst value seen since CRITICAL or the last abort (bytes free, for gpu/host).
+    abort_ref: int | None = None
+
+
+def _low_is_bad(value_mib: float, prev: State, crit: float, enter: float, leave: float) -> State:
+    """Hysteresis for "free memory": enter below ``enter``, leave above ``leave``.
+
+    CRITICAL is left only once the value is back above the shedding level, so a
+    value hovering around the critical line does not flip the state each poll.
+    """
+    if value_mib < crit:
+        return State.CRITICAL
+    if value_mib < enter:
+        return State.CRITICAL if prev is State.CRITICAL else State.SHEDDING
+    if value_mib <= leave:
+        return min(prev, State.SHEDDING)
+    return State.OK
+
+
+class PressurePolicy:
+    """Feed it one :class:`Readings` per poll with a monotonic ``now``.
+
+    >>> p = PressurePolicy()
+    >>> p.update(Readings(gpus=(GpuMemory(0, 800 * MIB, 0, 0),)), now=0.0).state
+    <State.SHEDDING: 1>
+    """
+
+    def __init__(self, config: PressureConfig | None = None) -> None:
+        self.config = config if config is not None else PressureConfig()
+        self._state = State.OK
+        # Last time a signal demanded at least the current state; relaxing waits
+        # until ``min_dwell`` after this (so also at least min_dwell after entry).
+        self._demanded_at = -math.inf
+        self._gpu = _Signal("gpu")
+        self._kv = _Signal("kv")
+        self._host = _Signal("host")
+        self._last_preemptions: int | None = None
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    def update(self, readings: Readings, now: float) -> Decision:
+        cfg = self.config
+        worsening = self._update_gpu(readings.gpus)
+        worsening |= self._update_kv(readings.engine)
+        worsening |= self._update_host(readings.host)
+        signals = (self._gpu, self._kv, self._host)
+
+        # The strongest signal decides; ties go to the first (gpu, kv, host).
+        top = max(signals, key=lambda s: s.level)
+        demanded = top.level
+        old = self._state
+        transition: Transition | None = None
+
+        if demanded >= old:
+            self._demanded_at = now
+            if demanded > old:
+                self._state = demanded
+        elif now - self._demanded_at >= cfg.min_dwell:
+            self._state = demanded
+            self._demanded_at = now
+
+        if self._state is not old:
+            if self._state is State.OK:
+                reason = Reason("none", self._summary())
+            else:
+                reason = Reason(top.name, top.detail)
+            transition = Transition(old, self._state, now, reason)
+            if self._state is State.CRITICAL:
+                # Abort references start at the readings that made us critical.
+                self._reset_abort_refs(readings)
+        else:
+            reason = Reason(top.name, top.detail) if demanded else Reason("none", self._summary())
+
+        abort = 0
+        if self._state is State.CRITICAL and transition is None and worsening:
+            abort = 1
+        return Decision(self._state, reason, transition, abort)
+
+    # -- signals ---------------------------------------------------------
+
+    def _unknown(self, sig: _Signal, reading: Unknown) -> None:
+        """A failed read: keep the last level, and after N in a row demand SHEDDING."""
+        if not sig.ever_known:
+            sig.detail = f"not watched ({reading.reason})"
+            return
+        sig.unknown_streak += 1
+        n = self.config.unknown_shed_after
+        sig.detail = f"unknown for {sig.unknown_streak} polls ({reading.reason})"
+        if n is not None and sig.unknown_streak >= n:
+            sig.level = max(sig.level, State.SHEDDING)
+
+    def _known(self, sig: _Signal) -> None:
+        sig.ever_known = True
+        sig.unknown_streak = 0
+
+    def _falling(self, sig: _Signal, value: int, allowed: bool) -> bool:
+        """True when ``value`` (bytes free) is a full abort step below the reference.
+
+        The reference follows the value up (memory given back) and moves down
+        only when an abort is asked for, so a slow leak is caught too.
+        """
+        if sig.abort_ref is None or value > sig.abort_ref:
+            sig.abort_ref = value
+            return False
+        step = self.config.abort_step_mib * MIB
+        if sig.level is State.CRITICAL and allowed and sig.abort_ref - value >= step:
+            sig.abort_ref = value
+            return True
+        return False
+
+    def _reset_abort_refs(self, readings: Readings) -> None:
+        if isinstance(readings.gpus, tuple) and readings.gpus:
+            self._gpu.abort_ref = min(g.free for g in readings.gpus)
+        if isinstance(readings.host, HostMemory):
+            self._host.abort_ref = readings.host.available
+
+    def _update_gpu(self, reading: GpuReading) -> bool:
+        sig, cfg = self._gpu, self.config
+        if isinstance(reading, Unknown):
+            self._unknown(sig, reading)
+            return False
+        self._known(sig)
+        if not reading:
+            sig.level, sig.detail = State.OK, "no GPU in use"
+            return False
+        worst = min(reading, key=lambda g: g.free)
+        free_mib = worst.free / MIB
+        sig.level = _low_is_bad(
+            free_mib,
+            sig.level,
+            cfg.gpu_critical_free_mib,
+            cfg.gpu_shed_free_mib,
+            cfg.gpu_leave_free_mib,
+        )
+        sig.detail = (
+            f"device {worst.index} free {free_mib:.0f} MiB of {worst.total / MIB:.0f} MiB "
+            f"(shed < {cfg.gpu_shed_free_mib}, leave > {cfg.gpu_leave_free_mib}, "
+            f"critical < {cfg.gpu_critical_free_mib})"
+        )
+        return self._falling(sig, worst.free, cfg.abort_on_gpu)
+
+    def _update_host(self, reading: HostReading) -> bool:
+        sig, cfg = self._host, self.config
+        if isinstance(reading, Unknown):
+            self._unknown(sig, reading)
+            return False
+        self._known(sig)
+        avail_mib = reading.available / MIB
+        sig.level = _low_is_bad(
+            avail_mib,
+            sig.level,
+            cfg.host_critical_available_mib,
+            cfg.host_shed_available_mib,
+            cfg.host_leave_available_mib,
+        )
+        sig.detail = (
+            f"available {avail_mib:.0f} MiB of {reading.total / MIB:.0f} MiB "
+            f"(shed < {cfg.host_shed_available_mib}, leave > {cfg.host_leave_available_mib}, "
+            f"critical < {cfg.host_critical_available_mib})"
+        )
+        return self._falling(sig, reading.available, True)
+
+    def _update_kv(self, reading: EngineReading) -> bool:
+        sig, cfg = self._kv, self.config
+        if isinstance(reading, Unknown):
+            self._unknown(sig, reading)
+            return False
+        self._known(sig)
+        last = self._last_preemptions
+        # A counter that went down means the engine restarted: rebase, not "rising".
+        new_preemptions = 0 if last is None else max(0, reading.preemptions_total - last)
+        self._last_preemptions = reading.preemptions_total
+        usage, prev = reading.kv_cache_usage, sig.level
+        if usage >= cfg.kv_critical_usage and (new_preemptions > 0 or prev is State.CRITICAL):
+            sig.level = State.CRITICAL
+        elif usage >= cfg.kv_shed_usage:
+            sig.level = State.CRITICAL if prev is State.CRITICAL else State.SHEDDING
+        elif usage > cfg.kv_leave_usage:
+            sig.level = min(prev, State.SHEDDING)
+        else:
+            sig.level = State.OK
+        sig.detail = (
+            f"kv cache {usage:.1%} used, {new_preemptions} new preemptions, "
+            f"{reading.running} running, {reading.waiting} waiting "
+            f"(shed >= {cfg.kv_shed_usage:.0%}, leave <= {cfg.kv_leave_usage:.0%}, "
+            f"critical >= {cfg.kv_critical_usage:.0%} with preemptions)"
+        )
+        # vLLM still evicting running requests: aborting the newest frees blocks.
+        return sig.level is State.CRITICAL and new_preemptions > 0
+
+    def _summary(self) -> str:
+        return "; ".join(f"{s.name} {s.detail}" for s in (self._gpu, self._kv, self._host))
+
+
+__all__ = [
+    "MIB",
+    "Decision",
+    "EngineReading",
+    "EngineStats",
+    "GpuMemory",
+    "GpuReading",
+    "HostMemory",
+    "HostReading",
+    "PressureConfig",
+    "PressurePolicy",
+    "Readings",
+    "Reason",
+    "State",
+    "Transition",
+    "Unknown",
+]

@@ -1,0 +1,227 @@
+"""OpenAI response bodies as bytes: chat, text completion, models list, errors.
+
+Whole (non-streaming) bodies are built as dicts and serialised once with
+orjson; their cost is paid once per request. The per-token stream chunk is
+the hot path and lives in ``server/protocol/sse.py``; both share the small
+value types and dict builders here so the two can never drift apart (the
+unit tests compare them byte for byte).
+
+Field names follow OpenAI; the reasoning text of a thinking model goes in
+``reasoning``, the name vLLM 0.32 uses in both ``message`` and ``delta``
+(older vLLM and some gateways used ``reasoning_content``; pass
+``reasoning_field="reasoning_content"`` to the builders for those clients).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+import orjson
+
+from server.errors import SluiceError
+
+__all__ = [
+    "REASONING_FIELD",
+    "ChatChoice",
+    "CompletionChoice",
+    "FinishReason",
+    "TokenLogprob",
+    "Usage",
+    "chat_completion_body",
+    "chat_logprobs",
+    "completion_body",
+    "completion_logprobs",
+    "error_body",
+    "models_body",
+]
+
+REASONING_FIELD: Final = "reasoning"
+
+# vLLM's stand-in for -inf: JSON has no infinity, and orjson would write null.
+_LOGPROB_FLOOR: Final = -9999.0
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's logprob and its top alternatives (token, logprob)."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ChatChoice:
+    """One finished chat choice. ``reasoning`` None: no thinking output (key omitted)."""
+
+    index: int
+    content: str | None
+    finish_reason: FinishReason
+    reasoning: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionChoice:
+    """One finished text completion choice.
+
+    ``text_offset`` is the character offset of the first logprob'd token in
+    ``text`` (non-zero when the prompt was echoed in front of it).
+    """
+
+    index: int
+    text: str
+    finish_reason: FinishReason
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    text_offset: int = 0
+
+
+def _lp(value: float) -> float:
+    return value if value > _LOGPROB_FLOOR else _LOGPROB_FLOOR  # also maps NaN
+
+
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", "surrogatepass"))
+
+
+def chat_logprobs(tokens: Iterable[TokenLogprob]) -> dict[str, Any]:
+    """The chat ``logprobs`` object: ``{"content": [...]}``."""
+    return {
+        "content": [
+            {
+                "token": t.token,
+                "logprob": _lp(t.logprob),
+                "bytes": _bytes(t.token),
+                "top_logprobs": [
+                    {"token": tok, "logprob": _lp(lp), "bytes": _bytes(tok)} for tok, lp in t.top
+                ],
+            }
+            for t in tokens
+        ]
+    }
+
+
+def completion_logprobs(tokens: Sequence[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object, offsets counted from ``text_offset``."""
+    offsets = []
+    at = text_offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t.token)
+    return {
+        "tokens": [t.token for t in tokens],
+        "token_logprobs": [_lp(t.logprob) for t in tokens],
+        "top_logprobs": [{tok: _lp(lp) for tok, lp in t.top} for t in tokens],
+        "text_offset": offsets,
+    }
+
+
+def chat_completion_body(
+    *,
+    request_id: str,
+    created: int,
+    model: str,
+    choices: Sequence[ChatChoice],
+    usage: Usage,
+    reasoning_field: str = REASONING_FIELD,
+) -> bytes:
+    """A non-streaming ``chat.completion`` body; ``id`` is ``chatcmpl-<request_id>``."""
+    out = []
+    for c in choices:
+        message: dict[str, Any] = {"role": "assistant", "content": c.content}
+        if c.reasoning is not None:
+            message[reasoning_field] = c.reasoning
+        out.append(
+            {
+                "index": c.index,
+                "message": message,
+                "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs),
+                "finish_reason": c.finish_reason,
+            }
+        )
+    return orjson.dumps(
+        {
+            "id": f"chatcmpl-{request_id}",
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": out,
+            "usage": usage.as_dict(),
+        }
+    )
+
+
+def completion_body(
+    *,
+    request_id: str,
+    created: int,
+    model: str,
+    choices: Sequence[CompletionChoice],
+    usage: Usage,
+) -> bytes:
+    """A non-streaming ``text_completion`` body; ``id`` is ``cmpl-<request_id>``."""
+    return orjson.dumps(
+        {
+            "id": f"cmpl-{request_id}",
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "logprobs": None
+                    if c.logprobs is None
+                    else completion_logprobs(c.logprobs, c.text_offset),
+                    "finish_reason": c.finish_reason,
+                }
+                for c in choices
+            ],
+            "usage": usage.as_dict(),
+        }
+    )
+
+
+def models_body(
+    model_ids: Iterable[str],
+    *,
+    created: int,
+    owned_by: str = "sluice",
+    max_model_len: int | None = None,
+) -> bytes:
+    """The ``/v1/models`` list. ``root`` and ``max_model_len`` as vLLM adds them."""
+    data = []
+    for model_id in model_ids:
+        entry: dict[str, Any] = {
+            "id": model_id,
+            "object": "model",
+            "created": created,
+            "owned_by": owned_by,
+            "root": model_id,
+            "parent": None,
+        }
+        if max_model_len is not None:
+            entry["max_model_len"] = max_model_len
+        data.append(entry)
+    return orjson.dumps({"object": "list", "data": data})
+
+
+def error_body(error: SluiceError) -> bytes:
+    return orjson.dumps(error.body())

@@ -1,0 +1,173 @@
+"""Frozen value types of a validated request, and the server's parsing limits.
+
+Everything downstream (batching, the engine adapter, dedupe) sees these and
+never the client's JSON; they are built only by ``server/protocol/requests.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+__all__ = [
+    "DEFAULTABLE",
+    "ChatRequest",
+    "CompletionRequest",
+    "Limits",
+    "Message",
+    "Role",
+    "Sampling",
+]
+
+# Fields a model's generation_config may default (vLLM's --generation-config),
+# with OpenAI's defaults.
+DEFAULTABLE: Final = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+Role = Literal["system", "user", "assistant", "tool", "developer"]
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Server-wide bounds and defaults for request parsing (built once at start-up).
+
+    ``max_tokens_cap`` is usually the model context; ``default_max_tokens``
+    ``None`` means "the rest of the context", resolved by ``check_context``
+    after tokenizing. ``sampling_defaults`` holds the model's
+    generation_config defaults (e.g. Qwen3: temperature 0.6, top_p 0.95,
+    top_k 20), used where a request omits the field, as vLLM does.
+    ``max_prompts`` bounds a batched /v1/completions ``prompt`` list, which is
+    otherwise an unbounded fan-out (prompts x n sequences).
+    """
+
+    max_n: int = 8
+    max_stop: int = 4
+    max_logprobs: int = 20
+    max_tokens_cap: int | None = None
+    default_max_tokens: int | None = None
+    default_enable_thinking: bool = True
+    max_prompts: int = 64
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name, _ in self.sampling_defaults:
+            if name not in DEFAULTABLE:
+                raise ValueError(f"sampling_defaults: unknown field {name!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """Everything that shapes the generated tokens of one request.
+
+    ``logprobs``: ``None`` = off, ``0`` = the sampled token's logprob only,
+    ``k`` = plus the top k alternatives. ``top_k`` 0 means disabled (vLLM
+    0.32's spelling; -1 is normalised to 0). With temperature 0, top_p, top_k
+    and min_p are normalised to their neutral values as vLLM does, so that
+    greedy requests that differ only there share a fingerprint.
+    """
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def deterministic(self) -> bool:
+        """Same input, same output: greedy, or seeded."""
+        return self.temperature == 0 or self.seed is not None
+
+    def fingerprint(self) -> tuple[Any, ...]:
+        """A hashable of every field that affects the output (for dedupe)."""
+        return (
+            self.max_tokens,
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            self.min_p,
+            self.n,
+            self.stop,
+            self.stop_token_ids,
+            self.seed,
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.repetition_penalty,
+            self.logprobs,
+            self.ignore_eos,
+            self.min_tokens,
+            self.skip_special_tokens,
+            self.include_stop_str_in_output,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One chat message, text only; list-of-parts content is joined with newlines."""
+
+    role: Role
+    content: str
+    name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    """A validated /v1/chat/completions request.
+
+    ``chat_template_kwargs`` is the request's object as sorted items, always
+    holding the resolved ``enable_thinking`` so the template and the reasoning
+    splitter agree; ``template_kwargs()`` gives it back as a dict.
+    """
+
+    model: str
+    messages: tuple[Message, ...]
+    sampling: Sampling
+    stream: bool = False
+    include_usage: bool = False
+    priority: int = 0
+    user: str | None = None
+    enable_thinking: bool = True
+    chat_template_kwargs: tuple[tuple[str, Any], ...] = field(default=())
+
+    @property
+    def logprobs(self) -> bool:
+        return self.sampling.logprobs is not None
+
+    @property
+    def top_logprobs(self) -> int:
+        return self.sampling.logprobs or 0
+
+    def template_kwargs(self) -> dict[str, Any]:
+        return dict(self.chat_template_kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    """A validated /v1/completions request; a prompt is text or token ids."""
+
+    model: str
+    prompts: tuple[str | tuple[int, ...], ...]
+    sampling: Sampling
+    stream: bool = False
+    include_usage: bool = False
+    priority: int = 0
+    user: str | None = None
+    echo: bool = False

@@ -1,0 +1,180 @@
+"""Test doubles for unit tests and fault injection: a fake engine.
+
+`FakeEngine` has the EngineAdapter's surface (server/engine.py) and produces
+vLLM-shaped outputs (RequestOutput deltas with CompletionOutputs) on a timer,
+so the handlers, the driver and the streaming path run for real without vLLM.
+It is never used outside tests/; integration tests run the real engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from server.errors import SluiceError
+from server.watchdog import EngineStats
+
+
+@dataclass
+class FakeCompletion:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: Any = None
+
+
+@dataclass
+class FakeOutput:
+    request_id: str
+    outputs: list[FakeCompletion]
+    finished: bool
+
+
+class FakeCollector:
+    """vLLM's RequestOutputCollector contract: put never blocks, get merges."""
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+        self.ready = asyncio.Event()
+
+    def put(self, item: Any) -> None:
+        self.items.append(item)
+        self.ready.set()
+
+    async def get(self) -> Any:
+        while not self.items:
+            self.ready.clear()
+            await self.ready.wait()
+        item = self.items.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+@dataclass
+class FakeEngine:
+    max_model_len: int = 256
+    step: float = 0.002  # seconds per generated token
+    start_delay: float = 0.0
+    fail_start: bool = False
+    added: list[str] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    _producers: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    _dead: bool = False
+    stats_value: EngineStats = field(
+        default_factory=lambda: EngineStats(
+            kv_cache_usage=0.0,
+            running=0,
+            waiting=0,
+            preemptions_total=0,
+            prefix_cache_queries_total=0,
+            prefix_cache_hits_total=0,
+        )
+    )
+
+    def __post_init__(self) -> None:
+        self.info = SimpleNamespace(
+            name="fake", max_model_len=self.max_model_len, eos_token_id=0, created=0
+        )
+        self.started = False
+
+    async def start(self) -> None:
+        await asyncio.sleep(self.start_delay)
+        if self.fail_start:
+            raise RuntimeError("fake engine failed to start")
+        self.started = True
+
+    def shutdown(self) -> None:
+        for task in self._producers.values():
+            task.cancel()
+
+    @property
+    def errored(self) -> bool:
+        return self._dead
+
+    async def check_health(self) -> None:
+        if self._dead:
+            raise RuntimeError("dead")
+
+    def stats(self) -> EngineStats:
+        return self.stats_value
+
+    def num_unfinished(self) -> int:
+        return len(self._producers)
+
+    @property
+    def unfinished(self) -> set[str]:
+        return set(self._producers)
+
+    async def tokenize_chat(self, conversations: Sequence[tuple[Any, Any]]) -> list[list[int]]:
+        out = []
+        for messages, kwargs in conversations:
+            text = "".join(f"<{m.role}>{m.content}" for m in messages)
+            if not kwargs.get("enable_thinking", True):
+                text += "<nothink>"
+            out.append([b % 200 + 1 for b in text.encode()])
+        return out
+
+    async def tokenize_prompts(self, texts: Sequence[str]) -> list[list[int]]:
+        return [[b % 200 + 1 for b in t.encode()] for t in texts]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return "".join(chr(96 + i % 26) for i in ids)
+
+    @staticmethod
+    def sampling_params(s: Any, max_tokens: int) -> Any:
+        return SimpleNamespace(sampling=s, n=s.n, max_tokens=max_tokens)
+
+    async def add(self, request_id: str, prompt: Sequence[int], params: Any, priority: int) -> Any:
+        if self._dead:
+            raise SluiceError("the engine died; retry shortly", status=503, retry_after=5)
+        collector = FakeCollector()
+        self.added.append(request_id)
+        self._producers[request_id] = asyncio.create_task(
+            self._produce(request_id, params, collector)
+        )
+        return collector
+
+    async def _produce(self, rid: str, params: Any, collector: FakeCollector) -> None:
+        s = params.sampling
+        words = ["<think>", "hmm", "</think>", "Hello", " world"]
+        try:
+            for i in range(params.max_tokens):
+                await asyncio.sleep(self.step)
+                last = i == params.max_tokens - 1
+                outs = []
+                for j in range(params.n):
+                    text = words[i % len(words)] if not s.stop or i < 3 else ""
+                    outs.append(
+                        FakeCompletion(
+                            index=j,
+                            text=text,
+                            token_ids=[i + 1],
+                            finish_reason="length" if last else None,
+                        )
+                    )
+                collector.put(FakeOutput(rid, outs, last))
+        finally:
+            self._producers.pop(rid, None)
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self.aborted.append(rid)
+            task = self._producers.pop(rid, None)
+            if task is not None:
+                task.cancel()
+
+    def kill(self) -> None:
+        """Fault injection: the engine dies; every collector gets an error."""
+        self._dead = True
+        for task in list(self._producers.values()):
+            task.cancel()
+
+
+def now() -> float:
+    return time.monotonic()

@@ -1,0 +1,45 @@
+"""Fixtures for handler tests: the real app on a real loopback socket, with a
+fake engine from tests/fakes.py standing in for vLLM."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from server.app import RUNTIME, Phase, build_app
+from server.settings import Settings
+from tests.fakes import FakeEngine
+
+AppFactory = Callable[..., Any]
+
+
+@pytest.fixture
+async def make_client() -> AsyncIterator[AppFactory]:
+    """make_client(engine=None, **settings) -> (client, app, engine), ready to serve."""
+    clients: list[TestClient[Any, Any]] = []
+
+    async def make(engine: FakeEngine | None = None, wait_ready: bool = True, **overrides: Any):
+        engine = engine or FakeEngine()
+        settings = dataclasses.replace(
+            Settings(model_name="fake", model_path="/models/fake"), **overrides
+        )
+        app = build_app(settings, engine)
+        client: TestClient[Any, Any] = TestClient(TestServer(app, handler_cancellation=True))
+        await client.start_server()
+        clients.append(client)
+        if wait_ready:
+            import asyncio
+
+            for _ in range(500):
+                if app[RUNTIME].phase is Phase.READY:
+                    break
+                await asyncio.sleep(0.01)
+        return client, app, engine
+
+    yield make
+    for c in clients:
+        await c.close()

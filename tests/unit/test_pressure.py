@@ -1,0 +1,251 @@
+"""The pressure policy, replayed with hand-made readings and timestamps."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batching.pressure import (
+    MIB,
+    EngineStats,
+    GpuMemory,
+    HostMemory,
+    PressureConfig,
+    PressurePolicy,
+    Readings,
+    State,
+    Unknown,
+)
+
+GIB = 1024 * MIB
+HOST_OK = HostMemory(available=32 * GIB, total=64 * GIB)
+
+
+def gpu(*free_mib: float) -> Readings:
+    gpus = tuple(
+        GpuMemory(i, int(f * MIB), int(24 * GIB - f * MIB), 24 * GIB)
+        for i, f in enumerate(free_mib)
+    )
+    return Readings(gpus=gpus, host=HOST_OK, engine=engine())
+
+
+def engine(usage: float = 0.1, preemptions: int = 0) -> EngineStats:
+    return EngineStats(kv_cache_usage=usage, running=4, waiting=0, preemptions_total=preemptions)
+
+
+def kv(usage: float, preemptions: int = 0) -> Readings:
+    return Readings(gpus=(), host=HOST_OK, engine=engine(usage, preemptions))
+
+
+def host(avail_mib: float) -> Readings:
+    return Readings(gpus=(), host=HostMemory(int(avail_mib * MIB), 64 * GIB), engine=engine())
+
+
+def test_defaults_are_the_documented_ones() -> None:
+    c = PressureConfig()
+    assert (c.gpu_critical_free_mib, c.gpu_shed_free_mib, c.gpu_leave_free_mib) == (512, 1024, 2048)
+    assert (c.kv_leave_usage, c.kv_shed_usage, c.kv_critical_usage) == (0.75, 0.90, 0.98)
+    assert c.min_dwell == 2.0 and c.unknown_shed_after == 4
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"gpu_shed_free_mib": 4096},  # leave must be above shed
+        {"gpu_critical_free_mib": 1024},  # critical must be below shed
+        {"kv_leave_usage": 0.95},
+        {"kv_critical_usage": 1.5},
+        {"host_leave_available_mib": 100},
+        {"min_dwell": -1.0},
+        {"unknown_shed_after": 0},
+        {"abort_step_mib": -1},
+    ],
+)
+def test_config_rejects_inconsistent_thresholds(changes: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        dataclasses.replace(PressureConfig(), **changes)  # type: ignore[arg-type]
+
+
+def test_gpu_ok_shedding_critical_ok_with_hysteresis_and_dwell() -> None:
+    p = PressurePolicy()
+    assert p.update(gpu(8000), 0.0).state is State.OK
+    # In the band between shed (1024) and leave (2048) while OK: stays OK.
+    assert p.update(gpu(1500), 0.25).transition is None
+
+    d = p.update(gpu(1000), 0.5)  # escalation is immediate
+    assert d.state is State.SHEDDING
+    assert d.transition is not None and d.transition.old is State.OK
+    assert d.reason.signal == "gpu" and "free 1000 MiB" in d.reason.detail
+
+    d = p.update(gpu(400), 0.75)
+    assert d.state is State.CRITICAL and d.transition is not None
+    assert d.abort_newest == 0  # entering critical aborts nothing by itself
+
+    # Above critical but below shed: CRITICAL holds (no flapping at 512).
+    assert p.update(gpu(700), 1.0).state is State.CRITICAL
+    # Above shed, in the band: wants SHEDDING, but the dwell (2 s since 1.0) holds.
+    assert p.update(gpu(1500), 1.25).state is State.CRITICAL
+    assert p.update(gpu(1500), 2.9).state is State.CRITICAL
+    d = p.update(gpu(1500), 3.0)
+    assert d.state is State.SHEDDING and d.transition is not None
+    assert d.transition.old is State.CRITICAL
+    # Band keeps demanding SHEDDING: no relax however long it lasts.
+    assert p.update(gpu(2000), 10.0).state is State.SHEDDING
+    # Above leave: relax after min_dwell of calm (last demanded at 10.0).
+    assert p.update(gpu(3000), 10.25).state is State.SHEDDING
+    d = p.update(gpu(3000), 12.0)
+    assert d.state is State.OK and d.transition is not None
+    assert d.transition.reason.signal == "none"
+
+
+def test_relax_needs_dwell_since_entry_even_if_memory_recovers_at_once() -> None:
+    p = PressurePolicy(PressureConfig(min_dwell=2.0))
+    p.update(gpu(900), 100.0)
+    assert p.update(gpu(9000), 100.25).state is State.SHEDDING
+    assert p.update(gpu(9000), 101.99).state is State.SHEDDING
+    assert p.update(gpu(9000), 102.0).state is State.OK
+
+
+def test_escalation_ignores_dwell() -> None:
+    p = PressurePolicy(PressureConfig(min_dwell=60.0))
+    p.update(gpu(900), 0.0)
+    assert p.update(gpu(100), 0.01).state is State.CRITICAL
+
+
+def test_worst_device_decides() -> None:
+    p = PressurePolicy()
+    d = p.update(gpu(20000, 900), 0.0)
+    assert d.state is State.SHEDDING and "device 1" in d.reason.detail
+
+
+def test_kv_usage_sheds_and_needs_preemptions_for_critical() -> None:
+    p = PressurePolicy(PressureConfig(min_dwell=0.0))
+    assert p.update(kv(0.89), 0.0).state is State.OK
+    assert p.update(kv(0.90), 1.0).state is State.SHEDDING
+    # Full but not preempting: a busy engine, not an emergency.
+    assert p.update(kv(0.99, preemptions=0), 2.0).state is State.SHEDDING
+    d = p.update(kv(0.99, preemptions=3), 3.0)
+    assert d.state is State.CRITICAL and d.reason.signal == "kv"
+    # Still preempting: abort one per poll.
+    assert p.update(kv(0.99, preemptions=5), 4.0).abort_newest == 1
+    assert p.update(kv(0.99, preemptions=5), 5.0).abort_newest == 0
+    # Hysteresis: CRITICAL until below the shed level, then SHEDDING until <= 0.75.
+    assert p.update(kv(0.91, preemptions=5), 6.0).state is State.CRITICAL
+    assert p.update(kv(0.80, preemptions=5), 7.0).state is State.SHEDDING
+    assert p.update(kv(0.76, preemptions=5), 8.0).state is State.SHEDDING
+    assert p.update(kv(0.75, preemptions=5), 9.0).state is State.OK
+
+
+def test_preemption_counter_reset_is_not_rising() -> None:
+    p = PressurePolicy()
+    p.update(kv(0.99, preemptions=100), 0.0)
+    assert p.update(kv(0.99, preemptions=0), 1.0).state is State.SHEDDING
+
+
+def test_host_memory_signal() -> None:
+    p = PressurePolicy(PressureConfig(min_dwell=0.0))
+    assert p.update(host(4096), 0.0).state is State.OK
+    d = p.update(host(1000), 1.0)
+    assert d.state is State.SHEDDING and d.reason.signal == "host"
+    assert p.update(host(500), 2.0).state is State.CRITICAL
+    assert p.update(host(3000), 3.0).state is State.OK
+
+
+def test_critical_aborts_one_per_poll_while_memory_keeps_falling() -> None:
+    p = PressurePolicy(PressureConfig(abort_step_mib=64))
+    assert p.update(gpu(500), 0.0).state is State.CRITICAL
+    assert p.update(gpu(430), 0.25).abort_newest == 1  # 70 MiB lower
+    assert p.update(gpu(400), 0.5).abort_newest == 0  # 30 MiB: noise
+    assert p.update(gpu(360), 0.75).abort_newest == 1  # 70 below the last abort: a slow leak
+    assert p.update(gpu(380), 1.0).abort_newest == 0  # rising
+    assert p.update(gpu(330), 1.25).abort_newest == 0  # 50 below the new high of 380
+    assert p.update(gpu(300), 1.5).abort_newest == 1
+
+
+def test_gpu_aborts_can_be_disabled() -> None:
+    p = PressurePolicy(PressureConfig(abort_on_gpu=False))
+    p.update(gpu(500), 0.0)
+    assert p.update(gpu(100), 0.25).abort_newest == 0
+
+
+def test_no_aborts_outside_critical() -> None:
+    p = PressurePolicy()
+    p.update(gpu(1000), 0.0)
+    assert p.update(gpu(600), 0.25).abort_newest == 0
+
+
+def test_failing_reader_counts_as_unknown_not_fine() -> None:
+    p = PressurePolicy(PressureConfig(unknown_shed_after=4))
+    p.update(gpu(8000), 0.0)
+    lost = Readings(gpus=Unknown("NVMLError_GpuIsLost"), host=HOST_OK, engine=engine())
+    for i in range(1, 4):
+        d = p.update(lost, 0.25 * i)
+        assert d.state is State.OK, i  # the last level holds for a few polls
+    d = p.update(lost, 1.0)
+    assert d.state is State.SHEDDING
+    assert d.reason.signal == "gpu" and "unknown for 4 polls" in d.reason.detail
+    # Recovery: the reader works again and shows plenty free; relax after dwell.
+    assert p.update(gpu(8000), 1.25).state is State.SHEDDING
+    assert p.update(gpu(8000), 3.25).state is State.OK
+
+
+def test_unknown_keeps_a_higher_level() -> None:
+    p = PressurePolicy(PressureConfig(unknown_shed_after=1, min_dwell=0.0))
+    p.update(gpu(100), 0.0)
+    lost = Readings(gpus=Unknown("x"), host=HOST_OK, engine=engine())
+    assert p.update(lost, 1.0).state is State.CRITICAL
+
+
+def test_reader_that_never_worked_is_ignored() -> None:
+    p = PressurePolicy(PressureConfig(unknown_shed_after=1))
+    absent = Readings(gpus=Unknown("nvml unavailable"), host=HOST_OK, engine=Unknown("no stats"))
+    for i in range(20):
+        assert p.update(absent, float(i)).state is State.OK
+
+
+def test_unknown_policy_none_never_sheds() -> None:
+    p = PressurePolicy(PressureConfig(unknown_shed_after=None))
+    p.update(gpu(8000), 0.0)
+    lost = Readings(gpus=Unknown("x"), host=HOST_OK, engine=engine())
+    for i in range(1, 50):
+        assert p.update(lost, float(i)).state is State.OK
+
+
+def test_highest_signal_wins_and_reports_itself() -> None:
+    p = PressurePolicy()
+    r = Readings(
+        gpus=(GpuMemory(0, 900 * MIB, 0, 24 * GIB),),
+        host=HostMemory(100 * MIB, 64 * GIB),
+        engine=engine(),
+    )
+    d = p.update(r, 0.0)
+    assert d.state is State.CRITICAL and d.reason.signal == "host"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 6000), st.floats(0.0, 1.0), st.floats(0.0, 1.0)),
+        min_size=1,
+        max_size=60,
+    )
+)
+def test_invariants_on_random_sequences(steps: list[tuple[int, float, float]]) -> None:
+    """Never relaxes before min_dwell; aborts only in CRITICAL; CRITICAL only with cause."""
+    cfg = PressureConfig()
+    p = PressurePolicy(cfg)
+    now, entered = 0.0, 0.0
+    for free_mib, dt, usage in steps:
+        now += dt
+        d = p.update(gpu(free_mib) if usage < 0.5 else kv(usage), now)
+        t = d.transition
+        if t is not None:
+            if t.new < t.old:
+                assert now - entered >= cfg.min_dwell
+            entered = now
+        if d.abort_newest:
+            assert d.state is State.CRITICAL and t is None
+        assert d.abort_newest in (0, 1)
