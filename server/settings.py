@@ -22,13 +22,16 @@ class EnvView:
     watchdog_pid: int | None = None  # WATCHDOG_PID: the watchdog is ours only if it is our pid
     cuda_visible_devices: str | None = None  # which GPUs the engine (and NVML) use
     api_key: str | None = None  # SLUICE_API_KEY; a key file (--api-key-file) wins
-    cache_root: Path | None = None  # XDG_CACHE_HOME, for the demo model
+    cache_root: Path | None = None  # SLUICE_CACHE_DIR or XDG_CACHE_HOME (demo model)
 
     @classmethod
     def from_mapping(cls, env: Mapping[str, str]) -> EnvView:
         usec = env.get("WATCHDOG_USEC")
         wpid = env.get("WATCHDOG_PID")
         cache = env.get("SLUICE_CACHE_DIR") or env.get("XDG_CACHE_HOME")
+        home = env.get("HOME")
+        if not cache and home:
+            cache = str(Path(home) / ".cache")
         return cls(
             notify_socket=env.get("NOTIFY_SOCKET") or None,
             watchdog_usec=int(usec) if usec and usec.isdigit() else None,
