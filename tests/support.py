@@ -1,0 +1,114 @@
+"""Run Sluice as a subprocess for integration and system tests.
+
+Each `SluiceProcess` is its own process group (start_new_session), so that
+stopping it also reaps vLLM's engine processes: nothing a test starts outlives
+it. Loopback only, free ports, bounded waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class SluiceProcess:
+    def __init__(
+        self,
+        args: Sequence[str],
+        *,
+        cache_dir: Path,
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        full_env = {
+            **os.environ,
+            "SLUICE_CACHE_DIR": str(cache_dir),
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+        }
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "server", "serve", "--port", str(self.port), *args],
+            cwd=ROOT,
+            env=full_env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sluice exited with {self.proc.returncode}:\n{self.tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.base + "/ready", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.5)
+        raise TimeoutError(f"sluice not ready after {timeout}s:\n{self.tail()}")
+
+    def tail(self, n: int = 4000) -> str:
+        self._log.flush()
+        return self.log_path.read_bytes()[-n:].decode(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def engine_core_pids(self) -> list[int]:
+        """vLLM's engine core processes: children of the server process."""
+        out = subprocess.run(
+            ["ps", "-o", "pid=,args=", "--ppid", str(self.proc.pid)],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
+        return [int(line.split()[0]) for line in out.splitlines() if line.strip()]
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM, wait, then kill the whole process group if needed."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill_group()
+        self.kill_group()
+        self._log.close()
+        return int(self.proc.returncode)
+
+    def kill_group(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+
+
+def metric(base: str, name: str) -> float:
+    """One unlabelled sample from /metrics."""
+    text = httpx.get(base + "/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
