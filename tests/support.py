@@ -84,7 +84,7 @@ class SluiceProcess:
             text=True,
             check=False,
         ).stdout
-        return [int(line.split()[0]) for line in out.splitlines() if line.strip()]
+        return [int(line.split()[0]) for line in out.splitlines() if "EngineCore" in line]
 
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM, wait, then kill the whole process group if needed."""

@@ -1,0 +1,24 @@
+"""Fixtures for integration tests: one Sluice server on the real engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support import SluiceProcess
+
+
+@pytest.fixture(scope="session")
+def sluice_server(
+    demo_cache_root: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SluiceProcess]:
+    """One Sluice with the real engine on the demo model, for the whole session."""
+    log = tmp_path_factory.mktemp("logs") / "sluice.log"
+    proc = SluiceProcess(["--log-format", "plain"], cache_dir=demo_cache_root, log_path=log)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()

@@ -1,0 +1,148 @@
+"""System tests: Sluice as a subprocess on the demo model, as systemd runs it.
+
+* SIGTERM with ten streams in flight: all ten end with [DONE], a request sent
+  during the drain gets 503, the process exits 0; a test NOTIFY_SOCKET sees
+  READY=1 after warm-up, WATCHDOG=1 pings and STOPPING=1.
+* SIGKILL of the engine core while streams run: every caller gets an error
+  within seconds, none hangs, the process exits non-zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support import SluiceProcess
+
+pytestmark = [pytest.mark.engine, pytest.mark.system]
+
+MODEL = "sluice-demo"
+
+
+def _stream_body(max_tokens: int) -> dict[str, object]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me a long story"}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+
+async def _stream(client: httpx.AsyncClient, base: str, max_tokens: int) -> list[str]:
+    lines = []
+    async with client.stream(
+        "POST", base + "/v1/chat/completions", json=_stream_body(max_tokens)
+    ) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line:
+                lines.append(line)
+    return lines
+
+
+def _is_error(line: str) -> bool:
+    """An SSE event carrying an OpenAI error object (not text that says "error")."""
+    if not line.startswith("data: {"):
+        return False
+    return "error" in json.loads(line[6:])
+
+
+def _notify_socket(tmp_path: Path) -> tuple[socket.socket, str]:
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.setblocking(False)
+    return sock, path
+
+
+def _drain_datagrams(sock: socket.socket) -> list[str]:
+    out = []
+    while True:
+        try:
+            out.append(sock.recv(4096).decode())
+        except BlockingIOError:
+            return out
+
+
+async def test_sigterm_drains_streams_and_notifies(demo_cache_root: Path, tmp_path: Path) -> None:
+    sock, path = _notify_socket(tmp_path)
+    proc = SluiceProcess(
+        ["--drain-timeout", "60"],
+        cache_dir=demo_cache_root,
+        log_path=tmp_path / "sluice.log",
+        # WATCHDOG_PID is left out: the watchdog then belongs to whoever reads it.
+        env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "2000000"},
+    )
+    try:
+        await asyncio.to_thread(proc.wait_ready)
+        await asyncio.sleep(1.5)  # at least one WATCHDOG=1 ping (every 1 s)
+        before = "\n".join(_drain_datagrams(sock))
+        assert "READY=1" in before
+        assert "WATCHDOG=1" in before
+
+        async with httpx.AsyncClient(timeout=120) as client:
+            streams = [asyncio.create_task(_stream(client, proc.base, 3000)) for _ in range(10)]
+            # Let all ten start (3,000 tokens each take several seconds on
+            # two cores), then ask for a drain.
+            await asyncio.sleep(0.5)
+            proc.signal(signal.SIGTERM)
+            await asyncio.sleep(0.1)
+            late = await client.post(
+                proc.base + "/v1/chat/completions",
+                json={**_stream_body(4), "stream": False},
+            )
+            assert late.status_code == 503
+            assert int(late.headers["Retry-After"]) >= 1
+            results = await asyncio.wait_for(asyncio.gather(*streams), 120)
+        for lines in results:
+            assert lines[-1] == "data: [DONE]"
+            assert not any(_is_error(line) for line in lines)
+        code = await asyncio.to_thread(proc.proc.wait, 60)
+        assert code == 0, proc.tail()
+        after = "\n".join(_drain_datagrams(sock))
+        assert "STOPPING=1" in after
+    finally:
+        proc.stop()
+        sock.close()
+
+
+async def test_engine_core_killed(demo_cache_root: Path, tmp_path: Path) -> None:
+    proc = SluiceProcess([], cache_dir=demo_cache_root, log_path=tmp_path / "sluice.log")
+    try:
+        await asyncio.to_thread(proc.wait_ready)
+        async with httpx.AsyncClient(timeout=60) as client:
+
+            async def one() -> list[str]:
+                try:
+                    return await _stream(client, proc.base, 8000)
+                except httpx.HTTPError as exc:  # a dropped connection is an error too
+                    return [f"transport error: {exc!r}"]
+
+            streams = [asyncio.create_task(one()) for _ in range(4)]
+            await asyncio.sleep(1.0)
+            cores = proc.engine_core_pids()
+            assert cores, proc.tail()
+            t0 = time.monotonic()
+            for pid in cores:
+                os.kill(pid, signal.SIGKILL)
+            results = await asyncio.wait_for(asyncio.gather(*streams), 30)
+            took = time.monotonic() - t0
+        assert took < 10, f"callers waited {took:.1f}s"
+        for lines in results:
+            # Each caller learns of the failure: an error event or a dropped
+            # stream, never a clean [DONE] of an unfinished generation.
+            assert any(_is_error(line) or "transport error" in line for line in lines), lines[-3:]
+            assert lines[-1] != "data: [DONE]" or _is_error(lines[-2])
+        code = await asyncio.to_thread(proc.proc.wait, 30)
+        assert code != 0
+    finally:
+        proc.stop()
