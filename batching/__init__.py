@@ -2,4 +2,54 @@
 
 Pure Python in the style of h11: no asyncio, no vLLM, no clock of its own. The
 server passes time in (`now`) and acts on what the core returns.
+
+Modules: keys (GroupKey), types (requests, batches, outcomes), config, coalescer (the
+policy), prefix (shared-prefix leaders), drain (drain-rate estimate for Retry-After),
+cache (TTL result cache), events (observability records). Everything public is
+re-exported here; import from `batching`, not from the modules.
 """
+
+from .cache import ResultCache
+from .coalescer import Coalescer
+from .config import CoalescerConfig
+from .drain import DrainRate
+from .events import Counters, DedupeHit, Ended, Event, PrefixLeader, Refusal, Released
+from .keys import GroupKey, group_key
+from .types import (
+    AdmissionState,
+    Admitted,
+    Batch,
+    EngineLoad,
+    Entry,
+    Outcome,
+    RefusalReason,
+    Refused,
+    ReleaseReason,
+    Request,
+)
+
+__all__ = [
+    "AdmissionState",
+    "Admitted",
+    "Batch",
+    "Coalescer",
+    "CoalescerConfig",
+    "Counters",
+    "DedupeHit",
+    "DrainRate",
+    "Ended",
+    "EngineLoad",
+    "Entry",
+    "Event",
+    "GroupKey",
+    "Outcome",
+    "PrefixLeader",
+    "Refusal",
+    "RefusalReason",
+    "Refused",
+    "ReleaseReason",
+    "Released",
+    "Request",
+    "ResultCache",
+    "group_key",
+]

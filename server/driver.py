@@ -89,6 +89,7 @@ class Generation:
         try:
             while not self._done:
                 out = await self._collector.get()
+                self._count(out)
                 self._history.append(out)
                 if out.finished:
                     self._finish()
@@ -110,9 +111,7 @@ class Generation:
                 except Exception as exc:
                     self._finish()
                     raise self.driver.engine_error(exc) from exc
-                except BaseException:
-                    self._finish()
-                    raise
+                self._count(out)
                 if out.finished:
                     self._finish()
                 yield out
@@ -135,6 +134,10 @@ class Generation:
                 return
             changed.clear()
             await changed.wait()
+
+    def _count(self, out: Any) -> None:
+        for c in out.outputs:
+            self.completion_tokens += len(c.token_ids)
 
     def fail(self, exc: BaseException) -> None:
         """Make every reader raise `exc` (watchdog abort, drain deadline)."""
@@ -274,7 +277,7 @@ class Driver:
 
     def generation_done(self, gen: Generation) -> None:
         self._running.pop(gen.engine_id, None)
-        self.core.finished(gen.engine_id, self.now(), gen.completion_tokens or None)
+        self.core.finished(gen.engine_id, self.now(), gen.completion_tokens)
         self._flush_events()
         self._check_idle()
         self._wake()
@@ -390,7 +393,7 @@ class Driver:
                 )
             subscribers = {s for s in entry.subscribers if s in self._pending}
             if not subscribers or params is None:
-                self.core.finished(req.id, self.now(), None)
+                self.core.finished(req.id, self.now(), 0)
                 continue
             now = self.now()
             try:
@@ -424,6 +427,7 @@ class Driver:
                 if t.future.cancelled():
                     gen.leave(sub)
                 else:
+                    t.generation = gen  # so leave() works even if wait() never resumes
                     t.future.set_result(gen)
             # Subscribers that left between due() and here.
             for sub in set(entry.subscribers) - subscribers:
@@ -434,7 +438,7 @@ class Driver:
             pending = self._pending.pop(sub, None)
             if pending is not None and not pending.ticket.future.done():
                 pending.ticket.future.set_exception(exc)
-        self.core.finished(engine_id, self.now(), None)
+        self.core.finished(engine_id, self.now(), 0)
         self._flush_events()
         self._check_idle()
 

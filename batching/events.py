@@ -1,0 +1,85 @@
+"""Observability records: what the core did, for metrics and logs.
+
+Why this module exists: the core must not know about Prometheus or logging, yet every
+decision it makes has to be countable. It appends small frozen records to a list; the
+driver drains them with `Coalescer.pop_events()` and turns them into metrics and log
+lines.
+
+Rules:
+
+* Every admitted subscriber produces exactly one `Ended`, with one `Outcome`. A refusal
+  produces one `Refusal` and no `Ended` (the caller was never admitted).
+* One `Released` per batch, emitted after the `Ended(DISPATCHED)` of its subscribers.
+* `queue_wait` is measured from the subscriber's own `Request.arrival`.
+* Events are in the order the core made its decisions; nothing is aggregated here
+  (see `Counters` for the cumulative totals).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .keys import GroupKey
+from .types import Outcome, RefusalReason, ReleaseReason
+
+__all__ = ["Counters", "DedupeHit", "Ended", "Event", "PrefixLeader", "Refusal", "Released"]
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    batch_id: int
+    key: GroupKey
+    reason: ReleaseReason
+    size: int  # entries (generations)
+    tokens: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    request_id: str
+    outcome: Outcome
+    queue_wait: float
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    request_id: str
+    reason: RefusalReason
+    retry_after: float
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class DedupeHit:
+    request_id: str
+    joined: str
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixLeader:
+    request_id: str
+    followers: int
+    shared_tokens: int  # whole-block prefix shared by the leader and all its followers
+    at: float
+
+
+Event = Released | Ended | Refusal | DedupeHit | PrefixLeader
+
+
+@dataclass(frozen=True, slots=True)
+class Counters:
+    """Cumulative totals since the coalescer was built (a snapshot)."""
+
+    admitted: int
+    refused: int
+    dispatched: int  # subscribers
+    cancelled: int
+    expired: int
+    rejected: int
+    batches: int
+    generations: int  # dispatched generations (entries)
+    dedupe_hits: int
+    prefix_leaders: int
+    prefix_followers: int

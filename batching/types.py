@@ -1,0 +1,140 @@
+"""Value types exchanged between the policy core and the server driver.
+
+Why this module exists: the driver (asyncio, vLLM) and the core (pure policy) talk only
+through these frozen values, so either side can be tested without the other.
+
+Rules:
+
+* Every value here is immutable (`frozen=True, slots=True`); the core keeps its own
+  mutable bookkeeping privately and hands out fresh values.
+* Time is always a float in seconds on the driver's monotonic clock (`loop.time()`);
+  the core never reads a clock.
+* `Request.priority` follows vLLM: a LOWER value is more urgent. It is passed through
+  to vLLM's priority scheduler unchanged and also orders requests inside a batch.
+* `Request.tokens` (prompt + max_new_tokens) is the admission cost of a generation;
+  the batch token cap counts prompt tokens only (the engine's per-step prefill budget).
+* `Request.fingerprint` is set by the server only when sampling is deterministic
+  (greedy, or a fixed seed) and must cover every sampling parameter including
+  max_new_tokens. None means "never deduplicate".
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from .keys import GroupKey
+
+__all__ = [
+    "AdmissionState",
+    "Admitted",
+    "Batch",
+    "EngineLoad",
+    "Entry",
+    "Outcome",
+    "RefusalReason",
+    "Refused",
+    "ReleaseReason",
+    "Request",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One caller's request, tokenized and admitted-to-be by the server."""
+
+    id: str
+    key: GroupKey
+    prompt_tokens: tuple[int, ...]
+    max_new_tokens: int
+    arrival: float  # `now` when the server admitted it
+    priority: int = 0  # vLLM convention: lower = more urgent
+    deadline: float | None = None  # absolute; expires if not dispatched by then
+    fingerprint: Hashable | None = None  # deterministic sampling digest, else None
+
+    @property
+    def tokens(self) -> int:
+        """Admission cost: prompt tokens plus the most tokens it may generate."""
+        return len(self.prompt_tokens) + self.max_new_tokens
+
+
+class AdmissionState(enum.Enum):
+    """What the watchdog (or shutdown) allows the core to do."""
+
+    OK = "ok"  # admit and release normally
+    SHEDDING = "shedding"  # refuse new work (reason MEMORY); queued work proceeds
+    CRITICAL = "critical"  # refuse new work AND release nothing; expiry still applies
+    DRAINING = "draining"  # refuse new work (reason DRAINING); queued work proceeds
+
+
+class RefusalReason(enum.Enum):
+    QUEUE_FULL_REQUESTS = "queue_requests"
+    QUEUE_FULL_TOKENS = "queue_tokens"
+    TOO_LARGE = "too_large"  # alone exceeds max_pending_tokens: retrying is pointless (400)
+    MEMORY = "memory"
+    DRAINING = "draining"
+    DUPLICATE_ID = "duplicate_id"
+
+
+class Outcome(enum.Enum):
+    """How an admitted subscriber left the core; each ends in exactly one."""
+
+    DISPATCHED = "dispatched"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+    REJECTED = "rejected"
+
+
+class ReleaseReason(enum.Enum):
+    DEADLINE = "deadline"  # the group's oldest request waited a full window
+    SIZE_CAP = "size_cap"  # the group reached max_batch_seqs
+    TOKEN_CAP = "token_cap"  # the group reached max_batch_tokens (prompt tokens)
+    EARLY = "early"  # adaptive: the engine was idle, waiting is pure latency
+    IMMEDIATE = "immediate"  # window == 0
+    PREFIX_FOLLOW = "prefix_follow"  # followers held back behind a shared-prefix leader
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    request_id: str
+    joined: str | None = None  # id of the queued generation it joined (dedupe), else None
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    reason: RefusalReason
+    retry_after: float  # seconds; 0.0 when retrying cannot help (TOO_LARGE, DUPLICATE_ID)
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One engine generation.
+
+    `subscribers` are the ids of every caller still waiting for it, never empty. The
+    first is `request.id` unless that caller cancelled while others stayed.
+    """
+
+    request: Request
+    subscribers: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Generations of one GroupKey to submit to the engine together, in this order."""
+
+    id: int
+    key: GroupKey
+    entries: tuple[Entry, ...]
+    reason: ReleaseReason
+    released_at: float
+    tokens: int  # sum of entry.request.tokens
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """A snapshot of the engine's scheduler, taken by the driver."""
+
+    running: int
+    waiting: int
