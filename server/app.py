@@ -36,6 +36,7 @@ from batching import AdmissionState, Coalescer, CoalescerConfig
 from server.driver import Driver
 from server.errors import SluiceError
 from server.metrics import Metrics
+from server.protocol import Limits
 from server.sdnotify import SdNotify
 from server.settings import Settings
 
@@ -61,6 +62,7 @@ class Runtime:
     exit_code: int = 0
     engine_error: str | None = None
     tokens_out: int = 0  # completion tokens sent, for STATUS= tokens/s
+    limits: Limits = field(default_factory=Limits)  # request bounds, final once booted
 
     @property
     def ready(self) -> bool:
@@ -139,6 +141,12 @@ async def _boot(app: web.Application) -> None:
         rt.exit_code = 1
         rt.stop.set()
         return
+    rt.limits = Limits(
+        max_n=settings.max_n,
+        max_logprobs=settings.max_logprobs,
+        default_enable_thinking=settings.default_thinking,
+        sampling_defaults=getattr(engine.info, "sampling_defaults", ()),
+    )
     if rt.phase is Phase.STARTING:
         rt.phase = Phase.READY
     took = round(time.monotonic() - t0, 1)

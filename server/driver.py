@@ -29,6 +29,7 @@ from batching import (
     Admitted,
     Batch,
     Coalescer,
+    Ended,
     EngineLoad,
     Outcome,
     RefusalReason,
@@ -74,6 +75,7 @@ class Generation:
         self._history: list[Any] = []
         self._error: BaseException | None = None
         self._changed: asyncio.Event | None = None
+        self._pump_task: asyncio.Task[None] | None = None
         self.completion_tokens = 0
 
     @property
@@ -82,7 +84,7 @@ class Generation:
 
     def start_pump(self, tg: asyncio.TaskGroup) -> None:
         self._changed = asyncio.Event()
-        tg.create_task(self._pump(), name=f"pump-{self.engine_id}")
+        self._pump_task = tg.create_task(self._pump(), name=f"pump-{self.engine_id}")
 
     async def _pump(self) -> None:
         assert self._changed is not None
@@ -161,6 +163,11 @@ class Generation:
     def _finish(self) -> None:
         if not self._done:
             self._done = True
+            # An aborted request gets no final output from vLLM: a pump still
+            # waiting on the collector would wait forever.
+            pump = self._pump_task
+            if pump is not None and pump is not asyncio.current_task():
+                pump.cancel()
             self.driver.generation_done(self)
 
 
@@ -339,8 +346,23 @@ class Driver:
 
     def _flush_events(self) -> None:
         events = self.core.pop_events()
-        if events:
-            self._on_events(events)
+        if not events:
+            return
+        self._on_events(events)
+        for e in events:
+            if type(e) is Ended and e.outcome is Outcome.EXPIRED:
+                pending = self._pending.pop(e.request_id, None)
+                if pending is not None and not pending.ticket.future.done():
+                    pending.ticket.future.set_exception(
+                        SluiceError(
+                            f"request waited {e.queue_wait:.1f}s in the queue, past "
+                            "--queue-timeout",
+                            status=503,
+                            code="queue_timeout",
+                            retry_after=1.0,
+                        )
+                    )
+                self._check_idle()
 
     def _arm_timer(self) -> None:
         deadline = self.core.next_deadline()

@@ -117,6 +117,10 @@ class ModelInfo:
     max_model_len: int
     eos_token_id: int | None
     created: int
+    # The model's generation_config defaults (Qwen3: temperature 0.6, top_p
+    # 0.95, top_k 20), applied where a request leaves a field out, as vLLM's
+    # own server does.
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
 
 
 class EngineAdapter:
@@ -144,11 +148,17 @@ class EngineAdapter:
         )
         self._llm = llm
         self._tokenizer = llm.get_tokenizer()
+        from server.protocol.types import DEFAULTABLE
+
+        diff = llm.model_config.get_diff_sampling_param()
         self.info = ModelInfo(
             name=self._model_name,
             max_model_len=int(llm.model_config.max_model_len),
             eos_token_id=getattr(self._tokenizer, "eos_token_id", None),
             created=int(time.time()),
+            sampling_defaults=tuple(
+                sorted((k, float(v)) for k, v in diff.items() if k in DEFAULTABLE)
+            ),
         )
 
     def shutdown(self) -> None:

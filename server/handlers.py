@@ -118,12 +118,7 @@ def _check_model(request: web.Request, model: str) -> None:
 
 
 def limits(request: web.Request) -> Limits:
-    s = request.app[SETTINGS]
-    return Limits(
-        max_n=s.max_n,
-        max_logprobs=s.max_logprobs,
-        default_enable_thinking=s.default_thinking,
-    )
+    return request.app[RUNTIME].limits
 
 
 async def _read_body(request: web.Request) -> bytes:

@@ -26,7 +26,7 @@ from batching import DedupeHit, Ended, Outcome, PrefixLeader, Refusal, Released
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # The *_created series double the scrape size and nobody here reads them.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 # Latency buckets from 1 ms to 60 s: TTFT on a loaded CPU test bed reaches
 # seconds, on a GPU tens of milliseconds.

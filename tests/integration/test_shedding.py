@@ -55,7 +55,7 @@ def small_kv_server(
 
 def _long(i: int) -> dict[str, object]:
     # A token-id prompt: 100 tokens, 1,100 to generate: 1,200 KV slots each,
-    # so three of them grow to about 88% of the cache: well past the 40%
+    # so three of them grow to about 88% of the cache: well past the 25%
     # shedding level for seconds, short of the preemptions that would make
     # the state critical.
     return {

@@ -155,7 +155,7 @@ def test_host_memory_signal() -> None:
 
 
 def test_critical_aborts_one_per_poll_while_memory_keeps_falling() -> None:
-    p = PressurePolicy(PressureConfig(abort_step_mib=64))
+    p = PressurePolicy(PressureConfig(abort_step_mib=64, abort_on_gpu=True))
     assert p.update(gpu(500), 0.0).state is State.CRITICAL
     assert p.update(gpu(430), 0.25).abort_newest == 1  # 70 MiB lower
     assert p.update(gpu(400), 0.5).abort_newest == 0  # 30 MiB: noise

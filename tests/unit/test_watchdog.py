@@ -201,6 +201,7 @@ async def test_on_abort_and_callback_errors_do_not_stop_polling(
         gpu=reader,
         on_state=boom,
         on_abort=lambda n, d: aborts.append(n),
+        config=PressureConfig(abort_on_gpu=True),
         clock=clock,
     )
     try:
