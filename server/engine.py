@@ -3,8 +3,9 @@
 It owns one vLLM `AsyncLLM` built from the CLI's engine flags and offers the
 rest of Sluice a small surface:
 
-* `tokenize_chat` / `tokenize_prompts`: tokenization on our side, in batches,
-  on a worker thread (never on the event loop), so the engine gets token ids;
+* `tokenize_chat` / `tokenize_prompts`: tokenization on our side, on a worker
+  thread (never on the event loop), batched across the requests that arrive
+  while the previous batch runs (server/batcher.py); the engine gets token ids;
 * `sampling_params`: our frozen `Sampling` value to vLLM's `SamplingParams`,
   always in DELTA mode, so a lagging reader gets several tokens merged into
   one output instead of a backlog (vLLM's RequestOutputCollector merges them);
@@ -33,6 +34,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from server.batcher import Batcher
 from server.errors import SluiceError
 from server.protocol import Message, Sampling
 from server.watchdog import EngineStats
@@ -135,6 +137,7 @@ class EngineAdapter:
         # One thread: tokenizer calls are serialised (HF fast tokenizers are
         # not safe to share across threads mid-call) and batched by the caller.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-tok")
+        self._batcher = Batcher(self._pool, self._tokenize_batch)
         self.info = ModelInfo(model_name, 0, None, int(time.time()))
 
     # -- life cycle ---------------------------------------------------------
@@ -192,17 +195,24 @@ class EngineAdapter:
         self,
         conversations: Sequence[tuple[Sequence[Message], dict[str, Any]]],
     ) -> list[list[int]]:
-        """Apply the chat template and tokenize, for several conversations at once."""
-        return await asyncio.get_running_loop().run_in_executor(
-            self._pool, self._tokenize_chat_sync, conversations
+        """Apply the chat template and tokenize, on the tokenizer thread."""
+        return list(
+            await asyncio.gather(*(self._batcher.submit(("chat", c)) for c in conversations))
         )
 
-    def _tokenize_chat_sync(
-        self, conversations: Sequence[tuple[Sequence[Message], dict[str, Any]]]
-    ) -> list[list[int]]:
+    async def tokenize_prompts(self, texts: Sequence[str]) -> list[list[int]]:
+        return list(await asyncio.gather(*(self._batcher.submit(("text", t)) for t in texts)))
+
+    def _tokenize_batch(self, jobs: list[Any]) -> list[list[int] | BaseException]:
+        """Worker thread: render templates, then encode every text in one call."""
         tok = self._tokenizer
-        texts = []
-        for messages, kwargs in conversations:
+        texts: list[str | None] = []
+        errors: dict[int, BaseException] = {}
+        for i, (kind, item) in enumerate(jobs):
+            if kind == "text":
+                texts.append(item)
+                continue
+            messages, kwargs = item
             msgs = [{"role": m.role, "content": m.content} for m in messages]
             try:
                 texts.append(
@@ -211,20 +221,12 @@ class EngineAdapter:
                     )
                 )
             except Exception as exc:  # a template that raises for this input
-                raise SluiceError(f"chat template failed: {exc}", param="messages") from exc
-        return self._encode(texts)
-
-    async def tokenize_prompts(self, texts: Sequence[str]) -> list[list[int]]:
-        return await asyncio.get_running_loop().run_in_executor(
-            self._pool, self._encode, list(texts)
-        )
-
-    def _encode(self, texts: list[str]) -> list[list[int]]:
-        if not texts:
-            return []
-        # A batch call: one trip into the Rust tokenizer for all texts.
-        encoded = self._tokenizer(texts, add_special_tokens=False)
-        return [list(ids) for ids in encoded["input_ids"]]
+                errors[i] = SluiceError(f"chat template failed: {exc}", param="messages")
+                texts.append(None)
+        good = [t for t in texts if t is not None]
+        # One trip into the Rust tokenizer for all texts of the batch.
+        encoded = iter(tok(good, add_special_tokens=False)["input_ids"]) if good else iter(())
+        return [errors[i] if t is None else list(next(encoded)) for i, t in enumerate(texts)]
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids)))
