@@ -15,10 +15,12 @@ from pathlib import Path
 
 
 def _serve(argv: Sequence[str]) -> int:
-    # Set before vLLM is imported: nothing may reach a model hub, ever; a
-    # model is a local path (or already in the local cache).
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if not any(a == "--model" or a.startswith("--model=") for a in argv):
+        # The demo model is built offline and nothing may reach a model hub
+        # for it. Set before vLLM (and huggingface_hub) is imported: they read
+        # it at import. A real --model may still download, as with vLLM.
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
     from server.logs import setup_logging
 

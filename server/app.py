@@ -95,7 +95,11 @@ async def error_middleware(
     try:
         return await handler(request)
     except SluiceError as err:
-        return _json_error(err)
+        resp = _json_error(err)
+        rid = request.headers.get("x-request-id")
+        if rid and len(rid) <= 128 and rid.isprintable():
+            resp.headers["x-request-id"] = rid
+        return resp
     except web.HTTPRequestEntityTooLarge as exc:
         return _json_error(SluiceError(f"request body too large: {exc.text}", status=413))
     except web.HTTPException as exc:

@@ -169,7 +169,16 @@ def _add_pressure_flags(parser: argparse.ArgumentParser) -> None:
     defaults = PressureConfig()
     for f in dataclasses.fields(PressureConfig):
         value = getattr(defaults, f.name)
-        if not isinstance(value, int | float) or isinstance(value, bool):
+        if isinstance(value, bool):
+            g.add_argument(
+                "--" + f.name.replace("_", "-"),
+                dest=f"pressure_{f.name}",
+                action=argparse.BooleanOptionalAction,
+                default=value,
+                help=f"(default: {value})",
+            )
+            continue
+        if not isinstance(value, int | float):
             continue
         g.add_argument(
             "--" + f.name.replace("_", "-"),
