@@ -32,7 +32,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from batching import AdmissionState, Coalescer, CoalescerConfig
+from batching import AdmissionState, Coalescer, CoalescerConfig, ResultCache
 from server.driver import Driver
 from server.errors import SluiceError
 from server.metrics import Metrics
@@ -76,6 +76,7 @@ METRICS = web.AppKey("metrics", Metrics)
 RUNTIME = web.AppKey("runtime", Runtime)
 NOTIFIER = web.AppKey("notifier", SdNotify)
 WATCHDOG = web.AppKey("watchdog", object)
+RESULTS = web.AppKey("results", ResultCache)  # --result-cache-ttl; off by default
 
 
 def _json_error(err: SluiceError) -> web.Response:
@@ -344,6 +345,10 @@ def build_app(
     app[ENGINE] = engine
     app[METRICS] = Metrics()
     app[RUNTIME] = Runtime()
+    app[RESULTS] = ResultCache(
+        ttl=settings.result_cache_ttl,
+        max_entries=1024 if settings.result_cache_ttl > 0 else 0,
+    )
     app[NOTIFIER] = notifier or SdNotify(None)
     if watchdog_factory is not None:
         app[WATCHDOG] = watchdog_factory(app)

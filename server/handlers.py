@@ -29,9 +29,9 @@ import orjson
 from aiohttp import web
 
 from batching import Request as CoreRequest
-from batching import group_key
+from batching import ResultCache, group_key
 from server import logs
-from server.app import DRIVER, ENGINE, METRICS, RUNTIME, SETTINGS, Phase
+from server.app import DRIVER, ENGINE, METRICS, RESULTS, RUNTIME, SETTINGS, Phase
 from server.driver import Generation, Ticket
 from server.errors import SluiceError
 from server.protocol import (
@@ -178,6 +178,27 @@ def _finish_trace(request: web.Request, tr: _Trace) -> None:
 
 
 # ---------------------------------------------------------------------------
+# The result cache
+
+
+def _results(request: web.Request) -> ResultCache[Any]:
+    return request.app[RESULTS]
+
+
+def _cache_key(
+    request: web.Request,
+    endpoint: str,
+    prompts: Sequence[Sequence[int]],
+    sampling: Any,
+    extra: Any,
+) -> Any:
+    """Everything that makes a deterministic result what it is; None: not cacheable."""
+    if not sampling.deterministic or not _results(request).enabled:
+        return None
+    return (endpoint, tuple(tuple(p) for p in prompts), sampling.fingerprint(), extra)
+
+
+# ---------------------------------------------------------------------------
 # Submitting work
 
 
@@ -298,6 +319,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         tr.prompt_tokens = len(ids)
         max_tokens = check_context(len(ids), req.sampling.max_tokens, engine.info.max_model_len)
         tr.stream = req.stream
+        # Repeated deterministic non-thinking requests may be answered from
+        # the result cache (--result-cache-ttl; off by default).
+        key = None
+        if not req.stream and not req.enable_thinking:
+            key = _cache_key(request, "chat", [ids], req.sampling, max_tokens)
+            if key is not None and (hit := _results(request).get(key, time.monotonic())):
+                choices, tr.completion_tokens = hit
+                tr.ttft = time.monotonic() - tr.t0
+                return _json(_chat_body(tr, req, choices), tr.rid)
         tr.tickets = await _submit(
             request, tr, [ids], req.sampling, req.priority, [max_tokens], req.enable_thinking
         )
@@ -305,7 +335,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             gens = await _generations(tr.tickets)
             if req.stream:
                 return await _stream_chat(request, tr, req, gens)
-            return await _collect_chat(request, tr, req, gens)
+            return await _collect_chat(request, tr, req, gens, key)
         finally:
             for t in tr.tickets:
                 t.leave()
@@ -323,7 +353,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _collect_chat(
-    request: web.Request, tr: _Trace, req: ChatRequest, gens: list[Generation]
+    request: web.Request, tr: _Trace, req: ChatRequest, gens: list[Generation], key: Any
 ) -> web.Response:
     engine: Any = request.app[ENGINE]
     n = req.sampling.n
@@ -353,7 +383,13 @@ async def _collect_chat(
                 logprobs=tuple(lps[i]) if req.logprobs else None,
             )
         )
-    body = chat_completion_body(
+    if key is not None:
+        _results(request).put(key, (tuple(choices), tr.completion_tokens), time.monotonic())
+    return _json(_chat_body(tr, req, choices), tr.rid)
+
+
+def _chat_body(tr: _Trace, req: ChatRequest, choices: Sequence[ChatChoice]) -> bytes:
+    return chat_completion_body(
         request_id=tr.rid,
         created=int(time.time()),
         model=req.model,
@@ -361,7 +397,6 @@ async def _collect_chat(
         usage=Usage(tr.prompt_tokens, tr.completion_tokens),
         reasoning_field=REASONING_FIELD,
     )
-    return _json(body, tr.rid)
 
 
 async def _start_stream(request: web.Request, tr: _Trace) -> web.StreamResponse:
@@ -442,6 +477,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
         ]
         tr.prompt_tokens = sum(len(ids) for ids in prompts)
         tr.stream = req.stream
+        key = None
+        if not req.stream:
+            key = _cache_key(
+                request, "completions", prompts, req.sampling, (tuple(max_tokens), req.echo)
+            )
+            if key is not None and (hit := _results(request).get(key, time.monotonic())):
+                choices, tr.completion_tokens = hit
+                tr.ttft = time.monotonic() - tr.t0
+                return _json(_completion_body(tr, req, choices), tr.rid)
         tr.tickets = await _submit(
             request, tr, prompts, req.sampling, req.priority, max_tokens, None
         )
@@ -449,7 +493,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             gens = await _generations(tr.tickets)
             if req.stream:
                 return await _stream_completion(request, tr, req, gens, prompts)
-            return await _collect_completion(request, tr, req, gens, prompts)
+            return await _collect_completion(request, tr, req, gens, prompts, key)
         finally:
             for t in tr.tickets:
                 t.leave()
@@ -477,6 +521,7 @@ async def _collect_completion(
     req: CompletionRequest,
     gens: list[Generation],
     prompts: list[list[int]],
+    key: Any,
 ) -> web.Response:
     engine: Any = request.app[ENGINE]
     n = req.sampling.n
@@ -507,14 +552,21 @@ async def _collect_completion(
                 text_offset=len(prefix),
             )
         )
-    body = completion_body(
+    if key is not None:
+        _results(request).put(key, (tuple(choices), tr.completion_tokens), time.monotonic())
+    return _json(_completion_body(tr, req, choices), tr.rid)
+
+
+def _completion_body(
+    tr: _Trace, req: CompletionRequest, choices: Sequence[CompletionChoice]
+) -> bytes:
+    return completion_body(
         request_id=tr.rid,
         created=int(time.time()),
         model=req.model,
         choices=choices,
         usage=Usage(tr.prompt_tokens, tr.completion_tokens),
     )
-    return _json(body, tr.rid)
 
 
 async def _stream_completion(
