@@ -29,13 +29,19 @@ def _serve(argv: Sequence[str]) -> int:
         if "--log-format=plain" in argv or _flag_value(argv, "--log-format") == "plain"
         else "json"
     )
-    setup_logging(fmt)
+    listener = setup_logging(fmt)
+    try:
+        return _run(argv)
+    finally:
+        listener.stop()
 
+
+def _run(argv: Sequence[str]) -> int:
     import logging
 
-    log = logging.getLogger("sluice")
     from server.cli import parse_serve_args
 
+    log = logging.getLogger("sluice")
     settings = parse_serve_args(argv, os.environ)
     # systemd's notify socket is for this process alone: vLLM's engine
     # processes inherit the environment and must not speak for the service.

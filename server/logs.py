@@ -10,8 +10,10 @@ in the plain format `key=value` pairs. Prompt and output text appear only when
 from __future__ import annotations
 
 import logging
+import queue
 import sys
 import time
+from logging.handlers import QueueHandler, QueueListener
 from typing import Any
 
 import orjson
@@ -48,13 +50,24 @@ class PlainFormatter(logging.Formatter):
         return line
 
 
-def setup_logging(fmt: str = "json", level: int = logging.INFO) -> None:
+def setup_logging(fmt: str = "json", level: int = logging.INFO) -> QueueListener:
+    """Route Sluice's loggers through a queue to a writer thread.
+
+    A write to stderr (a pipe to journald under systemd) can block when the
+    reader lags; on the event loop that would stall every stream. The loop
+    only enqueues; the listener thread formats and writes. Call `.stop()` on
+    the returned listener at exit to flush it.
+    """
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else PlainFormatter())
+    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    listener = QueueListener(records, handler, respect_handler_level=True)
+    listener.start()
     sluice = logging.getLogger("sluice")
-    sluice.handlers[:] = [handler]
+    sluice.handlers[:] = [QueueHandler(records)]
     sluice.setLevel(level)
     sluice.propagate = False
+    return listener
 
 
 def access(fields: dict[str, Any]) -> None:
