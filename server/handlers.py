@@ -21,7 +21,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +66,7 @@ _SSE_HEADERS = {
     "X-Accel-Buffering": "no",
 }
 _seq = itertools.count(1)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _request_id(request: web.Request) -> str:
@@ -306,73 +307,99 @@ def _finish_reason(reason: str | None) -> Any:
 # Endpoints
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    tr = _Trace(_request_id(request), "chat", time.monotonic())
+def _traced(
+    endpoint: str,
+) -> Callable[[Callable[[web.Request, _Trace], Awaitable[web.StreamResponse]]], Handler]:
+    """Give a generation endpoint its trace: status, latency metrics, access log."""
+
+    def wrap(fn: Callable[[web.Request, _Trace], Awaitable[web.StreamResponse]]) -> Handler:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            tr = _Trace(_request_id(request), endpoint, time.monotonic())
+            try:
+                return await fn(request, tr)
+            except SluiceError as err:
+                tr.status, tr.error = err.status, err.code or err.message[:80]
+                raise
+            except asyncio.CancelledError:
+                tr.status, tr.error = 499, "client went away"
+                raise
+            except Exception:
+                tr.status = 500
+                raise
+            finally:
+                _finish_trace(request, tr)
+
+        return handler
+
+    return wrap
+
+
+@_traced("chat")
+async def chat_completions(request: web.Request, tr: _Trace) -> web.StreamResponse:
+    _check_auth(request)
+    _check_accepting(request)
+    body = await _read_body(request)
+    req = parse_chat(body, limits(request))
+    _check_model(request, req.model)
+    engine: Any = request.app[ENGINE]
+    ids = (await engine.tokenize_chat([(req.messages, req.template_kwargs())]))[0]
+    tr.prompt_tokens = len(ids)
+    max_tokens = check_context(len(ids), req.sampling.max_tokens, engine.info.max_model_len)
+    tr.stream = req.stream
+    # Repeated deterministic non-thinking requests may be answered from
+    # the result cache (--result-cache-ttl; off by default).
+    key = None
+    if not req.stream and not req.enable_thinking:
+        key = _cache_key(request, "chat", [ids], req.sampling, max_tokens)
+        if key is not None and (hit := _results(request).get(key, time.monotonic())):
+            choices, tr.completion_tokens = hit
+            tr.ttft = time.monotonic() - tr.t0
+            return _json(_chat_body(tr, req, choices), tr.rid)
+    tr.tickets = await _submit(
+        request, tr, [ids], req.sampling, req.priority, [max_tokens], req.enable_thinking
+    )
     try:
-        _check_auth(request)
-        _check_accepting(request)
-        body = await _read_body(request)
-        req = parse_chat(body, limits(request))
-        _check_model(request, req.model)
-        engine: Any = request.app[ENGINE]
-        ids = (await engine.tokenize_chat([(req.messages, req.template_kwargs())]))[0]
-        tr.prompt_tokens = len(ids)
-        max_tokens = check_context(len(ids), req.sampling.max_tokens, engine.info.max_model_len)
-        tr.stream = req.stream
-        # Repeated deterministic non-thinking requests may be answered from
-        # the result cache (--result-cache-ttl; off by default).
-        key = None
-        if not req.stream and not req.enable_thinking:
-            key = _cache_key(request, "chat", [ids], req.sampling, max_tokens)
-            if key is not None and (hit := _results(request).get(key, time.monotonic())):
-                choices, tr.completion_tokens = hit
-                tr.ttft = time.monotonic() - tr.t0
-                return _json(_chat_body(tr, req, choices), tr.rid)
-        tr.tickets = await _submit(
-            request, tr, [ids], req.sampling, req.priority, [max_tokens], req.enable_thinking
-        )
-        try:
-            gens = await _generations(tr.tickets)
-            if req.stream:
-                return await _stream_chat(request, tr, req, gens)
-            return await _collect_chat(request, tr, req, gens, key)
-        finally:
-            for t in tr.tickets:
-                t.leave()
-    except SluiceError as err:
-        tr.status, tr.error = err.status, err.code or err.message[:80]
-        raise
-    except asyncio.CancelledError:
-        tr.status, tr.error = 499, "client went away"
-        raise
-    except Exception:
-        tr.status = 500
-        raise
+        gens = await _generations(tr.tickets)
+        if req.stream:
+            return await _stream_chat(request, tr, req, gens)
+        return await _collect_chat(request, tr, req, gens, key)
     finally:
-        _finish_trace(request, tr)
+        for t in tr.tickets:
+            t.leave()
+
+
+async def _gather(
+    request: web.Request, tr: _Trace, gens: list[Generation], n: int, logprobs: bool
+) -> tuple[list[str], list[list[TokenLogprob]], list[str | None]]:
+    """Read every generation to its end: per choice (prompt index * n + output
+    index) the text, the logprobs if asked for, and the finish reason."""
+    engine: Any = request.app[ENGINE]
+    total = len(gens) * n
+    texts: list[list[str]] = [[] for _ in range(total)]
+    lps: list[list[TokenLogprob]] = [[] for _ in range(total)]
+    reasons: list[str | None] = [None] * total
+    async for pi, out in _merged(gens, tr.tickets):
+        if tr.ttft is None:
+            tr.ttft = time.monotonic() - tr.t0
+        for c in out.outputs:
+            idx = pi * n + c.index
+            texts[idx].append(c.text)
+            tr.completion_tokens += len(c.token_ids)
+            if logprobs:
+                lps[idx].extend(_logprobs(engine, c))
+            if c.finish_reason is not None:
+                reasons[idx] = c.finish_reason
+    return ["".join(t) for t in texts], lps, reasons
 
 
 async def _collect_chat(
     request: web.Request, tr: _Trace, req: ChatRequest, gens: list[Generation], key: Any
 ) -> web.Response:
-    engine: Any = request.app[ENGINE]
     n = req.sampling.n
-    texts = [[] for _ in range(n)]  # type: list[list[str]]
-    lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
-    reasons: list[str | None] = [None] * n
-    async for _, out in _merged(gens, tr.tickets):
-        if tr.ttft is None:
-            tr.ttft = time.monotonic() - tr.t0
-        for c in out.outputs:
-            texts[c.index].append(c.text)
-            tr.completion_tokens += len(c.token_ids)
-            if req.logprobs:
-                lps[c.index].extend(_logprobs(engine, c))
-            if c.finish_reason is not None:
-                reasons[c.index] = c.finish_reason
+    texts, lps, reasons = await _gather(request, tr, gens, n, req.logprobs)
     choices = []
     for i in range(n):
-        text = "".join(texts[i])
+        text = texts[i]
         reasoning, content = split_reasoning(text) if req.enable_thinking else (None, text)
         choices.append(
             ChatChoice(
@@ -458,56 +485,41 @@ async def _stream_chat(
     return resp
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    tr = _Trace(_request_id(request), "completions", time.monotonic())
-    try:
-        _check_auth(request)
-        _check_accepting(request)
-        body = await _read_body(request)
-        req = parse_completion(body, limits(request))
-        _check_model(request, req.model)
-        engine: Any = request.app[ENGINE]
-        texts = [p for p in req.prompts if isinstance(p, str)]
-        encoded = iter(await engine.tokenize_prompts(texts)) if texts else iter(())
-        prompts = [list(next(encoded)) if isinstance(p, str) else list(p) for p in req.prompts]
-        max_len = engine.info.max_model_len
-        max_tokens = [
-            check_context(len(ids), req.sampling.max_tokens, max_len, where="prompt")
-            for ids in prompts
-        ]
-        tr.prompt_tokens = sum(len(ids) for ids in prompts)
-        tr.stream = req.stream
-        key = None
-        if not req.stream:
-            key = _cache_key(
-                request, "completions", prompts, req.sampling, (tuple(max_tokens), req.echo)
-            )
-            if key is not None and (hit := _results(request).get(key, time.monotonic())):
-                choices, tr.completion_tokens = hit
-                tr.ttft = time.monotonic() - tr.t0
-                return _json(_completion_body(tr, req, choices), tr.rid)
-        tr.tickets = await _submit(
-            request, tr, prompts, req.sampling, req.priority, max_tokens, None
+@_traced("completions")
+async def completions(request: web.Request, tr: _Trace) -> web.StreamResponse:
+    _check_auth(request)
+    _check_accepting(request)
+    body = await _read_body(request)
+    req = parse_completion(body, limits(request))
+    _check_model(request, req.model)
+    engine: Any = request.app[ENGINE]
+    texts = [p for p in req.prompts if isinstance(p, str)]
+    encoded = iter(await engine.tokenize_prompts(texts)) if texts else iter(())
+    prompts = [list(next(encoded)) if isinstance(p, str) else list(p) for p in req.prompts]
+    max_len = engine.info.max_model_len
+    max_tokens = [
+        check_context(len(ids), req.sampling.max_tokens, max_len, where="prompt") for ids in prompts
+    ]
+    tr.prompt_tokens = sum(len(ids) for ids in prompts)
+    tr.stream = req.stream
+    key = None
+    if not req.stream:
+        key = _cache_key(
+            request, "completions", prompts, req.sampling, (tuple(max_tokens), req.echo)
         )
-        try:
-            gens = await _generations(tr.tickets)
-            if req.stream:
-                return await _stream_completion(request, tr, req, gens, prompts)
-            return await _collect_completion(request, tr, req, gens, prompts, key)
-        finally:
-            for t in tr.tickets:
-                t.leave()
-    except SluiceError as err:
-        tr.status, tr.error = err.status, err.code or err.message[:80]
-        raise
-    except asyncio.CancelledError:
-        tr.status, tr.error = 499, "client went away"
-        raise
-    except Exception:
-        tr.status = 500
-        raise
+        if key is not None and (hit := _results(request).get(key, time.monotonic())):
+            choices, tr.completion_tokens = hit
+            tr.ttft = time.monotonic() - tr.t0
+            return _json(_completion_body(tr, req, choices), tr.rid)
+    tr.tickets = await _submit(request, tr, prompts, req.sampling, req.priority, max_tokens, None)
+    try:
+        gens = await _generations(tr.tickets)
+        if req.stream:
+            return await _stream_completion(request, tr, req, gens, prompts)
+        return await _collect_completion(request, tr, req, gens, prompts, key)
     finally:
-        _finish_trace(request, tr)
+        for t in tr.tickets:
+            t.leave()
 
 
 def _echo_text(engine: Any, req: CompletionRequest, i: int, ids: Sequence[int]) -> str:
@@ -526,27 +538,14 @@ async def _collect_completion(
     engine: Any = request.app[ENGINE]
     n = req.sampling.n
     total = len(prompts) * n
-    texts: list[list[str]] = [[] for _ in range(total)]
-    lps: list[list[TokenLogprob]] = [[] for _ in range(total)]
-    reasons: list[str | None] = [None] * total
-    async for pi, out in _merged(gens, tr.tickets):
-        if tr.ttft is None:
-            tr.ttft = time.monotonic() - tr.t0
-        for c in out.outputs:
-            idx = pi * n + c.index
-            texts[idx].append(c.text)
-            tr.completion_tokens += len(c.token_ids)
-            if req.sampling.logprobs is not None:
-                lps[idx].extend(_logprobs(engine, c))
-            if c.finish_reason is not None:
-                reasons[idx] = c.finish_reason
+    texts, lps, reasons = await _gather(request, tr, gens, n, req.sampling.logprobs is not None)
     choices = []
     for idx in range(total):
         prefix = _echo_text(engine, req, idx // n, prompts[idx // n]) if req.echo else ""
         choices.append(
             CompletionChoice(
                 index=idx,
-                text=prefix + "".join(texts[idx]),
+                text=prefix + texts[idx],
                 finish_reason=_finish_reason(reasons[idx]),
                 logprobs=tuple(lps[idx]) if req.sampling.logprobs is not None else None,
                 text_offset=len(prefix),
