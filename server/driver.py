@@ -221,6 +221,7 @@ class Driver:
         self._wakeup = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
+        self._fired = float("-inf")  # the latest deadline a timer fired for
         self._tg: asyncio.TaskGroup | None = None
         self._dead: BaseException | None = None
         self._aborts: set[str] = set()
@@ -366,14 +367,25 @@ class Driver:
 
     def _arm_timer(self) -> None:
         deadline = self.core.next_deadline()
-        if deadline == self._timer_at:
-            return
+        if deadline == self._timer_at and self._timer is not None:
+            return  # already armed for that moment
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         self._timer_at = deadline
         if deadline is not None:
-            self._timer = self._loop.call_at(deadline, self._wakeup.set)
+            self._timer = self._loop.call_at(deadline, self._on_timer, deadline)
+
+    def _on_timer(self, deadline: float) -> None:
+        # Event loops may run a timer a little before its time (asyncio by
+        # its clock resolution, uvloop by up to a millisecond: libuv counts
+        # in whole ms). The core must see the deadline as reached, or nothing
+        # is due, the timer is not re-armed and the batch waits for the next
+        # unrelated wake-up.
+        self._timer = None
+        self._timer_at = None
+        self._fired = max(self._fired, deadline)
+        self._wakeup.set()
 
     async def run(self, tg: asyncio.TaskGroup) -> None:
         """The driver task: runs until cancelled at shutdown."""
@@ -388,7 +400,7 @@ class Driver:
                         await self.engine.abort(ids)
                     except Exception:
                         log.exception("engine abort failed")
-                batches = self.core.due(self.now(), self.load())
+                batches = self.core.due(max(self.now(), self._fired), self.load())
                 self._flush_events()
                 for batch in batches:
                     await self._dispatch(batch)

@@ -37,7 +37,9 @@ def _stream_body(max_tokens: int) -> dict[str, object]:
     }
 
 
-async def _stream(client: httpx.AsyncClient, base: str, max_tokens: int) -> list[str]:
+async def _stream(
+    client: httpx.AsyncClient, base: str, max_tokens: int, started: asyncio.Semaphore
+) -> list[str]:
     lines = []
     async with client.stream(
         "POST", base + "/v1/chat/completions", json=_stream_body(max_tokens)
@@ -45,8 +47,15 @@ async def _stream(client: httpx.AsyncClient, base: str, max_tokens: int) -> list
         assert r.status_code == 200
         async for line in r.aiter_lines():
             if line:
+                if not lines:
+                    started.release()  # tokens are flowing: it is running
                 lines.append(line)
     return lines
+
+
+async def _all_started(started: asyncio.Semaphore, n: int) -> None:
+    for _ in range(n):
+        await asyncio.wait_for(started.acquire(), 60)
 
 
 def _is_error(line: str) -> bool:
@@ -90,10 +99,13 @@ async def test_sigterm_drains_streams_and_notifies(demo_cache_root: Path, tmp_pa
         assert "WATCHDOG=1" in before
 
         async with httpx.AsyncClient(timeout=120) as client:
-            streams = [asyncio.create_task(_stream(client, proc.base, 3000)) for _ in range(10)]
-            # Let all ten start (3,000 tokens each take several seconds on
-            # two cores), then ask for a drain.
-            await asyncio.sleep(0.5)
+            started = asyncio.Semaphore(0)
+            streams = [
+                asyncio.create_task(_stream(client, proc.base, 3000, started)) for _ in range(10)
+            ]
+            # Once all ten stream (3,000 tokens each take seconds on two
+            # cores), ask for a drain.
+            await _all_started(started, 10)
             proc.signal(signal.SIGTERM)
             await asyncio.sleep(0.1)
             late = await client.post(
@@ -120,15 +132,16 @@ async def test_engine_core_killed(demo_cache_root: Path, tmp_path: Path) -> None
     try:
         await asyncio.to_thread(proc.wait_ready)
         async with httpx.AsyncClient(timeout=60) as client:
+            started = asyncio.Semaphore(0)
 
             async def one() -> list[str]:
                 try:
-                    return await _stream(client, proc.base, 8000)
+                    return await _stream(client, proc.base, 8000, started)
                 except httpx.HTTPError as exc:  # a dropped connection is an error too
                     return [f"transport error: {exc!r}"]
 
             streams = [asyncio.create_task(one()) for _ in range(4)]
-            await asyncio.sleep(1.0)
+            await _all_started(started, 4)
             cores = proc.engine_core_pids()
             assert cores, proc.tail()
             t0 = time.monotonic()

@@ -317,3 +317,28 @@ async def test_any_mix_of_leaves_leaves_the_engine_empty(seed: int) -> None:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await settled(driver, engine)
+
+
+async def test_window_deadline_releases_even_when_the_timer_fires_early() -> None:
+    """Event loops may run a timer slightly before its deadline (uvloop: up to
+    1 ms). The driver's clock here lags the loop's by 2 ms, so every timer is
+    "early": a batch must still go at its deadline, not when some unrelated
+    wake-up (the running generation finishing) comes along."""
+    loop = asyncio.get_running_loop()
+    engine = FakeEngine(step=0.2)  # the first generation runs for seconds
+    driver = Driver(
+        Coalescer(CoalescerConfig(window=0.01)), engine, clock=lambda: loop.time() - 0.002
+    )
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(driver.run(tg), name="driver")
+            first = submit(driver, max_tokens=30)
+            await first.wait()  # dispatched at once: the engine was idle
+            second = submit(driver, max_tokens=2)
+            await asyncio.wait_for(second.wait(), 1.0)  # the window is 10 ms
+            first.leave()
+            second.leave()
+            raise _Stop
+    except* _Stop:
+        pass
+    engine.shutdown()
