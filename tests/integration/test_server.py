@@ -259,3 +259,24 @@ def test_vllm_bench_client(sluice_server: SluiceProcess, demo_model_dir: Any) ->
         "Failed requests" not in out.stdout
         or "Failed requests:                         0" in out.stdout
     )
+
+
+def test_logprobs_chat_and_completions(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "lp"}],
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}},
+    )
+    content = chat.choices[0].logprobs.content
+    assert content is not None and len(content) == 5
+    for tok in content:
+        assert tok.logprob <= 0.0
+        assert 1 <= len(tok.top_logprobs) <= 2
+    comp = client.completions.create(
+        model=MODEL, prompt="Logprobs", max_tokens=4, logprobs=1, extra_body={"ignore_eos": True}
+    )
+    lp = comp.choices[0].logprobs
+    assert lp is not None and len(lp.tokens) == len(lp.token_logprobs) == 4
