@@ -283,8 +283,12 @@ async def _merged(
                 yield item
 
 
-def _logprobs(engine: Any, completion: Any) -> list[TokenLogprob]:
-    """vLLM's per-token {token_id: Logprob} dicts to our TokenLogprob values."""
+def _logprobs(engine: Any, completion: Any, k: int) -> list[TokenLogprob]:
+    """vLLM's per-token {token_id: Logprob} dicts to our TokenLogprob values.
+
+    vLLM returns the top `k` tokens plus the sampled one when it ranks below
+    them; OpenAI's `top_logprobs` is exactly the top `k` (rank 1..k).
+    """
     out = []
     lps = completion.logprobs or []
     for tok_id, entry in zip(completion.token_ids, lps, strict=False):
@@ -292,8 +296,8 @@ def _logprobs(engine: Any, completion: Any) -> list[TokenLogprob]:
         token = chosen.decoded_token if chosen is not None else engine.detokenize([tok_id])
         top = tuple(
             (lp.decoded_token or "", lp.logprob)
-            for tid, lp in sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
-            if tid != tok_id or (lp.rank or 0) >= 1
+            for lp in sorted(entry.values(), key=lambda lp: lp.rank or 0)
+            if lp.rank is not None and 1 <= lp.rank <= k
         )
         out.append(TokenLogprob(token or "", chosen.logprob if chosen else 0.0, top))
     return out
@@ -369,10 +373,11 @@ async def chat_completions(request: web.Request, tr: _Trace) -> web.StreamRespon
 
 
 async def _gather(
-    request: web.Request, tr: _Trace, gens: list[Generation], n: int, logprobs: bool
+    request: web.Request, tr: _Trace, gens: list[Generation], n: int, logprobs: int | None
 ) -> tuple[list[str], list[list[TokenLogprob]], list[str | None]]:
     """Read every generation to its end: per choice (prompt index * n + output
-    index) the text, the logprobs if asked for, and the finish reason."""
+    index) the text, the logprobs (top `logprobs`; None: off) and the finish
+    reason."""
     engine: Any = request.app[ENGINE]
     total = len(gens) * n
     texts: list[list[str]] = [[] for _ in range(total)]
@@ -385,8 +390,8 @@ async def _gather(
             idx = pi * n + c.index
             texts[idx].append(c.text)
             tr.completion_tokens += len(c.token_ids)
-            if logprobs:
-                lps[idx].extend(_logprobs(engine, c))
+            if logprobs is not None:
+                lps[idx].extend(_logprobs(engine, c, logprobs))
             if c.finish_reason is not None:
                 reasons[idx] = c.finish_reason
     return ["".join(t) for t in texts], lps, reasons
@@ -396,7 +401,7 @@ async def _collect_chat(
     request: web.Request, tr: _Trace, req: ChatRequest, gens: list[Generation], key: Any
 ) -> web.Response:
     n = req.sampling.n
-    texts, lps, reasons = await _gather(request, tr, gens, n, req.logprobs)
+    texts, lps, reasons = await _gather(request, tr, gens, n, req.sampling.logprobs)
     choices = []
     for i in range(n):
         text = texts[i]
@@ -462,7 +467,11 @@ async def _stream_chat(
                         text = t
                     else:
                         text = c.text
-                    parts.append(enc.chunk(c.index, content=text, logprobs=_logprobs(engine, c)))
+                    parts.append(
+                        enc.chunk(
+                            c.index, content=text, logprobs=_logprobs(engine, c, req.top_logprobs)
+                        )
+                    )
                 elif splitters is not None:
                     r, t = splitters[c.index].feed(c.text)
                     parts.append(enc.splits(((c.index, r, t),)))
@@ -538,7 +547,7 @@ async def _collect_completion(
     engine: Any = request.app[ENGINE]
     n = req.sampling.n
     total = len(prompts) * n
-    texts, lps, reasons = await _gather(request, tr, gens, n, req.sampling.logprobs is not None)
+    texts, lps, reasons = await _gather(request, tr, gens, n, req.sampling.logprobs)
     choices = []
     for idx in range(total):
         prefix = _echo_text(engine, req, idx // n, prompts[idx // n]) if req.echo else ""
@@ -598,7 +607,9 @@ async def _stream_completion(
                 idx = pi * n + c.index
                 tr.completion_tokens += len(c.token_ids)
                 if req.sampling.logprobs is not None:
-                    parts.append(enc.chunk(idx, c.text, logprobs=_logprobs(engine, c)))
+                    parts.append(
+                        enc.chunk(idx, c.text, logprobs=_logprobs(engine, c, req.sampling.logprobs))
+                    )
                 elif c.text:
                     parts.append(enc.text(idx, c.text))
                 if c.finish_reason is not None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import SluiceProcess
+from tests.support import SluiceProcess, metric
 
 pytestmark = [pytest.mark.engine, pytest.mark.system]
 
@@ -37,9 +37,7 @@ def _stream_body(max_tokens: int) -> dict[str, object]:
     }
 
 
-async def _stream(
-    client: httpx.AsyncClient, base: str, max_tokens: int, started: asyncio.Semaphore
-) -> list[str]:
+async def _stream(client: httpx.AsyncClient, base: str, max_tokens: int) -> list[str]:
     lines = []
     async with client.stream(
         "POST", base + "/v1/chat/completions", json=_stream_body(max_tokens)
@@ -47,15 +45,20 @@ async def _stream(
         assert r.status_code == 200
         async for line in r.aiter_lines():
             if line:
-                if not lines:
-                    started.release()  # tokens are flowing: it is running
                 lines.append(line)
     return lines
 
 
-async def _all_started(started: asyncio.Semaphore, n: int) -> None:
-    for _ in range(n):
-        await asyncio.wait_for(started.acquire(), 60)
+async def _all_started(base: str, n: int) -> None:
+    """Until the server has `n` requests admitted (queued or running).
+
+    Asked of the server, not seen from the client: on these two cores a
+    Python client can read its streams seconds behind the server.
+    """
+    deadline = time.monotonic() + 60
+    while await asyncio.to_thread(metric, base, "sluice_pending_requests") < n:
+        assert time.monotonic() < deadline, "requests never started"
+        await asyncio.sleep(0.1)
 
 
 def _is_error(line: str) -> bool:
@@ -99,13 +102,10 @@ async def test_sigterm_drains_streams_and_notifies(demo_cache_root: Path, tmp_pa
         assert "WATCHDOG=1" in before
 
         async with httpx.AsyncClient(timeout=120) as client:
-            started = asyncio.Semaphore(0)
-            streams = [
-                asyncio.create_task(_stream(client, proc.base, 3000, started)) for _ in range(10)
-            ]
+            streams = [asyncio.create_task(_stream(client, proc.base, 3000)) for _ in range(10)]
             # Once all ten stream (3,000 tokens each take seconds on two
             # cores), ask for a drain.
-            await _all_started(started, 10)
+            await _all_started(proc.base, 10)
             proc.signal(signal.SIGTERM)
             await asyncio.sleep(0.1)
             late = await client.post(
@@ -132,16 +132,15 @@ async def test_engine_core_killed(demo_cache_root: Path, tmp_path: Path) -> None
     try:
         await asyncio.to_thread(proc.wait_ready)
         async with httpx.AsyncClient(timeout=60) as client:
-            started = asyncio.Semaphore(0)
 
             async def one() -> list[str]:
                 try:
-                    return await _stream(client, proc.base, 8000, started)
+                    return await _stream(client, proc.base, 8000)
                 except httpx.HTTPError as exc:  # a dropped connection is an error too
                     return [f"transport error: {exc!r}"]
 
             streams = [asyncio.create_task(one()) for _ in range(4)]
-            await _all_started(started, 4)
+            await _all_started(proc.base, 4)
             cores = proc.engine_core_pids()
             assert cores, proc.tail()
             t0 = time.monotonic()
