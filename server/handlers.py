@@ -431,6 +431,12 @@ def _chat_body(tr: _Trace, req: ChatRequest, choices: Sequence[ChatChoice]) -> b
     )
 
 
+async def _stream_error(resp: web.StreamResponse, tr: _Trace, err: SluiceError) -> None:
+    """Headers are gone: the error travels as a final SSE event, then [DONE]."""
+    tr.status, tr.error = err.status, err.code or err.message[:80]
+    await resp.write(b"data: " + orjson.dumps(err.body()) + b"\n\n" + DONE)
+
+
 async def _start_stream(request: web.Request, tr: _Trace) -> web.StreamResponse:
     resp = web.StreamResponse(headers={**_SSE_HEADERS, "x-request-id": tr.rid})
     await resp.prepare(request)
@@ -488,9 +494,7 @@ async def _stream_chat(
             await resp.write(enc.usage(Usage(tr.prompt_tokens, tr.completion_tokens)))
         await resp.write(DONE)
     except SluiceError as err:
-        # Headers are gone: the error travels as a final SSE event.
-        tr.status, tr.error = err.status, err.code or err.message[:80]
-        await resp.write(b"data: " + orjson.dumps(err.body()) + b"\n\n" + DONE)
+        await _stream_error(resp, tr, err)
     return resp
 
 
@@ -620,8 +624,7 @@ async def _stream_completion(
             await resp.write(enc.usage(Usage(tr.prompt_tokens, tr.completion_tokens)))
         await resp.write(DONE)
     except SluiceError as err:
-        tr.status, tr.error = err.status, err.code or err.message[:80]
-        await resp.write(b"data: " + orjson.dumps(err.body()) + b"\n\n" + DONE)
+        await _stream_error(resp, tr, err)
     return resp
 
 
