@@ -78,10 +78,6 @@ class Generation:
         self._pump_task: asyncio.Task[None] | None = None
         self.completion_tokens = 0
 
-    @property
-    def shared(self) -> bool:
-        return self._changed is not None
-
     def start_pump(self, tg: asyncio.TaskGroup) -> None:
         self._changed = asyncio.Event()
         self._pump_task = tg.create_task(self._pump(), name=f"pump-{self.engine_id}")

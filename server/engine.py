@@ -21,6 +21,7 @@ preemptions) arrive through a vLLM stat logger registered at construction.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -77,7 +78,9 @@ class _StatsBox:
             preempted = getattr(iteration_stats, "num_preempted_reqs", 0) if iteration_stats else 0
             if scheduler_stats is None:
                 if preempted:
-                    self._stats = _replace(s, preemptions_total=s.preemptions_total + preempted)
+                    self._stats = dataclasses.replace(
+                        s, preemptions_total=s.preemptions_total + preempted
+                    )
                 return
             pc = scheduler_stats.prefix_cache_stats
             self._stats = EngineStats(
@@ -88,12 +91,6 @@ class _StatsBox:
                 prefix_cache_queries_total=s.prefix_cache_queries_total + int(pc.queries),
                 prefix_cache_hits_total=s.prefix_cache_hits_total + int(pc.hits),
             )
-
-
-def _replace(stats: EngineStats, **changes: Any) -> EngineStats:
-    import dataclasses
-
-    return dataclasses.replace(stats, **changes)
 
 
 def _stat_logger_factory(box: _StatsBox) -> Callable[..., StatLoggerBase]:
@@ -176,10 +173,6 @@ class EngineAdapter:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     @property
-    def started(self) -> bool:
-        return self._llm is not None
-
-    @property
     def errored(self) -> bool:
         return self._llm is not None and bool(self._llm.errored)
 
@@ -190,9 +183,6 @@ class EngineAdapter:
 
     def stats(self) -> EngineStats:
         return self._stats.get()
-
-    def num_unfinished(self) -> int:
-        return 0 if self._llm is None else int(self._llm.get_num_unfinished_requests())
 
     # -- tokenization -------------------------------------------------------
 

@@ -314,12 +314,15 @@ def _finish_reason(reason: str | None) -> Any:
 def _traced(
     endpoint: str,
 ) -> Callable[[Callable[[web.Request, _Trace], Awaitable[web.StreamResponse]]], Handler]:
-    """Give a generation endpoint its trace: status, latency metrics, access log."""
+    """Give a generation endpoint its auth and phase checks and its trace:
+    status, latency metrics, access log."""
 
     def wrap(fn: Callable[[web.Request, _Trace], Awaitable[web.StreamResponse]]) -> Handler:
         async def handler(request: web.Request) -> web.StreamResponse:
             tr = _Trace(_request_id(request), endpoint, time.monotonic())
             try:
+                _check_auth(request)
+                _check_accepting(request)
                 return await fn(request, tr)
             except SluiceError as err:
                 tr.status, tr.error = err.status, err.code or err.message[:80]
@@ -340,8 +343,6 @@ def _traced(
 
 @_traced("chat")
 async def chat_completions(request: web.Request, tr: _Trace) -> web.StreamResponse:
-    _check_auth(request)
-    _check_accepting(request)
     body = await _read_body(request)
     req = parse_chat(body, limits(request))
     _check_model(request, req.model)
@@ -500,8 +501,6 @@ async def _stream_chat(
 
 @_traced("completions")
 async def completions(request: web.Request, tr: _Trace) -> web.StreamResponse:
-    _check_auth(request)
-    _check_accepting(request)
     body = await _read_body(request)
     req = parse_completion(body, limits(request))
     _check_model(request, req.model)

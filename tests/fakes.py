@@ -104,9 +104,6 @@ class FakeEngine:
     def stats(self) -> EngineStats:
         return self.stats_value
 
-    def num_unfinished(self) -> int:
-        return len(self._producers)
-
     @property
     def unfinished(self) -> set[str]:
         return set(self._producers)
