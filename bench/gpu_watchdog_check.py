@@ -58,6 +58,7 @@ def child_main() -> int:
                 print(f"oom {allocated}", flush=True)
                 continue
             held.append(t)
+            del t  # `held` is the only reference, so "free" really frees it
             allocated += int(arg)
             print(f"ok {allocated}", flush=True)
         elif cmd == "free":
