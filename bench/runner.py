@@ -100,7 +100,7 @@ class ClientPool:
                     text=True,
                     env=env,
                     cwd=ROOT,
-                    start_new_session=True,
+                    process_group=0,
                 )
             )
             err.close()
@@ -341,7 +341,7 @@ class Runner:
                 stderr=subprocess.STDOUT,
                 env=cfg.env,
                 cwd=ROOT,
-                start_new_session=True,
+                process_group=0,
             )
             try:
                 rc = proc.wait(timeout=cfg.server_timeout + 600)

@@ -2,8 +2,14 @@
 
 Why it exists: both servers must get the same engine flags, listen on loopback
 only, and leave nothing behind. vLLM starts engine-core processes (spawn), so
-each server runs in its own session (process group) and is stopped by signalling
-the whole group: SIGTERM, then SIGKILL after a grace period.
+each server runs in its own process group and is stopped by signalling the
+whole group: SIGTERM, then SIGKILL after a grace period.
+
+A process group, not a session: with the kernel's autogroup scheduling (on by
+default), each session is a scheduling group of its own, and on a 2-core
+machine a freshly started server's group starved the client's group for
+seconds at a time: the client read whole responses in one piece, late. Every
+process of a run (servers, raw engine, clients) stays in the runner's session.
 """
 
 from __future__ import annotations
@@ -104,7 +110,7 @@ class Server:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
-                start_new_session=True,
+                process_group=0,
             )
         url = self.base_url + ready_path(self.system)
         while True:
@@ -140,7 +146,7 @@ class Server:
         """SIGTERM the process group, SIGKILL it after `grace` s, reap the leader."""
         if self.proc is None:
             return
-        pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
+        pgid = self.proc.pid  # process_group=0: the leader's pid is the group id
         kill_group(pgid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and group_alive(pgid):

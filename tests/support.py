@@ -1,8 +1,15 @@
 """Run Sluice as a subprocess for integration and system tests.
 
-Each `SluiceProcess` is its own process group (start_new_session), so that
-stopping it also reaps vLLM's engine processes: nothing a test starts outlives
-it. Loopback only, free ports, bounded waits.
+Each `SluiceProcess` is its own process group, so that stopping it also reaps
+vLLM's engine processes: nothing a test starts outlives it. Loopback only,
+free ports, bounded waits.
+
+A process group, not a new session: with the kernel's autogroup scheduling on
+(`/proc/sys/kernel/sched_autogroup_enabled`, on by default), a new session is
+a new scheduling group, and on these two cores a freshly started server's
+group starved the test process for 10-15 s at a time (its run-queue wait in
+/proc/PID/schedstat grew 14.3 s in 15 s; it read its streams in one piece at
+the end, and missed the drain it was meant to watch). One session, one group.
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ class SluiceProcess:
             env=full_env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            process_group=0,
         )
 
     def wait_ready(self, timeout: float = 240.0) -> None:

@@ -1,10 +1,8 @@
 """System tests: Sluice as a subprocess on the demo model, as systemd runs it.
 
-* SIGTERM with ten streams in flight: all ten end with [DONE], the process
-  exits 0; a test NOTIFY_SOCKET sees READY=1 after warm-up, WATCHDOG=1 pings
-  and STOPPING=1. (That new requests get 503 while draining is covered by
-  tests/unit/test_driver.py and test_handlers.py; over a real socket under
-  full CPU load it flaked here, see bench/results/ANALYSIS.md.)
+* SIGTERM with ten streams in flight: all ten end with [DONE], a request sent
+  during the drain gets 503 with Retry-After, the process exits 0; a test
+  NOTIFY_SOCKET sees READY=1 after warm-up, WATCHDOG=1 pings and STOPPING=1.
 * SIGKILL of the engine core while streams run: every caller gets an error
   within seconds, none hangs, the process exits non-zero.
 """
@@ -109,6 +107,15 @@ async def test_sigterm_drains_streams_and_notifies(demo_cache_root: Path, tmp_pa
             # two cores), ask for a drain.
             await _all_started(proc.base, 10)
             proc.signal(signal.SIGTERM)
+            await asyncio.sleep(0.1)
+            late = await client.post(
+                proc.base + "/v1/chat/completions",
+                json={**_stream_body(4), "stream": False},
+            )
+            assert late.status_code == 503, late.text
+            assert int(late.headers["Retry-After"]) >= 1
+            assert late.json()["error"]["code"] == "draining", late.text
+            assert await asyncio.to_thread(metric, proc.base, "sluice_pending_requests") > 0
             results = await asyncio.wait_for(asyncio.gather(*streams), 120)
         for lines in results:
             assert lines[-1] == "data: [DONE]"
