@@ -41,6 +41,12 @@ Rules (the numbers refer to the brief this core was built against):
    an addition to the plain load test: the driver's snapshot can be older than our own
    last dispatch, and a stale "idle" must not turn the window off under load. Held
    prefix followers keep their (few milliseconds of) delay.
+   Lone arrivals (`release_lone`): a request admitted more than `window` after the
+   previous admission is released by the next `due()` (LONE), with whatever its group
+   holds. At that arrival rate no company is expected within the window, so waiting
+   would only add latency (a busy engine takes it at its next step either way); the
+   requests that follow it closely wait out their window as usual, so a burst still
+   coalesces behind its first request.
 9. Admission states: SHEDDING refuses new work (MEMORY); CRITICAL refuses new work
    and `due()` releases nothing (expiry still runs; `next_deadline()` then reports
    expiry times only, so a driver does not spin); DRAINING refuses (DRAINING) and keeps
@@ -53,6 +59,7 @@ allocates, per request, one internal record, one subscriber dict, the heap entry
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from heapq import heappop, heappush
 
@@ -99,6 +106,7 @@ _IMMEDIATE = ReleaseReason.IMMEDIATE
 _SIZE_CAP = ReleaseReason.SIZE_CAP
 _TOKEN_CAP = ReleaseReason.TOKEN_CAP
 _EARLY = ReleaseReason.EARLY
+_LONE = ReleaseReason.LONE
 _FOLLOW = ReleaseReason.PREFIX_FOLLOW
 
 
@@ -156,6 +164,9 @@ class Coalescer:
         self._groups: dict[GroupKey, _Group] = {}
         self._ready: list[_Group] = []
         self._ready_at = 0.0  # when the first group in _ready reached a cap
+        self._lone: list[_Gen] = []  # lone arrivals, released by the next due()
+        self._lone_at = 0.0  # when the first of them was admitted
+        self._last_add = -math.inf  # time of the latest admission (rule 8)
         self._gens: dict[str, _Gen] = {}  # queued + held generations, by request id
         self._subs: dict[str, _Gen] = {}  # queued + held subscribers
         self._dedupe: dict[Hashable, _Gen] = {}
@@ -267,6 +278,7 @@ class Coalescer:
             if gen is not None:
                 if self._q_reqs + self._f_reqs >= cfg.max_pending_requests:
                     return self._refuse_requests(rid, now)
+                self._last_add = now
                 return self._join(gen, request)
         ptok = len(request.prompt_tokens)
         tokens = ptok + request.max_new_tokens
@@ -307,6 +319,11 @@ class Coalescer:
         self._q_tokens += tokens
         self._n_admitted += 1
         heappush(self._wheap, (request.arrival + cfg.window, seq, gen))
+        if cfg.release_lone and now - self._last_add > cfg.window > 0:
+            if not self._lone:
+                self._lone_at = now
+            self._lone.append(gen)
+        self._last_add = now
         if request.deadline is not None:
             heappush(self._xheap, (request.deadline, seq, request))
         if (
@@ -438,6 +455,7 @@ class Coalescer:
         self._dedupe.clear()
         self._groups.clear()
         self._ready = []
+        self._lone = []
         self._wheap.clear()
         self._xheap.clear()
         self._held.clear()
@@ -474,6 +492,10 @@ class Coalescer:
             self._ready = [g for g in self._ready if g.ready]
             if self._ready and (best is None or self._ready_at < best):
                 best = self._ready_at
+        if self._lone:
+            self._lone = [g for g in self._lone if g.state == _QUEUED]
+            if self._lone and (best is None or self._lone_at < best):
+                best = self._lone_at
         wheap = self._wheap
         while wheap and wheap[0][2].state != _QUEUED:
             heappop(wheap)
@@ -514,6 +536,12 @@ class Coalescer:
                 group.ready = False
                 if group.n:
                     self._cut(group, now, None, out)
+        if self._lone:
+            lone = self._lone
+            self._lone = []
+            for gen in lone:
+                if gen.state == _QUEUED:
+                    self._cut(gen.group, now, _LONE, out)
         wheap = self._wheap
         if wheap and wheap[0][0] <= now:
             reason = _IMMEDIATE if self.config.window == 0 else _DEADLINE

@@ -32,6 +32,7 @@ class CoalescerConfig:
     max_pending_requests: int = 1024  # queued + in-flight subscribers
     max_pending_tokens: int = 1_000_000  # queued + in-flight tokens (prompt + max_new)
     adaptive: bool = True  # release early when the engine is idle
+    release_lone: bool = True  # release at once a request that follows a quiet spell
     dedupe: bool = True
     prefix_block: int = 16  # tokens per KV block; 0 disables leader/follower
     prefix_follow_delay: float = 0.005  # followers go this long after their leader

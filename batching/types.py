@@ -91,6 +91,7 @@ class ReleaseReason(enum.Enum):
     SIZE_CAP = "size_cap"  # the group reached max_batch_seqs
     TOKEN_CAP = "token_cap"  # the group reached max_batch_tokens (prompt tokens)
     EARLY = "early"  # adaptive: the engine was idle, waiting is pure latency
+    LONE = "lone"  # adaptive: arrived after a quiet spell longer than the window
     IMMEDIATE = "immediate"  # window == 0
     PREFIX_FOLLOW = "prefix_follow"  # followers held back behind a shared-prefix leader
 

@@ -123,6 +123,7 @@ def coalescer_config(s: Settings) -> CoalescerConfig:
         max_pending_requests=s.max_pending_requests,
         max_pending_tokens=s.max_pending_tokens,
         adaptive=s.adaptive_window,
+        release_lone=s.adaptive_window,
         dedupe=s.dedupe,
         prefix_block=s.prefix_block if s.prefix_leader else 0,
     )

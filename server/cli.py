@@ -53,7 +53,8 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
         "--adaptive-window",
         action=argparse.BooleanOptionalAction,
         default=d.adaptive_window,
-        help="skip the window while the engine is idle (default: %(default)s)",
+        help="skip the window when waiting buys nothing: the engine is idle, or the request "
+        "follows a quiet spell longer than the window (default: %(default)s)",
     )
     g.add_argument(
         "--max-batch-seqs",

@@ -44,6 +44,7 @@ def req(
 
 def cfg(**kw: object) -> CoalescerConfig:
     kw.setdefault("prefix_block", 0)  # prefix rule off unless a test is about it
+    kw.setdefault("release_lone", False)  # likewise the lone-arrival rule
     return CoalescerConfig(**kw)  # type: ignore[arg-type]
 
 
@@ -366,6 +367,49 @@ def test_adaptive_off() -> None:
     co = Coalescer(cfg(window=0.010, adaptive=False))
     co.add(req("a", 0.0), 0.0)
     assert co.due(0.001, IDLE) == []
+
+
+def test_lone_arrival_is_released_at_once_and_a_burst_behind_it_coalesces() -> None:
+    co = Coalescer(cfg(window=0.010, release_lone=True))
+    co.add(req("a", 0.0), 0.0)  # nothing admitted before: a quiet spell
+    assert co.next_deadline() == 0.0
+    [b] = co.due(0.0, BUSY)  # even with a busy engine
+    assert ids(b) == ["a"] and b.reason is ReleaseReason.LONE
+    co.add(req("b", 0.002), 0.002)  # 2 ms after "a": company is likely
+    co.add(req("c", 0.005), 0.005)
+    assert co.due(0.005, BUSY) == []
+    assert co.next_deadline() == 0.012
+    [b] = co.due(0.012, BUSY)
+    assert ids(b) == ["b", "c"] and b.reason is ReleaseReason.DEADLINE
+    co.add(req("d", 0.0151), 0.0151)  # 10.1 ms after "c": quiet again
+    [b] = co.due(0.0151, BUSY)
+    assert ids(b) == ["d"] and b.reason is ReleaseReason.LONE
+
+
+def test_joins_count_as_arrivals() -> None:
+    co = Coalescer(cfg(window=0.010, release_lone=True))
+
+    def greedy(rid: str, now: float) -> Request:
+        return Request(rid, M, (7, 8, 9), 4, now, fingerprint="greedy")
+
+    co.add(req("a", 0.0), 0.0)
+    assert ids(co.due(0.0)[0]) == ["a"]  # lone
+    co.add(greedy("b", 0.005), 0.005)  # 5 ms later: queued
+    co.add(greedy("c", 0.014), 0.014)  # joins "b"
+    [b] = co.due(0.015)
+    assert [e.subscribers for e in b.entries] == [("b", "c")]
+    co.add(req("d", 0.020), 0.020)  # 6 ms after the join ("b" was 15 ms ago)
+    assert co.due(0.020) == []
+
+
+def test_lone_rule_off_or_window_zero() -> None:
+    co = Coalescer(cfg(window=0.010, release_lone=False))
+    co.add(req("a", 0.0), 0.0)
+    assert co.due(0.001, BUSY) == []
+    co = Coalescer(cfg(window=0.0, release_lone=True))
+    co.add(req("a", 0.0), 0.0)
+    [b] = co.due(0.0)
+    assert b.reason is ReleaseReason.IMMEDIATE
 
 
 # -- events, counters, reject (rules 1, 9) -----------------------------------

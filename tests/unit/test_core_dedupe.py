@@ -36,6 +36,7 @@ def req(
 
 def co_(**kw: object) -> Coalescer:
     kw.setdefault("prefix_block", 0)
+    kw.setdefault("release_lone", False)
     return Coalescer(CoalescerConfig(**kw))  # type: ignore[arg-type]
 
 

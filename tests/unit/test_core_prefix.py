@@ -30,6 +30,7 @@ def co_(**kw: object) -> Coalescer:
     kw.setdefault("prefix_block", 4)
     kw.setdefault("prefix_follow_delay", 0.005)
     kw.setdefault("prefix_memory", 2.0)
+    kw.setdefault("release_lone", False)
     return Coalescer(CoalescerConfig(**kw))  # type: ignore[arg-type]
 
 

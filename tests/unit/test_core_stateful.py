@@ -12,11 +12,14 @@ configs, and checks after every step:
   batch is ordered by (priority, prompt length, admission order);
 * after `due(now)` no subscriber is left queued past its window, unless the state is
   CRITICAL or its generation is a held prefix follower whose release time has not come;
+  the same holds from the first `due()` on for a generation admitted after a quiet
+  spell longer than the window (the lone-arrival rule);
 * pending limits are never exceeded, and all gauges match the model.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +61,7 @@ class Gen:
     seq: int  # admission order
     subs: list[str] = field(default_factory=list)
     held_until: float | None = None  # set when the model sees it held back
+    lone: bool = False  # admitted after a quiet spell: the next due() releases it
 
 
 class CoalescerMachine(RuleBasedStateMachine):
@@ -70,6 +74,7 @@ class CoalescerMachine(RuleBasedStateMachine):
         dedupe=st.booleans(),
         block=st.sampled_from([0, 2, 2]),
         adaptive=st.booleans(),
+        lone=st.booleans(),
     )
     def setup(
         self,
@@ -81,6 +86,7 @@ class CoalescerMachine(RuleBasedStateMachine):
         dedupe: bool,
         block: int,
         adaptive: bool,
+        lone: bool,
     ) -> None:
         self.cfg = CoalescerConfig(
             window=window,
@@ -93,9 +99,11 @@ class CoalescerMachine(RuleBasedStateMachine):
             prefix_follow_delay=0.003,
             prefix_memory=0.004,
             adaptive=adaptive,
+            release_lone=lone,
         )
         self.co = Coalescer(self.cfg)
         self.now = 0.0
+        self.last_add = -math.inf  # the latest admission, for the lone-arrival rule
         self.n = 0
         self.seq = 0
         self.queued: dict[str, Gen] = {}  # generation id -> Gen (queued or held)
@@ -187,6 +195,8 @@ class CoalescerMachine(RuleBasedStateMachine):
                 assert b.reason is ReleaseReason.IMMEDIATE
         if b.reason is ReleaseReason.PREFIX_FOLLOW:
             assert cfg.prefix_block > 0
+        if b.reason is ReleaseReason.LONE:
+            assert cfg.release_lone
 
     # -- rules ---------------------------------------------------------------
 
@@ -246,7 +256,10 @@ class CoalescerMachine(RuleBasedStateMachine):
             self.seq += 1
             gid = join or rid
             if join is None:
-                self.queued[gid] = Gen(r, self.seq)
+                cfg = self.cfg
+                lone = cfg.release_lone and self.now - self.last_add > cfg.window > 0
+                self.queued[gid] = Gen(r, self.seq, lone=lone)
+            self.last_add = self.now
             self.queued[gid].subs.append(rid)
             self.sub_gen[rid] = gid
             self.sub_req[rid] = r
@@ -304,6 +317,11 @@ class CoalescerMachine(RuleBasedStateMachine):
                 event("overdue subscriber still held back")
                 assert g.held_until is not None and g.held_until > self.now, (
                     f"{sid} overdue at {self.now}"
+                )
+            if g.lone:
+                event("lone generation still held back")
+                assert g.held_until is not None and g.held_until > self.now, (
+                    f"lone {sid} still queued at {self.now}"
                 )
 
     @precondition(lambda self: bool(self.flying))

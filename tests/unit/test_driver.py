@@ -36,6 +36,8 @@ async def running(
 ) -> AsyncIterator[tuple[Driver, FakeEngine]]:
     """A Driver running in its own task group; every task is cancelled on exit."""
     engine = engine or FakeEngine()
+    # As the server wires them: one switch for both adaptive rules.
+    config.setdefault("release_lone", config.get("adaptive", True))
     driver = Driver(Coalescer(CoalescerConfig(**config)), engine)
     try:
         async with asyncio.TaskGroup() as tg:
