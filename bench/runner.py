@@ -625,14 +625,17 @@ def render_markdown(
             f"## {SCENARIO_TITLES[WINDOW]}",
             "",
             "One Sluice start per configuration, its repetitions inside the block. "
-            "`adaptive`: the window is skipped while the engine is idle.",
+            "`adaptive`: the window is skipped while the engine is idle, and for a request "
+            "that follows a quiet spell longer than the window.",
             "",
             rp.render_single(wt, rp.SLUICE, WINDOW_METRICS, "window, load"),
             "",
         ]
-    out += ["## Plot", "", plot_msg, ""]
+    out += ["## Plot", ""]
     if plot_msg.startswith("plot written"):
         out += [f"![throughput vs TTFT p99]({name}.png)", ""]
+    else:
+        out += [plot_msg, ""]
     out += ["## Machine", ""] + [f"- {k}: {v}" for k, v in info.items()] + [""]
     if start_times:
         out += [

@@ -5,6 +5,9 @@ Tokenizing on the event loop cost a naive front about 8% of its CPU
 keeps at most one batch in flight: jobs that arrive while it runs wait and go
 together in the next call, so under load the tokenizer sees batches of many
 texts (one trip into the Rust tokenizer) and at low load a job goes at once.
+A call takes at most `max_jobs`: when a burst of long prompts arrives at
+once, the first of them come back (and reach the engine) while the thread
+works on the rest, instead of all of them after the whole burst.
 """
 
 from __future__ import annotations
@@ -22,9 +25,17 @@ class Batcher(Generic[J, R]):
     """`await submit(job)` -> its result; `work(jobs)` runs on `executor` and
     returns one result (or exception instance) per job, in order."""
 
-    def __init__(self, executor: Executor, work: Callable[[list[J]], list[R | BaseException]]):
+    def __init__(
+        self,
+        executor: Executor,
+        work: Callable[[list[J]], list[R | BaseException]],
+        max_jobs: int = 8,
+    ):
+        if max_jobs < 1:
+            raise ValueError("max_jobs must be >= 1")
         self._executor = executor
         self._work = work
+        self._max_jobs = max_jobs
         self._pending: list[tuple[J, asyncio.Future[R]]] = []
         self._busy = False
 
@@ -36,8 +47,9 @@ class Batcher(Generic[J, R]):
         return await fut
 
     def _start(self) -> None:
-        batch, self._pending = self._pending, []
-        batch = [(j, f) for j, f in batch if not f.cancelled()]
+        self._pending = [(j, f) for j, f in self._pending if not f.cancelled()]
+        batch = self._pending[: self._max_jobs]
+        del self._pending[: self._max_jobs]
         if not batch:
             return
         self._busy = True

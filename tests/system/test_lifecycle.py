@@ -52,8 +52,9 @@ async def _stream(client: httpx.AsyncClient, base: str, max_tokens: int) -> list
 async def _all_started(base: str, n: int) -> None:
     """Until the server has `n` requests admitted (queued or running).
 
-    Asked of the server, not seen from the client: on these two cores a
-    Python client can read its streams seconds behind the server.
+    Asked of the server, not seen from the client: on two busy cores a
+    Python client can read its streams behind the server, and the point is
+    that the server holds all ten when the signal comes.
     """
     deadline = time.monotonic() + 60
     while await asyncio.to_thread(metric, base, "sluice_pending_requests") < n:

@@ -33,6 +33,29 @@ async def test_jobs_arriving_during_a_batch_go_together() -> None:
     assert calls == [[1], [2, 3, 4]]
 
 
+async def test_a_call_takes_at_most_max_jobs_in_order() -> None:
+    calls: list[list[int]] = []
+    gate = threading.Event()
+
+    def work(jobs: list[int]) -> list[int | BaseException]:
+        calls.append(list(jobs))
+        if len(calls) == 1:
+            gate.wait(5)
+        return [-j for j in jobs]
+
+    with ThreadPoolExecutor(1) as pool:
+        b: Batcher[int, int] = Batcher(pool, work, max_jobs=2)
+        first = asyncio.ensure_future(b.submit(0))
+        await asyncio.sleep(0.05)
+        rest = [asyncio.ensure_future(b.submit(i)) for i in range(1, 6)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        assert await asyncio.gather(first, *rest) == [0, -1, -2, -3, -4, -5]
+    assert calls == [[0], [1, 2], [3, 4], [5]]
+    with pytest.raises(ValueError):
+        Batcher(pool, work, max_jobs=0)
+
+
 async def test_errors_are_per_job_and_cancelled_jobs_are_skipped() -> None:
     seen: list[list[str]] = []
 
