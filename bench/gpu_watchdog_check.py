@@ -41,7 +41,6 @@ DWELL_S = 1.0
 def child_main() -> int:
     import torch
 
-    torch.cuda.init()
     held: list[torch.Tensor] = []
     torch.zeros(1, device="cuda")  # create the context before the parent measures
     torch.cuda.synchronize()

@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -48,7 +49,7 @@ from bench.scenarios import (
     Point,
     seed_for,
 )
-from bench.servers import HOST, Server, free_port, server_command
+from bench.servers import HOST, Server, free_port, group_alive, kill_group, server_command
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
@@ -301,7 +302,7 @@ class Runner:
 
     def run_raw(self, rep: int) -> None:
         cfg = self.cfg
-        jobs = []
+        jobs: list[dict[str, Any]] = []
         for point in cfg.plan.raw_points:
             seed = seed_for(point.scenario, point.name, rep)
             argv = client_argv(cfg, "http://127.0.0.1:0", point.jobs[0], seed, Path("/dev/null"))
@@ -346,12 +347,10 @@ class Runner:
             try:
                 rc = proc.wait(timeout=cfg.server_timeout + 600)
             finally:
-                from bench.servers import group_alive, kill_group
-
                 if group_alive(proc.pid):
-                    kill_group(proc.pid, 15)
+                    kill_group(proc.pid, signal.SIGTERM)
                     time.sleep(3)
-                    kill_group(proc.pid, 9)
+                    kill_group(proc.pid, signal.SIGKILL)
                 proc.wait()
         if rc != 0 or not out_path.exists():
             log(f"  raw engine FAILED (rc {rc}); see {log_path}")
@@ -671,6 +670,7 @@ def write_report(
     series = rp.plot_points(recs, (CONCURRENCY, POISSON))
     plot_msg = rp.write_plot(series, png, f"{cfg_name}: throughput vs TTFT p99")
     meta_path = results_dir / "raw" / cfg_name / "meta.json"
+    meta: dict[str, Any]
     if runner is not None:
         meta = {
             "info": machine_info(),
