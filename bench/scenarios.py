@@ -129,6 +129,20 @@ def _random(input_len: int, output_len: int) -> tuple[str, ...]:
     )
 
 
+def _closed_loop(input_len: int, output_len: int, prompts: int, concurrency: int) -> Job:
+    """Random prompts, `concurrency` requests in flight, `prompts` in all."""
+    return Job(
+        "all",
+        (
+            *_random(input_len, output_len),
+            "--num-prompts",
+            str(prompts),
+            "--max-concurrency",
+            str(concurrency),
+        ),
+    )
+
+
 def build_plan(
     scenarios: Sequence[str],
     sizes: Sizes,
@@ -143,16 +157,7 @@ def build_plan(
     conc_points: list[Point] = []
     if CONCURRENCY in sel or RAW_CEILING in sel:
         for c, n in sizes.concurrency.items():
-            job = Job(
-                "all",
-                (
-                    *_random(input_len, output_len),
-                    "--num-prompts",
-                    str(n),
-                    "--max-concurrency",
-                    str(c),
-                ),
-            )
+            job = _closed_loop(input_len, output_len, n, c)
             conc_points.append(
                 Point(
                     CONCURRENCY,
@@ -241,16 +246,7 @@ def build_plan(
     window_points: list[Point] = []
     if WINDOW in sel:
         for label, (c, n) in (("low", sizes.window_low), ("high", sizes.window_high)):
-            job = Job(
-                "all",
-                (
-                    *_random(input_len, output_len),
-                    "--num-prompts",
-                    str(n),
-                    "--max-concurrency",
-                    str(c),
-                ),
-            )
+            job = _closed_loop(input_len, output_len, n, c)
             window_points.append(Point(WINDOW, f"{label} (c={c})", (job,), concurrency=c))
     return Plan(
         tuple(points),
