@@ -87,6 +87,9 @@ class EngineStats:
     prefix_cache_hits_total: int = 0
 
 
+# Before the engine has reported anything: nothing in use, nothing counted.
+ENGINE_IDLE = EngineStats(kv_cache_usage=0.0, running=0, waiting=0, preemptions_total=0)
+
 GpuReading = tuple[GpuMemory, ...] | Unknown
 HostReading = HostMemory | Unknown
 EngineReading = EngineStats | Unknown
@@ -428,6 +431,7 @@ class PressurePolicy:
 
 
 __all__ = [
+    "ENGINE_IDLE",
     "MIB",
     "Decision",
     "EngineReading",

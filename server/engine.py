@@ -39,7 +39,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from server.batcher import Batcher
 from server.errors import SluiceError
 from server.protocol import Message, Sampling
-from server.watchdog import EngineStats
+from server.watchdog import ENGINE_IDLE, EngineStats
 
 log = logging.getLogger("sluice.engine")
 
@@ -60,14 +60,7 @@ class _StatsBox:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._stats = EngineStats(
-            kv_cache_usage=0.0,
-            running=0,
-            waiting=0,
-            preemptions_total=0,
-            prefix_cache_queries_total=0,
-            prefix_cache_hits_total=0,
-        )
+        self._stats = ENGINE_IDLE
 
     def get(self) -> EngineStats:
         with self._lock:

@@ -35,6 +35,7 @@ import psutil
 from prometheus_client import CollectorRegistry, Gauge
 
 from batching.pressure import (
+    ENGINE_IDLE,
     Decision,
     EngineReading,
     EngineStats,
@@ -53,6 +54,7 @@ from batching.pressure import (
 log = logging.getLogger("sluice.watchdog")
 
 __all__ = [
+    "ENGINE_IDLE",
     "EngineReader",
     "EngineStats",
     "HostMemoryReader",

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from server.errors import SluiceError
-from server.watchdog import EngineStats
+from server.watchdog import ENGINE_IDLE, EngineStats
 
 
 @dataclass
@@ -66,16 +66,7 @@ class FakeEngine:
     aborted: list[str] = field(default_factory=list)
     _producers: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     _dead: bool = False
-    stats_value: EngineStats = field(
-        default_factory=lambda: EngineStats(
-            kv_cache_usage=0.0,
-            running=0,
-            waiting=0,
-            preemptions_total=0,
-            prefix_cache_queries_total=0,
-            prefix_cache_hits_total=0,
-        )
-    )
+    stats_value: EngineStats = ENGINE_IDLE
 
     def __post_init__(self) -> None:
         self.info = SimpleNamespace(

@@ -1,4 +1,4 @@
-"""Run Sluice as a subprocess for integration and system tests.
+"""Run Sluice as a subprocess for integration and system tests; wait on a condition.
 
 Each `SluiceProcess` is its own process group, so that stopping it also reaps
 vLLM's engine processes: nothing a test starts outlives it. Loopback only,
@@ -14,6 +14,7 @@ the end, and missed the drain it was meant to watch). One session, one group.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -21,10 +22,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import httpx
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,6 +112,16 @@ class SluiceProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
+
+
+async def until(cond: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
+    """Poll `cond` until true; fail (not hang) after `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        if loop.time() > end:
+            pytest.fail(f"timed out waiting for {what or cond}")
+        await asyncio.sleep(0.005)
 
 
 def metric(base: str, name: str) -> float:

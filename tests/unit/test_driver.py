@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -20,6 +20,7 @@ from server.driver import Driver, Ticket
 from server.errors import SluiceError
 from server.protocol import Sampling
 from tests.fakes import FakeEngine
+from tests.support import until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -73,15 +74,6 @@ def submit(
     return driver.submit(
         req, FakeEngine.sampling_params(Sampling(max_tokens=max_tokens), max_tokens)
     )
-
-
-async def until(cond: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        if loop.time() > end:
-            pytest.fail(f"timed out waiting for {what or cond}")
-        await asyncio.sleep(0.005)
 
 
 async def read_all(ticket: Ticket) -> list[Any]:

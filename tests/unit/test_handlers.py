@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
-from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -22,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.app import DRIVER, RUNTIME, Phase
 from tests.fakes import FakeEngine
+from tests.support import until
 
 # A hang is a failure, not a five-minute stall of the suite.
 pytestmark = pytest.mark.timeout(30)
@@ -37,16 +37,6 @@ def chat(**kw: Any) -> dict[str, Any]:
 
 def comp(**kw: Any) -> dict[str, Any]:
     return {"model": "fake", "prompt": "abc", "max_tokens": 5, **kw}
-
-
-async def until(cond: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
-    """Poll `cond` until true; fail (not hang) after `timeout` seconds."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        if loop.time() > end:
-            pytest.fail(f"timed out waiting for {what or cond}")
-        await asyncio.sleep(0.01)
 
 
 def real(ids: list[str]) -> list[str]:
