@@ -83,6 +83,7 @@ class FakeEngine:
             max_num_batched_tokens=2048,
         )
         self.started = False
+        self.shut_down = False
 
     async def start(self) -> None:
         await asyncio.sleep(self.start_delay)
@@ -91,6 +92,7 @@ class FakeEngine:
         self.started = True
 
     def shutdown(self) -> None:
+        self.shut_down = True
         for task in self._producers.values():
             task.cancel()
 
