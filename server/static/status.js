@@ -71,6 +71,8 @@
     const [lo, hi] = [u.scales.x.min, u.scales.x.max];
     ctx.save();
     ctx.font = `${Math.round(10 * devicePixelRatio)}px system-ui, sans-serif`;
+    ctx.textAlign = "left"; // uPlot leaves the axes' alignment behind
+    ctx.textBaseline = "alphabetic";
     ctx.lineWidth = 1.5 * devicePixelRatio;
     ctx.setLineDash([4 * devicePixelRatio, 3 * devicePixelRatio]);
     let drawn = 0;
@@ -84,7 +86,9 @@
       ctx.moveTo(x, bbox.top);
       ctx.lineTo(x, bbox.top + bbox.height);
       ctx.stroke();
-      ctx.fillText(m.state, x + 3 * devicePixelRatio, bbox.top + 11 * devicePixelRatio);
+      // Alternate two rows, so that the labels of close changes do not overprint.
+      const row = 11 + 12 * (drawn % 2);
+      ctx.fillText(m.state, x + 3 * devicePixelRatio, bbox.top + row * devicePixelRatio);
       drawn += 1;
     }
     ctx.restore();
@@ -117,6 +121,7 @@
     ctx.save();
     ctx.font = `${Math.round(10 * px)}px system-ui, sans-serif`;
     ctx.textAlign = "right";
+    ctx.textBaseline = "alphabetic";
     ctx.lineWidth = px;
     ctx.setLineDash([6 * px, 4 * px]);
     for (const [kind, gib, signals] of lines.values()) {

@@ -12,6 +12,7 @@ with the reason; in CI (CI=true) they fail.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import shutil
@@ -19,11 +20,17 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from server.metrics import Metrics
+from server.middleware import auth_middleware, error_middleware
+from server.settings import Settings
+from server.state import METRICS, SETTINGS, STATUS
 from server.status import Snapshot, StatusSampler
+from server.status_page import add_status_routes
 
 ROOT = Path(__file__).resolve().parents[2]
 STATIC = ROOT / "server" / "static"
@@ -137,7 +144,7 @@ async def check_page(
     return probe
 
 
-# ------------------------------------------------------------------ harness
+# ---------------------------------------------- a made-up busy server, no engine
 
 
 def busy_snapshots(n: int) -> list[Snapshot]:
@@ -174,21 +181,14 @@ def busy_snapshots(n: int) -> list[Snapshot]:
     return out
 
 
-def harness_app(sampler: StatusSampler, key: str | None = None) -> web.Application:
-    """A test-only app serving the page as Sluice does: /, /static, /status.json."""
-
-    async def index(request: web.Request) -> web.FileResponse:
-        return web.FileResponse(STATIC / "index.html")
-
-    async def status(request: web.Request) -> web.Response:
-        if key is not None and request.headers.get("Authorization") != f"Bearer {key}":
-            return web.json_response({"error": {"message": "bad key"}}, status=401)
-        return web.Response(body=sampler.body(), content_type="application/json")
-
-    app = web.Application()
-    app.router.add_get("/", index)
-    app.router.add_get("/status.json", status)
-    app.router.add_static("/static", STATIC)
+def page_app(sampler: StatusSampler, key: str | None = None) -> web.Application:
+    """Sluice's own page routes and middlewares around a made-up ring buffer
+    (no engine): what the browser gets is what `sluice serve` sends."""
+    app = web.Application(middlewares=[error_middleware, auth_middleware])
+    app[SETTINGS] = Settings(api_key=key)
+    app[METRICS] = Metrics()
+    app[STATUS] = sampler
+    add_status_routes(app)
     return app
 
 
@@ -221,7 +221,7 @@ def filled_sampler(n: int = 300) -> StatusSampler:
 @pytest.fixture
 async def harness(request: pytest.FixtureRequest) -> AsyncIterator[TestServer]:
     key = getattr(request, "param", None)
-    server = TestServer(harness_app(filled_sampler(), key=key), host="127.0.0.1")
+    server = TestServer(page_app(filled_sampler(), key=key), host="127.0.0.1")
     await server.start_server()
     try:
         yield server
@@ -273,4 +273,53 @@ async def test_the_key_is_asked_once_and_sent_as_a_header(
     stored = await browser_page.evaluate("sessionStorage.getItem('sluice.apiKey')")
     assert stored == "s3cret-key"
     assert await browser_page.is_hidden("#key-form")
+    assert console.errors == []
+
+
+# ------------------------------------------------------- the real demo server
+
+
+async def _traffic(base: str, seconds: float, streams: int = 6) -> int:
+    """Chat requests from `streams` concurrent callers for `seconds`; the count."""
+    done = 0
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    body = {
+        "model": "sluice-demo",
+        "messages": [{"role": "user", "content": "Tell me about rivers."}],
+        "max_tokens": 24,
+    }
+
+    async def caller(client: httpx.AsyncClient) -> None:
+        nonlocal done
+        while loop.time() < end:
+            r = await client.post(base + "/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            done += 1
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        await asyncio.gather(*(caller(client) for _ in range(streams)))
+    return done
+
+
+@pytest.mark.engine
+async def test_the_demo_server_status_page(sluice_server: Any, browser_page: Any) -> None:
+    """Sluice on the demo model under a little traffic: every plot it can fill
+    draws (no callers without keys), the header says ok, the console is clean."""
+    console = Console(browser_page)
+    traffic = asyncio.create_task(_traffic(sluice_server.base, seconds=12.0))
+    try:
+        await asyncio.sleep(4.0)  # a few seconds of samples with traffic in them
+        probe = await check_page(
+            browser_page,
+            sluice_server.base + "/",
+            charts=tuple(c for c in ALL_CHARTS if c != "callers"),
+            screenshot="status-page.png",
+        )
+    finally:
+        sent = await traffic
+    assert sent > 20
+    assert probe["charts"]["memory"]["series"] == ["host available"]  # no NVML here
+    assert await browser_page.text_content("#state") == "ok"
+    assert await browser_page.text_content("#model") == "sluice-demo"
     assert console.errors == []
