@@ -307,9 +307,9 @@ async def test_the_demo_server_status_page(sluice_server: Any, browser_page: Any
     """Sluice on the demo model under a little traffic: every plot it can fill
     draws (no callers without keys), the header says ok, the console is clean."""
     console = Console(browser_page)
-    traffic = asyncio.create_task(_traffic(sluice_server.base, seconds=12.0))
+    traffic = asyncio.create_task(_traffic(sluice_server.base, seconds=15.0))
     try:
-        await asyncio.sleep(4.0)  # a few seconds of samples with traffic in them
+        await asyncio.sleep(8.0)  # seconds of samples with traffic in them
         probe = await check_page(
             browser_page,
             sluice_server.base + "/",
