@@ -184,7 +184,7 @@ class StatusSampler:
             snap = self._snapshot()
         except Exception:
             if not self._failing:
-                log.exception("status: snapshot failed; the page shows a gap")
+                log.exception("status: snapshot failed; the page skips that second")
             self._failing = True
             return None
         self._failing = False
