@@ -120,6 +120,12 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         "(default: from the model's config.json, bf16)",
     )
     ap.add_argument(
+        "--systems",
+        default=f"{rp.SLUICE},{rp.VLLM}",
+        help="servers to run, comma-separated (default: sluice,vllm; `sluice` alone "
+        "for an A/B of Sluice flags under --name)",
+    )
+    ap.add_argument(
         "--sluice-args",
         default="",
         help="extra `sluice serve` flags for Sluice only (quoted string)",
@@ -153,6 +159,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = set(scenarios) - set(SCENARIOS)
     if unknown:
         print(f"unknown scenarios: {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    systems = tuple(s.strip() for s in ns.systems.split(",") if s.strip())
+    if not systems or set(systems) - {rp.SLUICE, rp.VLLM}:
+        print(f"--systems takes {rp.SLUICE} and/or {rp.VLLM}", file=sys.stderr)
         return 2
     demo = ns.model is None
     name = ns.name or ("demo-cpu" if demo else Path(ns.model.rstrip("/")).name.lower())
@@ -217,6 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         repeat=repeat,
         quick=ns.quick,
         sluice_flags=shlex.split(ns.sluice_args),
+        systems=systems,
         env=env,
         server_timeout=ns.server_timeout,
     )

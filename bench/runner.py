@@ -100,6 +100,7 @@ class RunConfig:
     repeat: int
     quick: bool
     sluice_flags: list[str] = field(default_factory=list)
+    systems: tuple[str, ...] = (rp.SLUICE, rp.VLLM)  # servers compared (an A/B: Sluice only)
     env: dict[str, str] = field(default_factory=dict)
     server_timeout: float = 600.0
 
@@ -500,6 +501,7 @@ class Runner:
             groups = by_engine(plan.points)
             for rep in range(1, cfg.repeat + 1):
                 order = [rp.SLUICE, rp.VLLM] if rep % 2 else [rp.VLLM, rp.SLUICE]
+                order = [system for system in order if system in cfg.systems]
                 for engine, points in groups:
                     for system in order:
                         label = rp.SYSTEM_TITLES[system] + (f", {engine.name}" if engine else "")
