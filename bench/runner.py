@@ -230,11 +230,12 @@ def _combine(
 
 def _headline(m: dict[str, float]) -> str:
     """The log line's numbers: throughput and the first TTFT the point has."""
+    rate = m.get("req_s", m.get("flood_span_req_s"))
+    head = "" if rate is None else f"{rate:.1f} req/s, "
     for prefix in ("", "short_", "chat_"):
         if f"{prefix}ttft_p50" in m:
             return (
-                f"{m.get('req_s', m.get('flood_span_req_s', float('nan'))):.1f} req/s, "
-                f"{prefix}TTFT p50 {m[prefix + 'ttft_p50']:.0f} ms, "
+                f"{head}{prefix}TTFT p50 {m[prefix + 'ttft_p50']:.0f} ms, "
                 f"p95 {m.get(prefix + 'ttft_p95', float('nan')):.0f} ms, "
                 f"p99 {m.get(prefix + 'ttft_p99', float('nan')):.0f} ms"
             )

@@ -253,7 +253,9 @@ def _closed_loop(input_len: int, output_len: int, prompts: int, concurrency: int
     )
 
 
-def _mixed_jobs(max_model_len: int, rate: float, seconds: float) -> tuple[Job, ...]:
+def _mixed_jobs(
+    max_model_len: int, rate: float, seconds: float, extra: tuple[str, ...] = ()
+) -> tuple[Job, ...]:
     """The three concurrent Poisson clients of the 70/20/10 mixed load."""
     return tuple(
         Job(
@@ -264,6 +266,7 @@ def _mixed_jobs(max_model_len: int, rate: float, seconds: float) -> tuple[Job, .
                 str(j.num_prompts),
                 "--request-rate",
                 f"{j.request_rate:g}",
+                *extra,
             ),
         )
         for j in split_mixed(mixed_classes(max_model_len), rate, seconds)
@@ -408,7 +411,10 @@ def build_plan(
             points.extend(_noisy_points(sizes, kv))
         if PAST_CAPACITY in sel:
             rate = sizes.past_capacity_rate
-            jobs = _mixed_jobs(KV_BOUND_CONTEXT, rate, sizes.past_capacity_seconds)
+            # per-request detail: a refusal's reason goes to the report's notes
+            jobs = _mixed_jobs(
+                KV_BOUND_CONTEXT, rate, sizes.past_capacity_seconds, ("--save-detailed",)
+            )
             points.append(Point(PAST_CAPACITY, f"{rate:g} req/s", jobs, engine=kv))
     window_points: list[Point] = []
     if WINDOW in sel:

@@ -310,6 +310,7 @@ def test_plan_past_capacity_reuses_the_mixed_classes_on_the_kv_bound_engine() ->
     assert past.engine.flags[1] == str(16_384 * 2048)
     assert [j.role for j in past.jobs] == ["short", "medium", "long"]
     assert [_arg(j.args, "--random-input-len") for j in past.jobs] == ["32", "256", "2048"]
+    assert all("--save-detailed" in j.args for j in past.jobs)  # refusal reasons
     rates = [float(_arg(j.args, "--request-rate")) for j in past.jobs]
     assert sum(rates) == pytest.approx(FULL.past_capacity_rate)
     assert past.callers == ()
@@ -588,11 +589,17 @@ def test_issue11_sweep_and_past_capacity_targets() -> None:
     ):
         for point, r in zip(("c=1", "c=32", "c=128", WIDE_POINT), rates, strict=True):
             recs.append(rp.Record(CONCURRENCY, point, system, 1, {"req_s": r, "ttft_p99": r * 100}))
-    recs.append(rp.Record(PAST_CAPACITY, "24 req/s", rp.SLUICE, 1, {"short_ttft_p95": 50.0}))
+    recs.append(
+        rp.Record(PAST_CAPACITY, "24 req/s", rp.SLUICE, 1, {"short_ttft_p95": 50.0, "failed": 3.0})
+    )
     recs.append(rp.Record(PAST_CAPACITY, "24 req/s", rp.VLLM, 1, {"short_ttft_p95": 90.0}))
     by = {t: (m, v) for t, m, v in tg.issue11(recs)}
     assert by["mixed past capacity (24 req/s): short TTFT p95 >= 2x better than vLLM"] == (
         "50 ms vs 90 ms (1.80x better)",
+        "MISSED",
+    )
+    assert by["mixed past capacity (24 req/s): nothing refused (TTFT counts answers only)"] == (
+        "3 refused (worst repetition)",
         "MISSED",
     )
     sweep = "no throughput regression (Sluice req/s >= 0.9x vLLM, noise band)"
