@@ -294,10 +294,11 @@ def test_plan_noisy_neighbour_on_a_kv_bound_engine() -> None:
     assert _arg(fl.args, "--random-input-len") == "2000"
     assert "--request-rate" not in fl.args  # closed loop
     assert "--save-detailed" in chat.args and "--save-detailed" in fl.args
-    # 30-60 s of chat, and a flood sized to outlast it at ~5 req/s
+    # 30-60 s of chat, and a flood that outlasts it by half at the 6.9 req/s
+    # vLLM's server gave it in the pilot
     n_chat = int(_arg(chat.args, "--num-prompts"))
     assert 30 <= n_chat / 3 <= 60
-    assert int(_arg(fl.args, "--num-prompts")) / 5 >= 1.2 * n_chat / 3
+    assert int(_arg(fl.args, "--num-prompts")) / 6.9 >= 1.5 * n_chat / 3
     assert callers_of(plan.points) == ("chat", "batch")
 
 
