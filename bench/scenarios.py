@@ -174,6 +174,7 @@ KV_BOUND_CONTEXT = 4096
 # tokens a stream, seven fill the cache; the other 25 wait.
 CHAT_CALLER = "chat"
 FLOOD_CALLER = "batch"
+MIXED_CALLER = "mixed"  # the one caller of the load past capacity
 CHAT_RATE = 3.0
 CHAT_LEN = (64, 32)
 FLOOD_CONCURRENCY = 32
@@ -257,7 +258,11 @@ def _closed_loop(input_len: int, output_len: int, prompts: int, concurrency: int
 
 
 def _mixed_jobs(
-    max_model_len: int, rate: float, seconds: float, extra: tuple[str, ...] = ()
+    max_model_len: int,
+    rate: float,
+    seconds: float,
+    extra: tuple[str, ...] = (),
+    caller: str | None = None,
 ) -> tuple[Job, ...]:
     """The three concurrent Poisson clients of the 70/20/10 mixed load."""
     return tuple(
@@ -271,6 +276,7 @@ def _mixed_jobs(
                 f"{j.request_rate:g}",
                 *extra,
             ),
+            caller=caller,
         )
         for j in split_mixed(mixed_classes(max_model_len), rate, seconds)
     )
@@ -414,11 +420,17 @@ def build_plan(
             points.extend(_noisy_points(sizes, kv))
         if PAST_CAPACITY in sel:
             rate = sizes.past_capacity_rate
-            # per-request detail: a refusal's reason goes to the report's notes
+            # One caller sends the whole mix (it shares a server with the noisy
+            # neighbour's callers file); per-request detail: refusal reasons.
             jobs = _mixed_jobs(
-                KV_BOUND_CONTEXT, rate, sizes.past_capacity_seconds, ("--save-detailed",)
+                KV_BOUND_CONTEXT,
+                rate,
+                sizes.past_capacity_seconds,
+                ("--save-detailed",),
+                caller=MIXED_CALLER,
             )
             points.append(Point(PAST_CAPACITY, f"{rate:g} req/s", jobs, engine=kv))
+    check_callers(points)
     window_points: list[Point] = []
     if WINDOW in sel:
         for label, (c, n) in (("low", sizes.window_low), ("high", sizes.window_high)):
@@ -444,6 +456,15 @@ def by_engine(points: Sequence[Point]) -> list[tuple[EngineProfile | None, list[
 def callers_of(points: Sequence[Point]) -> tuple[str, ...]:
     """Every caller the points' jobs name, in order of first appearance."""
     return tuple(dict.fromkeys(c for p in points for c in p.callers))
+
+
+def check_callers(points: Sequence[Point]) -> None:
+    """Every job of a server that gets a callers file names a caller: Sluice,
+    given one, refuses a request without a key (401)."""
+    for engine, group in by_engine(points):
+        if callers_of(group) and any(j.caller is None for p in group for j in p.jobs):
+            name = engine.name if engine else "the run's engine"
+            raise ValueError(f"{name}: some jobs name a caller and others none")
 
 
 def seed_for(scenario: str, point: str, rep: int, role: str = ALL) -> int:

@@ -20,9 +20,11 @@ from bench.scenarios import (
     QUICK,
     SCENARIOS,
     WIDE_POINT,
+    EngineProfile,
     build_plan,
     by_engine,
     callers_of,
+    check_callers,
     kv_bytes_per_token,
     seed_for,
 )
@@ -314,12 +316,26 @@ def test_plan_past_capacity_reuses_the_mixed_classes_on_the_kv_bound_engine() ->
     assert all("--save-detailed" in j.args for j in past.jobs)  # refusal reasons
     rates = [float(_arg(j.args, "--request-rate")) for j in past.jobs]
     assert sum(rates) == pytest.approx(FULL.past_capacity_rate)
-    assert past.callers == ()
+    assert past.callers == ("mixed",)  # its server has the noisy neighbour's callers file
     # one server group for the run's engine, one for the KV-bound one, in plan order
     groups = by_engine(plan.points)
     assert [g.name if g else None for g, _ in groups] == [None, "KV-bound"]
     assert [p.scenario for p in groups[1][1]] == [PAST_CAPACITY]
     assert groups[0][1][0].name == "c=1"
+
+
+def test_plan_every_job_of_a_server_with_callers_names_one() -> None:
+    from bench.scenarios import Job, Point
+
+    keyed = Point(NOISY, "a", (Job("chat", (), caller="chat"),))
+    plain = Point(NOISY, "b", (Job("all", ()),))
+    with pytest.raises(ValueError, match="some jobs name a caller"):
+        check_callers([keyed, plain])
+    other = EngineProfile("other", ("--x",))
+    check_callers([keyed, Point(NOISY, "b", (Job("all", ()),), engine=other)])  # two servers
+    plan = build_plan([NOISY, PAST_CAPACITY], QUICK, max_model_len=8192, kv_bytes_per_token=1024)
+    assert callers_of(plan.points) == ("chat", "batch", "mixed")
+    assert all(j.caller for p in plan.points for j in p.jobs)
 
 
 def test_plan_kv_bound_needs_bytes_per_token() -> None:
