@@ -14,14 +14,30 @@ Rules:
   Requests count subscribers (callers); tokens count generations (a deduplicated caller
   costs one request and no tokens).
 * `prefix_block == 0` disables the shared-prefix leader/follower rule.
+* `callers` is the caller policy table (callers.py); `engine` the engine's capacity
+  (room.py; all 0 = unknown: eligible work is released at once, as before the
+  backlog existed). Both can be replaced at run time (`set_callers`, `capacity`).
+* `age_bound` (seconds, > 0, may be inf) is the backlog's anti-starvation bound
+  (backlog.py rule 3). 10 s: far above a chat turn's wait, and long enough that it
+  does not turn a caller's own short-first order into first-come-first-served while
+  its long requests wait their normal turn under load.
+* `kv_reserve_short` (0 <= x < 1) is the share of the KV cache that prompts longer
+  than `short_prompt_tokens` may not use (room.py rule 5); 0 turns it off.
 * Invalid values raise ValueError at construction, never later on the hot path.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from .callers import Callers
+from .room import EngineCapacity
+
 __all__ = ["CoalescerConfig"]
+
+_NO_CALLERS = Callers()  # every caller gets the default policy: weight 1, no limits
+_UNKNOWN_ENGINE = EngineCapacity()  # nothing held back
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +59,11 @@ class CoalescerConfig:
     # Retry-After is whole seconds anyway, and a retry sooner than about a second
     # mostly re-meets the same full queue.
     retry_after_min: float = 1.0
+    callers: Callers = _NO_CALLERS
+    engine: EngineCapacity = _UNKNOWN_ENGINE
+    age_bound: float = 10.0  # seconds a backlogged request waits before it goes first
+    kv_reserve_short: float = 0.0  # KV share long prompts leave free for short ones
+    short_prompt_tokens: int = 256  # a prompt this long or shorter counts as short
 
     def __post_init__(self) -> None:
         if self.window < 0:
@@ -59,3 +80,9 @@ class CoalescerConfig:
             raise ValueError("need 0 <= retry_after_min <= retry_after_max")
         if self.retry_after_default < 0:
             raise ValueError("retry_after_default must be >= 0")
+        if not (self.age_bound > 0 and not math.isnan(self.age_bound)):
+            raise ValueError("age_bound must be > 0 seconds (inf: no bound)")
+        if not 0.0 <= self.kv_reserve_short < 1.0:
+            raise ValueError("kv_reserve_short must be in [0, 1)")
+        if self.short_prompt_tokens < 0:
+            raise ValueError("short_prompt_tokens must be >= 0")
