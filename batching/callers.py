@@ -112,11 +112,11 @@ class TokenBucket:
 
     __slots__ = ("at", "capacity", "level", "rate")
 
-    def __init__(self, per_minute: int, now: float) -> None:
+    def __init__(self, per_minute: int) -> None:
         self.capacity = float(per_minute)
         self.rate = per_minute / 60.0
         self.level = self.capacity
-        self.at = now
+        self.at = -math.inf  # full until first used: refilling from -inf stays full
 
     def _refill(self, now: float) -> None:
         if now > self.at:
@@ -170,12 +170,12 @@ class CallerState:
         "weight",
     )
 
-    def __init__(self, policy: CallerPolicy, name: str, now: float) -> None:
+    def __init__(self, policy: CallerPolicy, name: str) -> None:
         self.name = name
         self.policy = policy
         self.weight = policy.weight
         tpm = policy.tokens_per_minute
-        self.bucket = None if tpm is None else TokenBucket(tpm, now)
+        self.bucket = None if tpm is None else TokenBucket(tpm)
         self.drain = DrainRate()
         self.counter = 0.0
         self.levels: dict[int, list[tuple[int, int, int, Gen]]] = {}
@@ -189,7 +189,7 @@ class CallerState:
         self.prompt_tokens = 0
         self.generated_tokens = 0
 
-    def set_policy(self, policy: CallerPolicy, now: float) -> None:
+    def set_policy(self, policy: CallerPolicy) -> None:
         if self.policy.max_queued is None and policy.max_queued is not None:
             self.drain = DrainRate()  # it was not measured without the limit
         self.policy = policy
@@ -198,7 +198,7 @@ class CallerState:
         if tpm is None:
             self.bucket = None
         elif self.bucket is None:
-            self.bucket = TokenBucket(tpm, now)
+            self.bucket = TokenBucket(tpm)
         else:
             self.bucket.resize(tpm)
 

@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable
+from dataclasses import replace
 from heapq import heappop, heappush
 
 from . import _fast
@@ -136,7 +137,7 @@ class Coalescer:
     """Sans-IO admission and batching policy; see the module docstring for the rules."""
 
     def __init__(self, config: CoalescerConfig) -> None:
-        self.config = config
+        self._config = config
         self._state = _OK
         self._seq = 0
         self._batch_id = 0
@@ -164,9 +165,7 @@ class Coalescer:
         self._events: list[Event] = []
         self._drain = DrainRate()
         self._memory = PrefixMemory(config.prefix_memory)
-        self._policies = config.callers
         self._callers: dict[str, CallerState] = {}
-        self._capacity = config.engine
         self._backlog = Backlog(config.age_bound)
         self._fresh: list[Gen] = []  # became eligible in the current due() call
         self._uncapped = self._no_caps()
@@ -196,16 +195,30 @@ class Coalescer:
         self._state = value
 
     @property
+    def config(self) -> CoalescerConfig:
+        return self._config
+
+    @config.setter
+    def config(self, value: CoalescerConfig) -> None:
+        """Replace the tunables (the server does once the engine has resolved its
+        limits). Queued work stays; a new age bound applies to what becomes eligible
+        afterwards."""
+        self._config = value
+        self._memory.memory = value.prefix_memory
+        self._backlog.age_bound = value.age_bound
+        self._apply_callers()
+
+    @property
     def capacity(self) -> EngineCapacity:
-        """The engine's capacity (room.py); set it once the engine has resolved it."""
-        return self._capacity
+        """The engine's capacity (room.py)."""
+        return self._config.engine
 
     @capacity.setter
     def capacity(self, value: EngineCapacity) -> None:
-        self._capacity = value
+        self._config = replace(self._config, engine=value)
 
     def _no_caps(self) -> bool:
-        p = self._policies
+        p = self._config.callers
         return not (p.default.max_concurrency or any(q.max_concurrency for q in p.policies))
 
     @property
@@ -274,17 +287,21 @@ class Coalescer:
         c = self._callers.get(name)
         return None if c is None else c.stats()
 
-    def set_callers(self, callers: Callers, now: float) -> None:
+    def set_callers(self, callers: Callers) -> None:
         """Replace the policy table (SIGHUP); queued work and counters stay."""
-        self._policies = callers
+        self._config = replace(self._config, callers=callers)
+        self._apply_callers()
+
+    def _apply_callers(self) -> None:
+        callers = self._config.callers
         for c in self._callers.values():
-            c.set_policy(callers.get(c.name), now)
+            c.set_policy(callers.get(c.name))
         self._uncapped = self._no_caps()
 
-    def _caller(self, name: str, now: float) -> CallerState:
+    def _caller(self, name: str) -> CallerState:
         c = self._callers.get(name)
         if c is None:
-            c = self._callers[name] = CallerState(self._policies.get(name), name, now)
+            c = self._callers[name] = CallerState(self._config.callers.get(name), name)
         return c
 
     def pop_events(self) -> list[Event]:
@@ -295,9 +312,9 @@ class Coalescer:
     # -- admission ---------------------------------------------------------------
 
     def add(self, request: Request, now: float) -> Admitted | Refused:
-        cfg = self.config
+        cfg = self._config
         rid = request.id
-        c = self._callers.get(request.caller) or self._caller(request.caller, now)
+        c = self._callers.get(request.caller) or self._caller(request.caller)
         if self._state is not _OK:
             return self._refuse_state(c, rid, now)
         if rid in self._subs or rid in self._gens or rid in self._in_flight:
@@ -432,12 +449,12 @@ class Coalescer:
         return c.queued + min(c.in_flight, mc) >= mq + mc
 
     def _clamp(self, t: float) -> float:
-        cfg = self.config
+        cfg = self._config
         return min(max(t, cfg.retry_after_min), cfg.retry_after_max)
 
     def _retry_after(self, excess: float, rate: float | None) -> float:
         if rate is None or rate <= 0:
-            return self._clamp(self.config.retry_after_default)
+            return self._clamp(self._config.retry_after_default)
         return self._clamp(excess / rate)
 
     def _refuse(
@@ -455,7 +472,7 @@ class Coalescer:
         return Refused(reason, retry_after, message)
 
     def _refuse_requests(self, c: CallerState, rid: str, now: float) -> Refused:
-        excess = self._q_reqs + self._f_reqs + 1 - self.config.max_pending_requests
+        excess = self._q_reqs + self._f_reqs + 1 - self._config.max_pending_requests
         return self._refuse(
             c,
             rid,
@@ -614,7 +631,7 @@ class Coalescer:
         if self._ready:
             # Drop groups that fell under the caps again (cancels, expiries), so that
             # a driver is not woken for nothing.
-            cfg = self.config
+            cfg = self._config
             for group in self._ready:
                 if group.n < cfg.max_batch_seqs and group.ptok < cfg.max_batch_tokens:
                     group.ready = False
@@ -650,7 +667,7 @@ class Coalescer:
         # Decided before this call releases anything (see rule 11).
         idle = (
             load is not None
-            and self.config.adaptive
+            and self._config.adaptive
             and load.running == 0
             and load.waiting == 0
             and not self._in_flight
@@ -678,7 +695,7 @@ class Coalescer:
                     self._cut(gen.group, _LONE)
         wheap = self._wheap
         if wheap and wheap[0][0] <= now:
-            reason = _IMMEDIATE if self.config.window == 0 else _DEADLINE
+            reason = _IMMEDIATE if self._config.window == 0 else _DEADLINE
             while wheap and wheap[0][0] <= now:
                 gen = heappop(wheap)[2]
                 if gen.state == QUEUED:
@@ -709,7 +726,7 @@ class Coalescer:
         reason None: a cap was reached; take batches only while the rest still reaches
         a cap, and keep the rest queued. Otherwise take the whole group.
         """
-        cfg = self.config
+        cfg = self._config
         max_seqs = cfg.max_batch_seqs
         max_tok = cfg.max_batch_tokens
         gens = group.gens
@@ -755,7 +772,7 @@ class Coalescer:
         """Release backlogged generations while the engine has room (rules 5-7, 10)."""
         backlog = self._backlog
         room = self._room()
-        block = self.config.prefix_block
+        block = self._config.prefix_block
         first: dict[int, Gen] = {}  # block key -> its leader in this round
         followers: dict[int, list[Gen]] = {}  # block key -> held followers (or [])
         released: list[Gen] = []
@@ -774,9 +791,9 @@ class Coalescer:
         self._round_done(released, first, followers, now, out)
 
     def _room(self) -> Room:
-        cfg = self.config
+        cfg = self._config
         return Room(
-            self._capacity,
+            cfg.engine,
             len(self._in_flight),
             self._unstarted_n,
             self._unstarted_tokens,
@@ -787,7 +804,7 @@ class Coalescer:
 
     def _room_for(self, fresh: list[Gen]) -> bool:
         """Would the engine take all of `fresh` now (the backlog being empty)?"""
-        if not self._capacity.known:
+        if not self._config.engine.known:
             return True
         room = self._room()
         for g in fresh:
@@ -803,7 +820,7 @@ class Coalescer:
         for all of it, so nothing is held and the order within the round is the order
         of eligibility; skipping the backlog's heaps keeps the common case cheap.
         """
-        block = self.config.prefix_block
+        block = self._config.prefix_block
         if len(fresh) == 1:  # window 0, or a lone arrival: rules 7 and 10 inlined
             g = fresh[0]
             c = g.caller
@@ -842,7 +859,7 @@ class Coalescer:
     ) -> bool:
         """Rule 10 for one generation picked in this round; True if held as a follower."""
         prompt = g.request.prompt_tokens
-        block = self.config.prefix_block
+        block = self._config.prefix_block
         if len(prompt) < block:
             return False
         bk = hash((g.group.key, prompt[:block]))  # as prefix.block_key, inlined
@@ -868,7 +885,7 @@ class Coalescer:
         out: list[Batch],
     ) -> None:
         """Hold this round's followers, remember its prefixes, emit its batches (rule 7)."""
-        cfg = self.config
+        cfg = self._config
         if cfg.prefix_block:
             if followers:
                 self._hold_followers(first, followers, now)
@@ -914,7 +931,7 @@ class Coalescer:
     def _hold_followers(
         self, first: dict[int, Gen], followers: dict[int, list[Gen]], now: float
     ) -> None:
-        block = self.config.prefix_block
+        block = self._config.prefix_block
         for bk, follow in followers.items():
             if not follow:
                 continue
@@ -925,7 +942,7 @@ class Coalescer:
             self._n_leaders += 1
             self._n_followers += len(follow)
             self._seq = seq = self._seq + 1
-            heappush(self._held, (now + self.config.prefix_follow_delay, seq, follow))
+            heappush(self._held, (now + self._config.prefix_follow_delay, seq, follow))
 
     def _emit(self, gens: list[Gen], reason: ReleaseReason, now: float, out: list[Batch]) -> None:
         """Release generations as one batch: move them from queued to in flight."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from batching import AdmissionState, ResultCache
+from server.callers import CallerDirectory
 from server.driver import Driver
 from server.engine_api import Engine
 from server.metrics import Metrics
@@ -24,6 +25,8 @@ from server.settings import Settings
 from server.watchdog import Watchdog
 
 __all__ = [
+    "CALLER",
+    "CALLERS",
     "DRIVER",
     "ENGINE",
     "METRICS",
@@ -76,3 +79,5 @@ RUNTIME = web.AppKey("runtime", Runtime)
 NOTIFIER = web.AppKey("notifier", SdNotify)
 WATCHDOG = web.AppKey("watchdog", Watchdog)
 RESULTS = web.AppKey[ResultCache[CachedResult]]("results")  # --result-cache-ttl
+CALLERS = web.AppKey("callers", CallerDirectory)  # who is asking (server/callers.py)
+CALLER = web.RequestKey("caller", str)  # set by the auth middleware when keys name callers

@@ -67,11 +67,13 @@ class FakeEngine:
     step: float = 0.002  # seconds per generated token
     start_delay: float = 0.0
     fail_start: bool = False
+    max_num_seqs: int = 64  # reported in ModelInfo: the core's engine slots
     added: list[str] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     _producers: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     _dead: bool = False
     stats_value: EngineStats = ENGINE_IDLE
+    peak_running: int = 0  # most requests producing at once
 
     def __post_init__(self) -> None:
         self.info = ModelInfo(
@@ -79,7 +81,7 @@ class FakeEngine:
             max_model_len=self.max_model_len,
             eos_token_id=0,
             created=0,
-            max_num_seqs=64,
+            max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=2048,
         )
         self.started = False
@@ -142,6 +144,7 @@ class FakeEngine:
         self._producers[request_id] = asyncio.create_task(
             self._produce(request_id, params, collector)
         )
+        self.peak_running = max(self.peak_running, len(self._producers))
         return collector
 
     async def _produce(self, rid: str, params: Any, collector: FakeCollector) -> None:

@@ -370,7 +370,7 @@ class BacklogMachine(RuleBasedStateMachine):
     @rule(policies=st.lists(POLICY, min_size=3, max_size=3))
     def reload(self, policies: list[CallerPolicy]) -> None:
         self.callers = table(policies)
-        self.co.set_callers(self.callers, self.now)
+        self.co.set_callers(self.callers)
 
     @rule()
     def drain(self) -> None:

@@ -141,12 +141,12 @@ def test_set_callers_applies_new_limits_and_keeps_queued_work() -> None:
     co = co_(window=1.0, engine=EngineCapacity(max_seqs=100))
     for i in range(3):
         co.add(req(f"a{i}"), 0.0)
-    co.set_callers(Callers((CallerPolicy("a", max_queued=2, max_concurrency=1, weight=2),)), 0.1)
+    co.set_callers(Callers((CallerPolicy("a", max_queued=2, max_concurrency=1, weight=2),)))
     refused(co.add(req("a9"), 0.1))
     st = co.caller("a")
     assert st is not None and (st.queued, st.weight) == (3, 2.0)
     assert [e.request.id for b in co.due(1.0) for e in b.entries] == ["a0"]  # capped at 1
-    co.set_callers(Callers(), 1.1)  # back to no limits
+    co.set_callers(Callers())  # back to no limits
     assert [e.request.id for b in co.due(1.1) for e in b.entries] == ["a1", "a2"]
-    co.set_callers(Callers((CallerPolicy("a", tokens_per_minute=60),)), 1.2)
+    co.set_callers(Callers((CallerPolicy("a", tokens_per_minute=60),)))
     refused(co.add(req("big", prompt=50, new=20), 1.2), RefusalReason.TOO_LARGE)
