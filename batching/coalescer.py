@@ -167,8 +167,11 @@ class Coalescer:
         self._memory = PrefixMemory(config.prefix_memory)
         self._callers: dict[str, CallerState] = {}
         self._backlog = Backlog(config.age_bound)
-        self._fresh: list[Gen] = []  # became eligible in the current due() call
+        # What became eligible in the current due() call: (generations, reason) cuts,
+        # each within the batch caps, in order.
+        self._fresh: list[tuple[list[Gen], ReleaseReason]] = []
         self._uncapped = self._no_caps()
+        self._known = config.engine.known  # any engine number known: room.py applies
         self._kv_usage = 0.0  # from the latest EngineLoad
         self._unstarted_n = 0  # released generations without a first output yet
         self._unstarted_tokens = 0  # their prompt tokens
@@ -204,6 +207,7 @@ class Coalescer:
         limits). Queued work stays; a new age bound applies to what becomes eligible
         afterwards."""
         self._config = value
+        self._known = value.engine.known
         self._memory.memory = value.prefix_memory
         self._backlog.age_bound = value.age_bound
         self._apply_callers()
@@ -216,6 +220,7 @@ class Coalescer:
     @capacity.setter
     def capacity(self, value: EngineCapacity) -> None:
         self._config = replace(self._config, engine=value)
+        self._known = value.known
 
     def _no_caps(self) -> bool:
         p = self._config.callers
@@ -676,10 +681,9 @@ class Coalescer:
         fresh = self._fresh  # what becomes eligible now, in order
         held = self._held
         while held and held[0][0] <= now:
-            for g in heappop(held)[2]:
-                if g.state == HELD:
-                    g.reason = _FOLLOW
-                    fresh.append(g)
+            live = [g for g in heappop(held)[2] if g.state == HELD]
+            if live:
+                fresh.append((live, _FOLLOW))
         if self._ready:
             ready = self._ready
             self._ready = []
@@ -707,13 +711,16 @@ class Coalescer:
         backlog = self._backlog
         if fresh:
             self._fresh = []
-            if not backlog.n and self._uncapped and self._room_for(fresh):
+            if not backlog.n and self._uncapped and (not self._known or self._room_for(fresh)):
                 self._release_fresh(fresh, now, out)
             else:
                 rnd = self._round
-                for g in fresh:
-                    g.round = rnd
-                    backlog.push(g)
+                push = backlog.push
+                for gens, why in fresh:
+                    for g in gens:
+                        g.reason = why
+                        g.round = rnd
+                        push(g)
         if backlog.n:
             self._release(now, out)
         if out:
@@ -752,9 +759,7 @@ class Coalescer:
                 j += 1
             left -= bt
             why = reason or (_SIZE_CAP if j - i >= max_seqs else _TOKEN_CAP)
-            for k in range(i, j):
-                gens[k].reason = why
-            fresh.extend(gens[i:j] if (i or j < n) else gens)
+            fresh.append((gens[i:j] if (i or j < n) else gens, why))
             i = j
         rest = gens[i:] if i else gens
         group.gens = rest
@@ -776,7 +781,7 @@ class Coalescer:
         first: dict[int, Gen] = {}  # block key -> its leader in this round
         followers: dict[int, list[Gen]] = {}  # block key -> held followers (or [])
         released: list[Gen] = []
-        served = backlog.served
+        serve = self._serve
         for g in backlog.pick(now, room):
             if (
                 block
@@ -786,7 +791,7 @@ class Coalescer:
             ):
                 continue
             room.take(g.ptok)
-            served(g)
+            serve(g)
             released.append(g)
         self._round_done(released, first, followers, now, out)
 
@@ -802,57 +807,53 @@ class Coalescer:
             cfg.short_prompt_tokens,
         )
 
-    def _room_for(self, fresh: list[Gen]) -> bool:
+    def _room_for(self, fresh: list[tuple[list[Gen], ReleaseReason]]) -> bool:
         """Would the engine take all of `fresh` now (the backlog being empty)?"""
-        if not self._config.engine.known:
-            return True
         room = self._room()
-        for g in fresh:
-            if not room.fits(g.ptok):
-                return False
-            room.take(g.ptok)
+        for gens, _ in fresh:
+            for g in gens:
+                if not room.fits(g.ptok):
+                    return False
+                room.take(g.ptok)
         return True
 
-    def _release_fresh(self, fresh: list[Gen], now: float, out: list[Batch]) -> None:
+    def _release_fresh(
+        self, fresh: list[tuple[list[Gen], ReleaseReason]], now: float, out: list[Batch]
+    ) -> None:
         """Rule 5 when everything that became eligible fits: release it, in order.
 
         The backlog is empty, no caller has a max_concurrency and the engine has room
         for all of it, so nothing is held and the order within the round is the order
-        of eligibility; skipping the backlog's heaps keeps the common case cheap.
+        of eligibility; each cut is already within the caps and goes as one batch.
+        Skipping the backlog's heaps keeps the common case cheap.
         """
-        block = self._config.prefix_block
-        if len(fresh) == 1:  # window 0, or a lone arrival: rules 7 and 10 inlined
-            g = fresh[0]
-            c = g.caller
-            self._backlog.vt = c.counter  # as Backlog.served, inlined
-            c.counter += g.ptok / c.weight
-            c.in_flight += 1
-            if block:
-                memory = self._memory
-                prompt = g.request.prompt_tokens
-                if len(prompt) >= block:
-                    memory.remember(hash((g.group.key, prompt[:block])), now)
-                memory.prune(now)
-            self._emit(fresh, _FOLLOW if g.follow else g.reason or _BACKLOG, now, out)
+        if self._config.prefix_block:  # rule 10 needs the whole round: the long way
+            rnd = self._round
+            first: dict[int, Gen] = {}
+            followers: dict[int, list[Gen]] = {}
+            released = []
+            for gens, why in fresh:
+                for g in gens:
+                    g.reason = why
+                    g.round = rnd
+                    if g.follow or not self._follows(g, first, followers, now):
+                        self._serve(g)
+                        released.append(g)
+            self._round_done(released, first, followers, now, out)
             return
-        first: dict[int, Gen] = {}
-        followers: dict[int, list[Gen]] = {}
-        served = self._backlog.served
-        released = fresh
-        if block:
-            follows = self._follows
-            released = [
-                g
-                for g in fresh
-                if g.follow
-                or len(g.request.prompt_tokens) < block
-                or not follows(g, first, followers, now)
-            ]
-        rnd = self._round
-        for g in released:
-            g.round = rnd
-            served(g)
-        self._round_done(released, first, followers, now, out)
+        backlog = self._backlog
+        for gens, why in fresh:
+            for g in gens:  # Backlog.served, inlined
+                c = g.caller
+                backlog.vt = c.counter
+                c.counter += g.ptok / c.weight
+                c.in_flight += 1
+                c.prompt_tokens += g.ptok
+            self._emit(gens, why, now, out)
+
+    def _serve(self, g: Gen) -> None:
+        self._backlog.served(g)
+        g.caller.prompt_tokens += g.ptok
 
     def _follows(
         self, g: Gen, first: dict[int, Gen], followers: dict[int, list[Gen]], now: float
@@ -966,7 +967,6 @@ class Coalescer:
             c = g.caller  # in flight already (Backlog.served)
             if c.policy.max_queued is not None:
                 c.drain.busy(now)
-            c.prompt_tokens += g.ptok
             subs = g.subs
             if len(subs) == 1 and rid in subs:  # the common case: its owner alone
                 del subs_map[rid]

@@ -66,6 +66,7 @@ def run(
         window=window,
         max_pending_requests=queued * 4 + 1024,
         engine=_ROOMY if held else EngineCapacity(),
+        prefix_block=16 if shared_prefix else 0,  # off by default since it saved nothing
     )
     reqs = _requests(n + queued, 12, shared_prefix, GROUPS)
     # Arrival times: 2 x `queued` per window, so that on average `queued` wait.

@@ -73,6 +73,17 @@ async def test_caller_over_its_limit_gets_429_while_another_is_served(make_clien
     assert m["sluice_engine_unstarted"][0].value == 0
 
 
+async def test_the_access_log_names_the_caller(
+    make_client: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    client, _, _ = await with_file(make_client, FILE, warmup=False)
+    with caplog.at_level(logging.INFO):
+        assert (await client.post(CHAT, json=chat(), headers=bearer("sk-chat"))).status == 200
+    lines = [r.fields for r in caplog.records if r.getMessage() == "request"]  # type: ignore[attr-defined]
+    assert [f["caller"] for f in lines] == ["chat"]
+    assert "sk-chat" not in caplog.text
+
+
 async def test_only_known_keys_get_in(make_client: Any) -> None:
     client, _, _ = await with_file(make_client, FILE, warmup=False)
     for headers in ({}, bearer("sk-other"), {"Authorization": "sk-chat"}):

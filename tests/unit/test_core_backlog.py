@@ -3,6 +3,7 @@ the coalescer rules around them (rules 5-7). A fake clock is just floats."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -18,6 +19,7 @@ from batching import (
     EngineCapacity,
     EngineLoad,
     Outcome,
+    Refused,
     Released,
     ReleaseReason,
     Request,
@@ -427,3 +429,18 @@ def test_capacity_and_age_bound_validation() -> None:
     co.add(req("a"), 0.0)
     co.add(req("b"), 0.0)
     assert ids(co.due(0.0)) == ["a"]
+
+
+def test_replacing_the_config_applies_to_queued_work() -> None:
+    # The server builds the core first and gives it the engine's numbers at boot.
+    co = co_()
+    co.add(req("a"), 0.0)
+    co.add(req("b"), 0.0)
+    co.config = dataclasses.replace(
+        co.config,
+        engine=EngineCapacity(max_seqs=1),
+        callers=Callers((CallerPolicy("a", max_queued=1),)),
+    )
+    assert co.capacity == EngineCapacity(max_seqs=1)
+    assert ids(co.due(0.0)) == ["a"]
+    assert isinstance(co.add(req("c"), 0.0), Refused)  # b waits: max_queued reached
