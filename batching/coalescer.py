@@ -32,15 +32,18 @@ Rules:
    `backlog_generations` is non-zero the driver calls `due()` after each of those.
    With nothing in flight the first backlogged generation always goes (the engine
    never idles while Sluice holds work). With the engine capacity unknown (all 0)
-   nothing is held: eligible means released.
+   and no caller's max_concurrency in the way, nothing is held: eligible means
+   released, in the order it became eligible.
 6. Order of release: fair share between callers (virtual token counters), then
    priority (lower first), then the shorter prompt, then admission order; an age
    bound against starvation and no head-of-line blocking; see backlog.py.
-7. Batches: the generations one `due()` releases are grouped by (GroupKey, reason),
-   in order of first release, and split by the caps (a lone request over the token
-   cap forms a batch by itself). The reason is PREFIX_FOLLOW for a held prefix
-   follower, the reason it became eligible if released by the same `due()` call, and
-   BACKLOG if it waited in the backlog.
+7. Batches: when everything that became eligible goes at once (empty backlog, room
+   for all of it, no max_concurrency), each cut of rule 3 is one batch. Otherwise the
+   generations one `due()` releases are grouped by (GroupKey, reason), in order of
+   first release, and split by the caps (a lone request over the token cap forms a
+   batch by itself). The reason is PREFIX_FOLLOW for a held prefix follower, the
+   reason it became eligible if released by the same `due()` call, and BACKLOG if it
+   waited in the backlog.
 8. `cancel()` and expiry (`Request.deadline`) remove queued work (window, backlog or
    held) before release in O(1) / O(log n): heaps are cleaned lazily.
 9. Dedupe: a request whose (key, prompt_tokens, fingerprint) equals a queued
@@ -805,6 +808,8 @@ class Coalescer:
             self._kv_usage,
             cfg.kv_reserve_short,
             cfg.short_prompt_tokens,
+            cfg.step_lookahead,
+            cfg.slot_spare,
         )
 
     def _room_for(self, fresh: list[tuple[list[Gen], ReleaseReason]]) -> bool:

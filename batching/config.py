@@ -23,6 +23,10 @@ Rules:
   its long requests wait their normal turn under load.
 * `kv_reserve_short` (0 <= x < 1) is the share of the KV cache that prompts longer
   than `short_prompt_tokens` may not use (room.py rule 5); 0 turns it off.
+* `step_lookahead` (>= 1) and `slot_spare` (>= 0) size the engine's own queue
+  (room.py rules 2 and 3): unstarted prompts up to 2 steps' token budget, and 1/16
+  more requests than the engine has slots (16 on 256 slots), so that the engine
+  never waits a step for the driver.
 * Invalid values raise ValueError at construction, never later on the hot path.
 """
 
@@ -66,6 +70,8 @@ class CoalescerConfig:
     age_bound: float = 10.0  # seconds a backlogged request waits before it goes first
     kv_reserve_short: float = 0.0  # KV share long prompts leave free for short ones
     short_prompt_tokens: int = 256  # a prompt this long or shorter counts as short
+    step_lookahead: float = 2.0  # engine step budgets of unstarted prompts
+    slot_spare: float = 0.0625  # share of engine slots released beyond max_num_seqs
 
     def __post_init__(self) -> None:
         if self.window < 0:
@@ -88,3 +94,5 @@ class CoalescerConfig:
             raise ValueError("kv_reserve_short must be in [0, 1)")
         if self.short_prompt_tokens < 0:
             raise ValueError("short_prompt_tokens must be >= 0")
+        if not self.step_lookahead >= 1.0 or not self.slot_spare >= 0.0:
+            raise ValueError("need step_lookahead >= 1 and slot_spare >= 0")

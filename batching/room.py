@@ -11,13 +11,18 @@ Rules (a generation's size here is its prompt tokens; 0 means "unknown" for each
 engine number, and an unknown number never holds anything back):
 
 1. Work-conserving: with nothing of ours in flight, anything fits.
-2. Slots: in flight (released, not finished) < `max_seqs`.
+2. Slots: in flight (released, not finished) < `max_seqs` plus `slot_spare` of it
+   (rounded down). The driver learns that a slot freed one engine step late (the
+   engine has scheduled its next step by then); a few spare requests in the
+   engine's own queue fill a freed slot at once instead of a step later.
 3. Step budget: prompt tokens released but not yet started (no first output yet)
-   plus this one <= `step_tokens`, unless nothing is unstarted (a prompt larger than
-   one step then goes alone: chunked prefill takes it in pieces). Together with rule
-   2 this keeps the engine's own waiting queue at about one step of prefill; the
-   number of unstarted requests needs no bound of its own, since the engine admits
-   all of them in its next step when both hold.
+   plus this one <= `step_lookahead` x `step_tokens`, unless nothing is unstarted
+   (a prompt larger than that then goes alone: chunked prefill takes it in
+   pieces). Two steps by default: the one the engine is running and the next,
+   which it schedules before the driver hears that the first one's prompts have
+   started. Together with rule 2 this keeps the engine's own waiting queue at
+   about one step of prefill; the number of unstarted requests needs no bound of
+   its own, since the engine admits them in its next steps when both hold.
 4. KV room: estimated KV tokens in use (`kv_usage` x `kv_tokens`, from the engine's
    latest stats, plus every unstarted prompt, which the stats may not show yet) plus
    this prompt <= `kv_tokens`. Decode growth of running requests is in `kv_usage`
@@ -60,7 +65,7 @@ class Room:
         "kv_tokens",
         "kv_used",
         "limited",
-        "max_seqs",
+        "seq_limit",
         "short_prompt",
         "step_tokens",
         "unstarted_n",
@@ -76,10 +81,13 @@ class Room:
         kv_usage: float,
         reserve: float,
         short_prompt: int,
+        step_lookahead: float,
+        slot_spare: float,
     ) -> None:
         self.limited = capacity.known
-        self.max_seqs = capacity.max_seqs
-        self.step_tokens = capacity.step_tokens
+        seqs = capacity.max_seqs
+        self.seq_limit = seqs + int(seqs * slot_spare) if seqs else 0
+        self.step_tokens = capacity.step_tokens * step_lookahead
         self.kv_tokens = kv = capacity.kv_tokens
         self.kv_long = kv * (1.0 - reserve)
         self.kv_used = kv_usage * kv
@@ -91,12 +99,12 @@ class Room:
     @property
     def full(self) -> bool:
         """No slot left: nothing fits, whatever its size."""
-        return 0 < self.max_seqs <= self.in_flight
+        return 0 < self.seq_limit <= self.in_flight
 
     def fits(self, ptok: int) -> bool:
         if not self.limited or not self.in_flight:
             return True
-        if self.max_seqs and self.in_flight >= self.max_seqs:
+        if self.seq_limit and self.in_flight >= self.seq_limit:
             return False
         step = self.step_tokens
         if step and self.unstarted_n and self.unstarted_tokens + ptok > step:

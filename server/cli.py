@@ -91,6 +91,20 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
         help="a prompt this long or shorter counts as short (default: %(default)s)",
     )
     g.add_argument(
+        "--backlog-step-lookahead",
+        type=float,
+        default=c.step_lookahead,
+        help="released prompts without a first token may add up to this many engine "
+        "steps' token budget (default: %(default)s)",
+    )
+    g.add_argument(
+        "--backlog-slot-spare",
+        type=float,
+        default=c.slot_spare,
+        help="share of the engine's max_num_seqs released beyond it, so a freed slot "
+        "is filled at once (default: %(default)s)",
+    )
+    g.add_argument(
         "--backlog-age-bound",
         type=float,
         default=c.age_bound,
@@ -320,6 +334,8 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
             age_bound=ns.backlog_age_bound,
             kv_reserve_short=ns.kv_reserve_short,
             short_prompt_tokens=ns.short_prompt_tokens,
+            step_lookahead=ns.backlog_step_lookahead,
+            slot_spare=ns.backlog_slot_spare,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -2,7 +2,7 @@
 
 The demo model with a 4 MiB KV cache (4,096 tokens at 1 KiB/token): three of
 the flood's requests (900 prompt + 150 generated tokens) fill three quarters of
-it. Eight flood streams keep far more than that waiting; without Sluice's
+it. Sixteen flood streams keep far more than that waiting; without Sluice's
 backlog they would wait in vLLM's first-come-first-served queue, and every chat
 turn behind them. With the backlog held in Sluice (the default) and a quarter
 of the cache kept for short prompts (--kv-reserve-short 0.25), a chat turn
@@ -31,7 +31,7 @@ from tests.support import SluiceProcess, metric
 pytestmark = pytest.mark.engine
 
 MODEL = "sluice-demo"
-FLOOD_STREAMS = 8
+FLOOD_STREAMS = 16
 FLOOD_PROMPT = 900
 FLOOD_NEW = 150
 CHATS = 12

@@ -105,7 +105,7 @@ def test_slots_hold_the_backlog_until_a_generation_finishes() -> None:
 
 
 def test_step_budget_counts_unstarted_prompts_until_their_first_output() -> None:
-    co = co_(step=100)
+    co = co_(step=100, step_lookahead=1.0)
     co.add(req("a", prompt=60), 0.0)
     co.add(req("b", prompt=60), 0.0)
     assert ids(co.due(0.0)) == ["a"]
@@ -122,6 +122,23 @@ def test_step_budget_counts_unstarted_prompts_until_their_first_output() -> None
     assert ids(co.due(0.4)) == ["big"]
     co.finished("big", 0.5)  # finished without started(): leaves the engine queue too
     assert co.engine_waiting == 0
+
+
+def test_the_engine_gets_two_steps_of_prompts_and_a_few_spare_requests() -> None:
+    # By default: unstarted prompts up to two step budgets (the step the engine
+    # runs and the next), and 1/16 more requests than it has slots.
+    co = co_(step=100)
+    for r in "abcd":
+        co.add(req(r, prompt=60), 0.0)
+    assert ids(co.due(0.0)) == ["a", "b", "c"]  # 180 <= 200; 240 is not
+    co = co_(seqs=32)
+    for i in range(40):
+        co.add(req(f"r{i}"), 0.0)
+    assert len(ids(co.due(0.0))) == 34
+    co = co_(seqs=32, slot_spare=0.0)
+    for i in range(40):
+        co.add(req(f"r{i}"), 0.0)
+    assert len(ids(co.due(0.0))) == 32
 
 
 def test_kv_room_counts_engine_usage_and_unstarted_prompts() -> None:

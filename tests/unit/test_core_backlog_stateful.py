@@ -107,6 +107,8 @@ class BacklogMachine(RuleBasedStateMachine):
         age=st.sampled_from([0.02, 0.05, math.inf]),
         policies=st.lists(POLICY, min_size=3, max_size=3),
         dedupe=st.booleans(),
+        lookahead=st.sampled_from([1.0, 2.0]),
+        spare=st.sampled_from([0.0, 0.5]),
     )
     def setup(
         self,
@@ -117,6 +119,8 @@ class BacklogMachine(RuleBasedStateMachine):
         age: float,
         policies: list[CallerPolicy],
         dedupe: bool,
+        lookahead: float,
+        spare: float,
     ) -> None:
         self.callers = table(policies)
         self.cfg = CoalescerConfig(
@@ -129,6 +133,8 @@ class BacklogMachine(RuleBasedStateMachine):
             age_bound=age,
             kv_reserve_short=reserve,
             short_prompt_tokens=8,
+            step_lookahead=lookahead,
+            slot_spare=spare,
         )
         self.co = Coalescer(self.cfg)
         self.now = 0.0
@@ -171,6 +177,8 @@ class BacklogMachine(RuleBasedStateMachine):
             self.kv_usage,
             self.cfg.kv_reserve_short,
             self.cfg.short_prompt_tokens,
+            self.cfg.step_lookahead,
+            self.cfg.slot_spare,
         )
 
     def _counter(self, name: str) -> float:
