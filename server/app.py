@@ -38,7 +38,7 @@ from aiohttp import web
 from batching import AdmissionState, Coalescer, ResultCache
 from batching.pressure import Decision, State, Transition
 from server.callers import CallerDirectory, CallersError, load_callers, world_readable
-from server.driver import Driver
+from server.driver import Driver, order_priority, request_priority
 from server.engine_api import Engine
 from server.errors import SluiceError
 from server.metrics import Metrics
@@ -209,7 +209,14 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     engine = app[ENGINE]
     try:
         async with asyncio.TaskGroup() as tg:
-            driver = Driver(Coalescer(settings.core), engine, on_events=metrics.on_core_events)
+            driver = Driver(
+                Coalescer(settings.core),
+                engine,
+                on_events=metrics.on_core_events,
+                engine_priority=(
+                    order_priority if settings.engine_priority == "order" else request_priority
+                ),
+            )
             app[DRIVER] = driver
             metrics.watch(lambda: _live(app))
             jobs: dict[str, Coroutine[Any, Any, None]] = {

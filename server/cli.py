@@ -78,6 +78,14 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     g.add_argument(
+        "--engine-priority",
+        choices=("request", "order"),
+        default=d.engine_priority,
+        help="the priority each request gets in the engine: its own `priority`, or "
+        "Sluice's order (priority, then the shorter prompt; for vLLM's "
+        "--scheduling-policy priority) (default: %(default)s)",
+    )
+    g.add_argument(
         "--kv-reserve-short",
         type=float,
         default=c.kv_reserve_short,
@@ -349,6 +357,7 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
         max_batch_seqs=ns.max_batch_seqs,
         max_batch_tokens=ns.max_batch_tokens,
         hold_backlog=ns.hold_backlog,
+        engine_priority=ns.engine_priority,
         queue_timeout=ns.queue_timeout,
         result_cache_ttl=ns.result_cache_ttl,
         api_key=api_key,

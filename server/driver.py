@@ -58,6 +58,23 @@ _REFUSAL_STATUS = {
     RefusalReason.CALLER_LIMIT: 429,
 }
 
+# Prompt lengths below this fit in the low bits of an "order" engine priority.
+_PROMPT_SPAN = 1 << 20
+
+
+def request_priority(req: Request) -> int:
+    """The engine priority of a request: its own `priority`, as vLLM takes it."""
+    return req.priority
+
+
+def order_priority(req: Request) -> int:
+    """Sluice's order within a caller as one engine priority: `priority` first, then
+    the shorter prompt. For vLLM's `--scheduling-policy priority`, which orders its
+    waiting queue by it and preempts running requests with a larger value for an
+    arrival with a smaller one (--engine-priority order)."""
+    return req.priority * _PROMPT_SPAN + min(len(req.prompt_tokens), _PROMPT_SPAN - 1)
+
+
 # While the backlog holds work: how often to re-read the engine's stats. An
 # engine step takes 10-50 ms on a GPU (tens of ms on the CPU demo), so 20 ms
 # sees each step's KV use about once.
@@ -225,9 +242,11 @@ class Driver:
         engine: Engine,
         on_events: Callable[[Sequence[Event]], None] | None = None,
         clock: Callable[[], float] | None = None,
+        engine_priority: Callable[[Request], int] = request_priority,
     ) -> None:
         self.core = core
         self.engine = engine
+        self._engine_priority = engine_priority
         self._on_events = on_events or (lambda _evs: None)
         self._loop = asyncio.get_running_loop()
         self._clock = clock or self._loop.time
@@ -461,7 +480,9 @@ class Driver:
                 continue
             now = self.now()
             try:
-                collector = await self.engine.add(req.id, req.prompt_tokens, params, req.priority)
+                collector = await self.engine.add(
+                    req.id, req.prompt_tokens, params, self._engine_priority(req)
+                )
             except SluiceError as exc:
                 self._fail_entry(req.id, subscribers, exc)
                 continue
@@ -507,4 +528,4 @@ class Driver:
         self._check_idle()
 
 
-__all__ = ["Driver", "Generation", "Outcome", "Ticket"]
+__all__ = ["Driver", "Generation", "Outcome", "Ticket", "order_priority", "request_priority"]

@@ -74,6 +74,7 @@ class FakeEngine:
     _dead: bool = False
     stats_value: EngineStats = ENGINE_IDLE
     peak_running: int = 0  # most requests producing at once
+    priorities: dict[str, int] = field(default_factory=dict)  # engine priority per request
 
     def __post_init__(self) -> None:
         self.info = ModelInfo(
@@ -141,6 +142,7 @@ class FakeEngine:
             raise SluiceError("the engine died; retry shortly", status=503, retry_after=5)
         collector = FakeCollector()
         self.added.append(request_id)
+        self.priorities[request_id] = priority
         self._producers[request_id] = asyncio.create_task(
             self._produce(request_id, params, collector)
         )

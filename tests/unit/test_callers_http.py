@@ -157,3 +157,16 @@ async def test_the_backlog_reaches_the_engine_only_as_it_has_room(make_client: A
     assert engine.peak_running == 2
     assert max(held) >= 5  # most of the burst waited in Sluice, not in the engine
     assert app[DRIVER].core.backlog_generations == 0
+
+
+async def test_engine_priority_is_the_requests_own_or_sluices_order(make_client: Any) -> None:
+    engine = FakeEngine()
+    client, _, _ = await make_client(engine=engine, warmup=False)
+    assert (await client.post(CHAT, json=chat(priority=3))).status == 200
+    assert list(engine.priorities.values()) == [3]
+
+    engine = FakeEngine()
+    client, _, _ = await make_client(engine=engine, engine_priority="order", warmup=False)
+    assert (await client.post(CHAT, json=chat(priority=-1))).status == 200
+    # HI is 8 prompt tokens in the fake engine: priority first, then prompt length.
+    assert list(engine.priorities.values()) == [-(1 << 20) + 8]
