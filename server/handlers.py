@@ -673,7 +673,9 @@ async def tokenize(request: web.Request) -> web.Response:
     obj = _object(await _read_body(request))
     engine: Any = request.app[ENGINE]
     if "messages" in obj:
-        req = parse_chat(orjson.dumps({**obj, "model": obj.get("model", "")}), limits(request))
+        # `model` is optional here, as in vLLM's server: the served model.
+        model = obj.get("model") or request.app[SETTINGS].model_name
+        req = parse_chat(orjson.dumps({**obj, "model": model}), limits(request))
         ids = (await engine.tokenize_chat([(req.messages, req.template_kwargs())]))[0]
     else:
         prompt = obj.get("prompt")

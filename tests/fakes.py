@@ -70,7 +70,13 @@ class FakeEngine:
 
     def __post_init__(self) -> None:
         self.info = SimpleNamespace(
-            name="fake", max_model_len=self.max_model_len, eos_token_id=0, created=0
+            name="fake",
+            max_model_len=self.max_model_len,
+            eos_token_id=0,
+            created=0,
+            max_num_seqs=128,
+            max_num_batched_tokens=2048,
+            kv_cache_tokens=None,
         )
         self.started = False
 
