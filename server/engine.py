@@ -32,7 +32,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, cast
 
 from vllm import SamplingParams
@@ -46,6 +45,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from server.batcher import Batcher
+from server.engine_api import ModelInfo
 from server.errors import SluiceError
 from server.protocol import Message, Sampling
 from server.watchdog import ENGINE_IDLE, EngineStats
@@ -149,24 +149,6 @@ def _build_engine(engine_args: Any, stat_logger: Callable[..., StatLoggerBase]) 
     )
 
 
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    name: str
-    max_model_len: int
-    eos_token_id: int | None
-    created: int
-    # The model's generation_config defaults (Qwen3: temperature 0.6, top_p
-    # 0.95, top_k 20), applied where a request leaves a field out, as vLLM's
-    # own server does.
-    sampling_defaults: tuple[tuple[str, float], ...] = ()
-    # The engine's resolved capacity (0 / None before start): its scheduler's
-    # sequences and tokens per step, and its KV cache in tokens
-    # (num_gpu_blocks x block_size, as vLLM logs "KV cache size").
-    max_num_seqs: int = 0
-    max_num_batched_tokens: int = 0
-    kv_cache_tokens: int | None = None
-
-
 class EngineAdapter:
     """One vLLM AsyncLLM, and what Sluice needs from it."""
 
@@ -202,7 +184,7 @@ class EngineAdapter:
         from server.protocol.types import DEFAULTABLE
 
         diff = llm.model_config.get_diff_sampling_param()
-        scheduler = llm.vllm_config.scheduler_config
+        sched = llm.vllm_config.scheduler_config
         cache = llm.vllm_config.cache_config
         self.info = ModelInfo(
             name=self._model_name,
@@ -212,12 +194,11 @@ class EngineAdapter:
             sampling_defaults=tuple(
                 sorted((k, float(v)) for k, v in diff.items() if k in DEFAULTABLE)
             ),
-            max_num_seqs=int(scheduler.max_num_seqs),
-            max_num_batched_tokens=int(scheduler.max_num_batched_tokens),
-            # Filled in by the engine core's handshake (summed over DP ranks).
-            kv_cache_tokens=(
-                int(cache.num_gpu_blocks) * int(cache.block_size) if cache.num_gpu_blocks else None
-            ),
+            max_num_seqs=int(sched.max_num_seqs),
+            max_num_batched_tokens=int(sched.max_num_batched_tokens),
+            # Known once the engine core's handshake filled num_gpu_blocks
+            # (summed over data-parallel ranks); 0 if not.
+            kv_cache_tokens=int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0),
         )
         log.info(
             "engine capacity",
