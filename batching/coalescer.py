@@ -686,7 +686,7 @@ class Coalescer:
         while held and held[0][0] <= now:
             live = [g for g in heappop(held)[2] if g.state == HELD]
             if live:
-                fresh.append((live, _FOLLOW))
+                fresh.extend((part, _FOLLOW) for part in self._split(live))
         if self._ready:
             ready = self._ready
             self._ready = []
@@ -832,21 +832,17 @@ class Coalescer:
         of eligibility; each cut is already within the caps and goes as one batch.
         Skipping the backlog's heaps keeps the common case cheap.
         """
-        if self._config.prefix_block:  # rule 10 needs the whole round: the long way
-            rnd = self._round
+        backlog = self._backlog
+        if self._config.prefix_block:  # rule 10 looks at the whole round first
             first: dict[int, Gen] = {}
             followers: dict[int, list[Gen]] = {}
-            released = []
+            kept: list[tuple[list[Gen], ReleaseReason]] = []
             for gens, why in fresh:
-                for g in gens:
-                    g.reason = why
-                    g.round = rnd
-                    if g.follow or not self._follows(g, first, followers, now):
-                        self._serve(g)
-                        released.append(g)
-            self._round_done(released, first, followers, now, out)
-            return
-        backlog = self._backlog
+                keep = [g for g in gens if g.follow or not self._follows(g, first, followers, now)]
+                if keep:
+                    kept.append((keep, why))
+            self._prefixes_done(first, followers, now)
+            fresh = kept
         for gens, why in fresh:
             for g in gens:  # Backlog.served, inlined
                 c = g.caller
@@ -893,12 +889,7 @@ class Coalescer:
         """Hold this round's followers, remember its prefixes, emit its batches (rule 7)."""
         cfg = self._config
         if cfg.prefix_block:
-            if followers:
-                self._hold_followers(first, followers, now)
-            memory = self._memory
-            for bk in first:
-                memory.remember(bk, now)
-            memory.prune(now)
+            self._prefixes_done(first, followers, now)
         if not released:
             return
         rnd = self._round
@@ -916,28 +907,52 @@ class Coalescer:
                 batches[k] = [g]
             else:
                 lst.append(g)
+        for (_, why), gens in batches.items():
+            for part in self._split(gens):
+                self._emit(part, why, now, out)
+
+    def _split(self, gens: list[Gen]) -> list[list[Gen]]:
+        """Generations of one key, in order, as batches within the caps (rule 7)."""
+        cfg = self._config
         max_seqs = cfg.max_batch_seqs
         max_tok = cfg.max_batch_tokens
-        for (_, why), gens in batches.items():
-            n = len(gens)
-            i = 0
-            while i < n:
-                j = i
-                bt = 0
-                stop = min(n, i + max_seqs)
-                while j < stop:
-                    p = gens[j].ptok
-                    if bt + p > max_tok and j > i:
-                        break
-                    bt += p
-                    j += 1
-                self._emit(gens[i:j] if (i or j < n) else gens, why, now, out)
-                i = j
+        n = len(gens)
+        if n <= max_seqs and sum(g.ptok for g in gens) <= max_tok:
+            return [gens]
+        parts = []
+        i = 0
+        while i < n:
+            j = i
+            bt = 0
+            stop = min(n, i + max_seqs)
+            while j < stop:
+                p = gens[j].ptok
+                if bt + p > max_tok and j > i:
+                    break
+                bt += p
+                j += 1
+            parts.append(gens[i:j])
+            i = j
+        return parts
+
+    def _prefixes_done(
+        self, first: dict[int, Gen], followers: dict[int, list[Gen]], now: float
+    ) -> None:
+        """Hold this round's followers and remember the prefixes it released (rule 10)."""
+        if followers:
+            self._hold_followers(first, followers, now)
+        memory = self._memory
+        for bk in first:
+            memory.remember(bk, now)
+        memory.prune(now)
 
     def _hold_followers(
         self, first: dict[int, Gen], followers: dict[int, list[Gen]], now: float
     ) -> None:
+        """One PrefixLeader event per leader; the followers wait as one group per
+        GroupKey, in rule-6 order, so that each comes back as one batch (rule 7)."""
         block = self._config.prefix_block
+        by_key: dict[GroupKey, list[Gen]] = {}
         for bk, follow in followers.items():
             if not follow:
                 continue
@@ -947,8 +962,12 @@ class Coalescer:
             self._events.append(PrefixLeader(lead.request.id, len(follow), shared, now))
             self._n_leaders += 1
             self._n_followers += len(follow)
+            by_key.setdefault(lead.group.key, []).extend(follow)
+        at = now + self._config.prefix_follow_delay
+        for follow in by_key.values():
+            follow.sort(key=_order)
             self._seq = seq = self._seq + 1
-            heappush(self._held, (now + self._config.prefix_follow_delay, seq, follow))
+            heappush(self._held, (at, seq, follow))
 
     def _emit(self, gens: list[Gen], reason: ReleaseReason, now: float, out: list[Batch]) -> None:
         """Release generations as one batch: move them from queued to in flight."""
