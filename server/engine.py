@@ -39,6 +39,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from server.batcher import Batcher
 from server.errors import SluiceError
 from server.protocol import Message, Sampling
+from server.vllm_parsers import to_structured_outputs
 from server.watchdog import ENGINE_IDLE, EngineStats
 
 log = logging.getLogger("sluice.engine")
@@ -222,7 +223,7 @@ class EngineAdapter:
                 texts.append(item)
                 continue
             messages, kwargs = item
-            msgs = [{"role": m.role, "content": m.content} for m in messages]
+            msgs = [m.template_dict() for m in messages]
             try:
                 texts.append(
                     tok.apply_chat_template(
@@ -262,6 +263,7 @@ class EngineAdapter:
             ignore_eos=s.ignore_eos,
             skip_special_tokens=s.skip_special_tokens,
             include_stop_str_in_output=s.include_stop_str_in_output,
+            structured_outputs=to_structured_outputs(s.constraint),
             output_kind=RequestOutputKind.DELTA,
         )
 

@@ -14,8 +14,9 @@ What it offers is Sluice-shaped and frozen:
   in, ``Delta`` out: reasoning, content and ``ToolCallDelta`` values (the
   id, type and name first, then argument fragments: the shape the ``openai``
   client's stream helpers assemble);
-* ``structured_outputs(...)``: a request's constraint as the engine's
-  ``StructuredOutputsParams``, with vLLM's own check of it as a 400.
+* ``forced_constraint(req)``: the constraint that holds a forced call;
+  ``OutputParsers.structured_outputs(constraint)``: a constraint as the
+  engine's ``StructuredOutputsParams``, with the engine's own check as a 400.
 
 ``tool_choice: auto`` (and ``none``) run vLLM's composed ``Parser`` (hermes
 tool parser + qwen3 reasoning parser, as ``vllm serve --tool-call-parser
@@ -47,6 +48,7 @@ from typing import Any, Final
 import orjson
 from vllm import SamplingParams
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.exceptions import VLLMClientError
 from vllm.parser import ParserManager
 from vllm.renderers.chat_utils import make_tool_call_id
 from vllm.sampling_params import StructuredOutputsParams
@@ -57,7 +59,7 @@ from vllm.tool_parsers.streaming import (
 from vllm.tool_parsers.utils import get_json_schema_from_tools
 
 from server.errors import SluiceError
-from server.protocol.responses import ToolCallDelta
+from server.protocol.responses import FinishReason, ToolCallDelta
 from server.protocol.types import ChatRequest, Constraint, ToolCall
 
 __all__ = [
@@ -68,7 +70,7 @@ __all__ = [
     "RequestParsing",
     "StreamParser",
     "forced_constraint",
-    "structured_outputs",
+    "to_structured_outputs",
 ]
 
 # vLLM's parsers read only these fields of the request; they need a message
@@ -170,46 +172,20 @@ def forced_constraint(req: ChatRequest) -> Constraint | None:
     return Constraint("json", orjson.dumps(schema).decode(), param="tools")
 
 
-def structured_outputs(
-    constraint: Constraint | None,
-    *,
-    model_config: Any = None,
-    config: Any = None,
-    tokenizer: Any = None,
-) -> StructuredOutputsParams | None:
-    """``constraint`` as the engine's ``StructuredOutputsParams``.
-
-    With the engine's ``model_config`` and ``structured_outputs_config``
-    given, the constraint is checked as the engine will check it when the
-    request is added (for xgrammar: the schema, regex or grammar compiles),
-    so that a bad one is a 400 naming its field now rather than a failed
-    generation later.
-    """
+def to_structured_outputs(constraint: Constraint | None) -> StructuredOutputsParams | None:
+    """``constraint`` as the engine's ``StructuredOutputsParams`` (unchecked)."""
     if constraint is None:
         return None
     kind = constraint.kind
     if kind == "json":
-        params = StructuredOutputsParams(json=constraint.value)
-    elif kind == "json_object":
-        params = StructuredOutputsParams(json_object=True)
-    elif kind == "regex":
-        params = StructuredOutputsParams(regex=constraint.value)
-    elif kind == "grammar":
-        params = StructuredOutputsParams(grammar=constraint.value)
-    else:
-        params = StructuredOutputsParams(choice=list(constraint.choices))
-    if config is not None:
-        probe = SamplingParams(max_tokens=1, structured_outputs=replace(params))
-        try:
-            probe.verify(model_config, None, config, tokenizer)
-        except (ValueError, TypeError) as exc:  # VLLMValidationError is a ValueError
-            raise SluiceError(
-                f"'{constraint.param}' cannot be used as a constraint: {exc}",
-                status=400,
-                param=constraint.param,
-                code="invalid_value",
-            ) from None
-    return params
+        return StructuredOutputsParams(json=constraint.value)
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "regex":
+        return StructuredOutputsParams(regex=constraint.value)
+    if kind == "grammar":
+        return StructuredOutputsParams(grammar=constraint.value)
+    return StructuredOutputsParams(choice=list(constraint.choices))
 
 
 # ---------------------------------------------------------------------------
@@ -217,22 +193,55 @@ def structured_outputs(
 
 
 class OutputParsers:
-    """vLLM's composed parser class for one engine, and what it needs."""
+    """vLLM's composed parser class for one engine, and the engine's constraint check.
+
+    ``model_config`` and ``structured_outputs_config`` are the engine's
+    (``AsyncLLM.model_config``, ``.vllm_config.structured_outputs_config``);
+    without them constraints are passed on unchecked.
+    """
 
     def __init__(
         self,
         tokenizer: Any,
         *,
+        model_config: Any = None,
+        structured_outputs_config: Any = None,
         tool_parser: str = "hermes",
         reasoning_parser: str | None = "qwen3",
     ) -> None:
         self._tokenizer = tokenizer
+        self._model_config = model_config
+        self._so_config = structured_outputs_config
         self._parser_cls = ParserManager.get_parser(
             tool_parser_name=tool_parser,
             reasoning_parser_name=reasoning_parser,
             enable_auto_tools=True,
             tokenizer=tokenizer,
         )
+
+    def structured_outputs(self, constraint: Constraint | None) -> StructuredOutputsParams | None:
+        """The engine's ``StructuredOutputsParams`` for ``constraint``, checked.
+
+        The check is the engine's own (``SamplingParams.verify``: for
+        xgrammar the schema, regex or grammar must compile), so a bad one is
+        a 400 naming its field now instead of a failed generation once
+        queued. It compiles (about 0.5 ms for a small schema; a regex
+        compile runs under vLLM's timeout): call it from a worker thread.
+        """
+        params = to_structured_outputs(constraint)
+        if constraint is None or params is None or self._so_config is None:
+            return params
+        probe = SamplingParams(max_tokens=1, structured_outputs=replace(params))
+        try:
+            probe.verify(self._model_config, None, self._so_config, self._tokenizer)
+        except (VLLMClientError, ValueError, TypeError) as exc:
+            raise SluiceError(
+                f"'{constraint.param}' cannot be used as a constraint: {exc}",
+                status=400,
+                param=constraint.param,
+                code="invalid_value",
+            ) from None
+        return params
 
     def for_request(self, req: ChatRequest) -> RequestParsing:
         """Parsing for one request (once per request; its choices share it)."""
@@ -265,6 +274,14 @@ class RequestParsing:
         """``required`` or ``function`` for a forced call, else None."""
         return self._forced
 
+    def finish_reason(self, engine_reason: str | None, called: bool) -> FinishReason:
+        """The choice's finish reason, as vLLM and OpenAI give it: ``tool_calls``
+        when calls came back and generation stopped on its own, except for a
+        named call (``stop``); ``length`` when cut by ``max_tokens``."""
+        if engine_reason == "length":
+            return "length"
+        return "tool_calls" if called and self._forced != "function" else "stop"
+
     def parse(self, text: str, token_ids: Sequence[int] = ()) -> Parsed:
         """A finished choice's text, split and its calls read.
 
@@ -283,7 +300,7 @@ class RequestParsing:
             )
             if not self._parallel:
                 found = found[:1]
-            return Parsed(reasoning, content if content or not found else None, found)
+            return Parsed(reasoning, content, found)
         forced = self._forced_calls(content or "")
         if forced is None:
             return Parsed(reasoning, content)

@@ -23,6 +23,7 @@ from server.protocol.responses import (
     CompletionChoice,
     FinishReason,
     TokenLogprob,
+    ToolCallDelta,
     Usage,
     chat_completion_body,
     chat_logprobs,
@@ -32,6 +33,7 @@ from server.protocol.responses import (
     models_body,
 )
 from server.protocol.sse import DONE, ChatStream, CompletionStream, sse
+from server.protocol.types import Constraint, Tool, ToolCall, ToolChoice
 
 __all__ = [
     "COMPLETION_DEFAULT_MAX_TOKENS",
@@ -43,11 +45,16 @@ __all__ = [
     "CompletionChoice",
     "CompletionRequest",
     "CompletionStream",
+    "Constraint",
     "FinishReason",
     "Limits",
     "Message",
     "Sampling",
     "TokenLogprob",
+    "Tool",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolChoice",
     "Usage",
     "chat_completion_body",
     "chat_logprobs",
