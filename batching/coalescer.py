@@ -4,7 +4,7 @@ Why this module exists: it is the one queue Sluice owns, and the only place wher
 policy happens. It is sans-IO (h11 style): the driver passes `now` in, calls `due()`
 when `next_deadline()` comes (or right after `add()`), and submits what comes back.
 
-Rules (the numbers refer to the brief this core was built against):
+Rules:
 
 1. Admission is bounded by `max_pending_requests` (subscribers) and
    `max_pending_tokens` (prompt + max_new of generations), counting queued plus in

@@ -27,14 +27,16 @@ __all__ = ["CoalescerConfig"]
 @dataclass(frozen=True, slots=True)
 class CoalescerConfig:
     window: float = 0.010  # seconds; 0 = release immediately
-    max_batch_seqs: int = 64  # entries per batch
+    max_batch_seqs: int = 256  # entries per batch (the server sets the engine's max_num_seqs)
     max_batch_tokens: int = 8192  # prompt tokens per batch (engine per-step budget)
     max_pending_requests: int = 1024  # queued + in-flight subscribers
-    max_pending_tokens: int = 1_000_000  # queued + in-flight tokens (prompt + max_new)
+    max_pending_tokens: int = 4_000_000  # queued + in-flight tokens (prompt + max_new)
     adaptive: bool = True  # release early when the engine is idle
     release_lone: bool = True  # release at once a request that follows a quiet spell
     dedupe: bool = True
-    prefix_block: int = 16  # tokens per KV block; 0 disables leader/follower
+    # Tokens per KV block for the shared-prefix rule; 0 (the default) disables it:
+    # measured, it saved no prefill (12,428 against 12,428 tokens on a burst).
+    prefix_block: int = 0
     prefix_follow_delay: float = 0.005  # followers go this long after their leader
     prefix_memory: float = 2.0  # a released prefix is assumed cached this long
     retry_after_default: float = 1.0  # before any drain rate has been measured

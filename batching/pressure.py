@@ -112,7 +112,7 @@ class Readings:
 
 @dataclass(frozen=True, slots=True)
 class PressureConfig:
-    """Thresholds; every field will be overridable from the CLI.
+    """Thresholds; the CLI has one flag per field (server/cli.py).
 
     Defaults, and why:
 

@@ -41,8 +41,7 @@ def _demo_flags() -> tuple[list[str], str]:
     from server.demo_model import build_demo_model, default_cache_root, default_demo_dir
 
     env = dict(os.environ)
-    root = Path(env["SLUICE_CACHE_DIR"]) if env.get("SLUICE_CACHE_DIR") else default_cache_root(env)
-    model_dir = build_demo_model(default_demo_dir(root))
+    model_dir = build_demo_model(default_demo_dir(default_cache_root(env)))
     from server.demo_model import demo_engine_kwargs
 
     kw = demo_engine_kwargs(model_dir)

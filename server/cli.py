@@ -40,19 +40,20 @@ commands:
 
 def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
     d = Settings()
+    c = d.core
     g = parser.add_argument_group("Sluice (HTTP front, coalescer, watchdog)")
     g.add_argument("--host", default=d.host, help="address to bind (default: %(default)s)")
     g.add_argument("--port", type=int, default=d.port, help="port (default: %(default)s)")
     g.add_argument(
         "--window-ms",
         type=float,
-        default=d.window * 1000,
+        default=c.window * 1000,
         help="coalescing window in ms; 0 releases every request at once (default: %(default)s)",
     )
     g.add_argument(
         "--adaptive-window",
         action=argparse.BooleanOptionalAction,
-        default=d.adaptive_window,
+        default=c.adaptive,
         help="skip the window when waiting buys nothing: the engine is idle, or the request "
         "follows a quiet spell longer than the window (default: %(default)s)",
     )
@@ -71,13 +72,13 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-pending-requests",
         type=int,
-        default=d.max_pending_requests,
+        default=c.max_pending_requests,
         help="admission limit: queued + running requests (default: %(default)s)",
     )
     g.add_argument(
         "--max-pending-tokens",
         type=int,
-        default=d.max_pending_tokens,
+        default=c.max_pending_tokens,
         help="admission limit: queued + running prompt+max_tokens (default: %(default)s)",
     )
     g.add_argument(
@@ -89,13 +90,13 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dedupe",
         action=argparse.BooleanOptionalAction,
-        default=d.dedupe,
+        default=c.dedupe,
         help="share one generation among identical deterministic requests (default: %(default)s)",
     )
     g.add_argument(
         "--prefix-leader",
         action=argparse.BooleanOptionalAction,
-        default=d.prefix_leader,
+        default=False,
         help="release one shared-prefix leader before its followers (default: %(default)s)",
     )
     g.add_argument(
@@ -126,13 +127,8 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--log-format",
         choices=("json", "plain"),
-        default=d.log_format,
+        default="json",  # read by __main__ before parsing, to set up logging first
         help="request log format (default: %(default)s)",
-    )
-    g.add_argument(
-        "--log-prompts",
-        action="store_true",
-        help="include prompt and output text in request logs (off by default)",
     )
     g.add_argument(
         "--drain-timeout",
@@ -156,7 +152,8 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
         "--demo-cache-dir",
         type=Path,
         default=None,
-        help="where the demo model is built (default: $XDG_CACHE_HOME/sluice)",
+        help="cache root under which the demo model is built "
+        "(default: $SLUICE_CACHE_DIR, else $XDG_CACHE_HOME, else ~/.cache)",
     )
     _add_pressure_flags(parser)
 
@@ -212,6 +209,7 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.platforms import current_platform
 
+    from batching import CoalescerConfig
     from batching.pressure import PressureConfig
     from server import demo_model
 
@@ -223,7 +221,7 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
     if demo:
         if not current_platform.is_cpu():
             parser.error("--model is required on a machine with a GPU")
-        cache_root = ns.demo_cache_dir or env.cache_root or Path.home() / ".cache"
+        cache_root = ns.demo_cache_dir or env.cache_root
         model_dir = demo_model.build_demo_model(demo_model.default_demo_dir(cache_root))
         for key, value in demo_model.demo_engine_kwargs(model_dir).items():
             # The demo model's measured CPU settings, unless a flag said otherwise.
@@ -261,23 +259,23 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
         model_name=served,
         model_path=ns.model,
         demo_model=demo,
-        window=ns.window_ms / 1000.0,
-        adaptive_window=ns.adaptive_window,
-        max_batch_seqs=ns.max_batch_seqs or (ns.max_num_seqs or 256),
-        max_batch_tokens=ns.max_batch_tokens or (ns.max_num_batched_tokens or 8192),
-        max_pending_requests=ns.max_pending_requests,
-        max_pending_tokens=ns.max_pending_tokens,
+        core=CoalescerConfig(
+            window=ns.window_ms / 1000.0,
+            adaptive=ns.adaptive_window,
+            release_lone=ns.adaptive_window,
+            max_pending_requests=ns.max_pending_requests,
+            max_pending_tokens=ns.max_pending_tokens,
+            dedupe=ns.dedupe,
+            prefix_block=(ns.block_size or 16) if ns.prefix_leader else 0,
+        ),
+        max_batch_seqs=ns.max_batch_seqs,
+        max_batch_tokens=ns.max_batch_tokens,
         queue_timeout=ns.queue_timeout,
-        dedupe=ns.dedupe,
-        prefix_leader=ns.prefix_leader,
-        prefix_block=ns.block_size or 16,
         result_cache_ttl=ns.result_cache_ttl,
         api_key=api_key,
         max_body_bytes=ns.max_body_bytes,
         max_n=ns.max_n,
         default_thinking=ns.default_thinking,
-        log_format=ns.log_format,
-        log_prompts=ns.log_prompts,
         drain_timeout=ns.drain_timeout,
         warmup=ns.warmup,
         watchdog_interval=ns.watchdog_interval_ms / 1000.0,

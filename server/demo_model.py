@@ -150,7 +150,15 @@ MODEL_FILES = (
 
 
 def default_cache_root(env: Mapping[str, str]) -> Path:
-    """The XDG cache root for *env* (pass ``os.environ`` from the settings code)."""
+    """The cache root for *env*: ``$SLUICE_CACHE_DIR``, else the XDG cache root.
+
+    The one place the demo model's cache folder is worked out (the CLI through
+    `EnvView`, the benchmark and the tests all call it); the model itself goes
+    into `default_demo_dir` of this root.
+    """
+    own = env.get("SLUICE_CACHE_DIR", "")
+    if own:
+        return Path(own)
     xdg = env.get("XDG_CACHE_HOME", "")
     # The XDG spec says relative values are invalid and must be ignored.
     if xdg and os.path.isabs(xdg):

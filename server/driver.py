@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 
 from batching import (
     AdmissionState,
@@ -31,11 +30,13 @@ from batching import (
     Coalescer,
     Ended,
     EngineLoad,
+    Event,
     Outcome,
     RefusalReason,
     Refused,
     Request,
 )
+from server.engine_api import Engine, EngineOutput, OutputStream, SamplingParamsLike
 from server.errors import SluiceError
 
 log = logging.getLogger("sluice.driver")
@@ -60,7 +61,7 @@ class Generation:
         self,
         driver: Driver,
         engine_id: str,
-        collector: Any,
+        collector: OutputStream,
         subscribers: set[str],
         priority: int,
         started: float,
@@ -72,7 +73,7 @@ class Generation:
         self._collector = collector
         self._subscribers = subscribers
         self._done = False
-        self._history: list[Any] = []
+        self._history: list[EngineOutput] = []
         self._error: BaseException | None = None
         self._changed: asyncio.Event | None = None
         self._pump_task: asyncio.Task[None] | None = None
@@ -97,7 +98,7 @@ class Generation:
             self._finish()
             self._changed.set()
 
-    async def outputs(self, subscriber: str) -> AsyncIterator[Any]:
+    async def outputs(self, subscriber: str) -> AsyncIterator[EngineOutput]:
         """The engine's outputs (vLLM RequestOutput deltas) for one reader."""
         if self._changed is None:
             while True:
@@ -133,7 +134,7 @@ class Generation:
             changed.clear()
             await changed.wait()
 
-    def _count(self, out: Any) -> None:
+    def _count(self, out: EngineOutput) -> None:
         for c in out.outputs:
             self.completion_tokens += len(c.token_ids)
 
@@ -193,8 +194,7 @@ class Ticket:
 @dataclass(slots=True)
 class _Pending:
     ticket: Ticket
-    params: Any = None  # SamplingParams; None for a joined duplicate
-    extras: dict[str, Any] = field(default_factory=dict)
+    params: SamplingParamsLike | None = None  # None for a joined duplicate
 
 
 class Driver:
@@ -203,8 +203,8 @@ class Driver:
     def __init__(
         self,
         core: Coalescer,
-        engine: Any,
-        on_events: Callable[[list[Any]], None] | None = None,
+        engine: Engine,
+        on_events: Callable[[Sequence[Event]], None] | None = None,
         clock: Callable[[], float] | None = None,
     ) -> None:
         self.core = core
@@ -229,7 +229,7 @@ class Driver:
     def now(self) -> float:
         return self._clock()
 
-    def submit(self, request: Request, params: Any) -> Ticket:
+    def submit(self, request: Request, params: SamplingParamsLike) -> Ticket:
         """Admit `request` to the core; raise a SluiceError if refused."""
         if self._dead is not None:
             raise SluiceError("the engine is not running", status=503, retry_after=5)
@@ -316,7 +316,7 @@ class Driver:
 
     def engine_error(self, exc: BaseException) -> SluiceError:
         """The caller-facing error for an engine failure."""
-        if self._dead is not None or getattr(self.engine, "errored", False):
+        if self._dead is not None or self.engine.errored:
             return SluiceError("the engine died; retry shortly", status=503, retry_after=5)
         log.error("generation failed: %r", exc)
         return SluiceError("generation failed", status=500)
@@ -329,6 +329,11 @@ class Driver:
     @property
     def queued(self) -> int:
         return len(self._pending)
+
+    @property
+    def running(self) -> int:
+        """Generations in the engine now."""
+        return len(self._running)
 
     @property
     def busy(self) -> bool:
@@ -432,7 +437,7 @@ class Driver:
                 self._fail_entry(req.id, subscribers, exc)
                 continue
             except Exception as exc:
-                dead = bool(getattr(self.engine, "errored", False))
+                dead = self.engine.errored
                 log.warning("engine refused %s: %s", req.id, exc)
                 self._fail_entry(
                     req.id,

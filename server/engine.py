@@ -27,7 +27,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from vllm import SamplingParams
@@ -37,6 +36,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from server.batcher import Batcher
+from server.engine_api import ModelInfo
 from server.errors import SluiceError
 from server.protocol import Message, Sampling
 from server.vllm_parsers import to_structured_outputs
@@ -110,18 +110,6 @@ def _stat_logger_factory(box: _StatsBox) -> Callable[..., StatLoggerBase]:
     return SluiceStatLogger
 
 
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    name: str
-    max_model_len: int
-    eos_token_id: int | None
-    created: int
-    # The model's generation_config defaults (Qwen3: temperature 0.6, top_p
-    # 0.95, top_k 20), applied where a request leaves a field out, as vLLM's
-    # own server does.
-    sampling_defaults: tuple[tuple[str, float], ...] = ()
-
-
 class EngineAdapter:
     """One vLLM AsyncLLM, and what Sluice needs from it."""
 
@@ -151,6 +139,8 @@ class EngineAdapter:
         from server.protocol.types import DEFAULTABLE
 
         diff = llm.model_config.get_diff_sampling_param()
+        sched = llm.vllm_config.scheduler_config
+        cache = llm.vllm_config.cache_config
         self.info = ModelInfo(
             name=self._model_name,
             max_model_len=int(llm.model_config.max_model_len),
@@ -159,6 +149,9 @@ class EngineAdapter:
             sampling_defaults=tuple(
                 sorted((k, float(v)) for k, v in diff.items() if k in DEFAULTABLE)
             ),
+            max_num_seqs=int(sched.max_num_seqs),
+            max_num_batched_tokens=int(sched.max_num_batched_tokens),
+            kv_cache_tokens=int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0),
         )
 
     def shutdown(self) -> None:

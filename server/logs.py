@@ -3,8 +3,8 @@
 Under systemd, stdout and stderr go to the journal, so Sluice writes lines to
 stderr and never manages files. Request lines come from `sluice.access` with
 their fields in `extra={"fields": {...}}`; in JSON they become top-level keys,
-in the plain format `key=value` pairs. Prompt and output text appear only when
---log-prompts asks for them (the handlers decide, not this module).
+in the plain format `key=value` pairs. Prompt and output text never appear:
+request lines carry ids, sizes and timings only.
 """
 
 from __future__ import annotations

@@ -25,7 +25,6 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import Mapping
 
 log = logging.getLogger("sluice.sdnotify")
 
@@ -45,16 +44,6 @@ class SdNotify:
         self._sock: socket.socket | None = None
         self._error_logged = False
         self.watchdog_interval = self._parse_watchdog(watchdog_usec, watchdog_pid, pid)
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str], *, pid: int | None = None) -> SdNotify:
-        """From NOTIFY_SOCKET, WATCHDOG_USEC and WATCHDOG_PID in ``env``."""
-        return cls(
-            env.get("NOTIFY_SOCKET"),
-            env.get("WATCHDOG_USEC"),
-            watchdog_pid=env.get("WATCHDOG_PID"),
-            pid=pid,
-        )
 
     @staticmethod
     def _parse_address(value: str | None) -> str | bytes | None:

@@ -8,9 +8,14 @@ reads `os.environ`; code that needs a setting gets it from here.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from batching import CoalescerConfig
+from batching.pressure import PressureConfig
+from server.demo_model import default_cache_root
+from server.engine_api import ModelInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,23 +27,20 @@ class EnvView:
     watchdog_pid: int | None = None  # WATCHDOG_PID: the watchdog is ours only if it is our pid
     cuda_visible_devices: str | None = None  # which GPUs the engine (and NVML) use
     api_key: str | None = None  # SLUICE_API_KEY; a key file (--api-key-file) wins
-    cache_root: Path | None = None  # SLUICE_CACHE_DIR or XDG_CACHE_HOME (demo model)
+    # SLUICE_CACHE_DIR, XDG_CACHE_HOME or ~/.cache: where the demo model is built
+    cache_root: Path = field(default_factory=lambda: default_cache_root({}))
 
     @classmethod
     def from_mapping(cls, env: Mapping[str, str]) -> EnvView:
         usec = env.get("WATCHDOG_USEC")
         wpid = env.get("WATCHDOG_PID")
-        cache = env.get("SLUICE_CACHE_DIR") or env.get("XDG_CACHE_HOME")
-        home = env.get("HOME")
-        if not cache and home:
-            cache = str(Path(home) / ".cache")
         return cls(
             notify_socket=env.get("NOTIFY_SOCKET") or None,
             watchdog_usec=int(usec) if usec and usec.isdigit() else None,
             watchdog_pid=int(wpid) if wpid and wpid.isdigit() else None,
             cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
             api_key=env.get("SLUICE_API_KEY") or None,
-            cache_root=Path(cache) if cache else None,
+            cache_root=default_cache_root(env),
         )
 
 
@@ -52,17 +54,13 @@ class Settings:
     model_path: str = ""  # what the engine loads
     demo_model: bool = False  # True when serving the built-in offline demo model
 
-    # The coalescer (batching/).
-    window: float = 0.010
-    adaptive_window: bool = True
-    max_batch_seqs: int = 256
-    max_batch_tokens: int = 8192
-    max_pending_requests: int = 1024
-    max_pending_tokens: int = 4_000_000
+    # The coalescer (batching/): its whole config. The batch caps below, when
+    # not given, become the engine's resolved max_num_seqs and
+    # max_num_batched_tokens at start (see `core_for`).
+    core: CoalescerConfig = field(default_factory=CoalescerConfig)
+    max_batch_seqs: int | None = None
+    max_batch_tokens: int | None = None
     queue_timeout: float = 60.0
-    dedupe: bool = True
-    prefix_leader: bool = False
-    prefix_block: int = 16
     result_cache_ttl: float = 0.0
 
     # The HTTP front.
@@ -71,16 +69,24 @@ class Settings:
     max_n: int = 8
     max_logprobs: int = 20
     default_thinking: bool = True
-    log_format: str = "json"
-    log_prompts: bool = False
     drain_timeout: float = 30.0
     warmup: bool = True
 
-    # The watchdog: interval and thresholds (batching/pressure.py's config).
+    # The watchdog: its poll interval and the policy's thresholds.
     watchdog_interval: float = 0.25
-    pressure: Any = None  # batching.pressure.PressureConfig
+    pressure: PressureConfig = field(default_factory=PressureConfig)
 
     env: EnvView = field(default_factory=EnvView)
     # vLLM's own engine flags, as parsed by vLLM's argument definitions
     # (an AsyncEngineArgs). Built once by the CLI and never mutated afterwards.
     engine_args: Any = None
+
+    def core_for(self, info: ModelInfo) -> CoalescerConfig:
+        """The coalescer's config once the engine has resolved its limits."""
+        return replace(
+            self.core,
+            max_batch_seqs=self.max_batch_seqs or info.max_num_seqs or self.core.max_batch_seqs,
+            max_batch_tokens=(
+                self.max_batch_tokens or info.max_num_batched_tokens or self.core.max_batch_tokens
+            ),
+        )

@@ -13,10 +13,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from server.engine_api import ModelInfo
 from server.errors import SluiceError
+from server.protocol import Message, Sampling
 from server.watchdog import ENGINE_IDLE, EngineStats
+
+if TYPE_CHECKING:
+    from server.engine_api import Engine
 
 
 @dataclass
@@ -69,10 +74,16 @@ class FakeEngine:
     stats_value: EngineStats = ENGINE_IDLE
 
     def __post_init__(self) -> None:
-        self.info = SimpleNamespace(
-            name="fake", max_model_len=self.max_model_len, eos_token_id=0, created=0
+        self.info = ModelInfo(
+            name="fake",
+            max_model_len=self.max_model_len,
+            eos_token_id=0,
+            created=0,
+            max_num_seqs=64,
+            max_num_batched_tokens=2048,
         )
         self.started = False
+        self.shut_down = False
 
     async def start(self) -> None:
         await asyncio.sleep(self.start_delay)
@@ -81,6 +92,7 @@ class FakeEngine:
         self.started = True
 
     def shutdown(self) -> None:
+        self.shut_down = True
         for task in self._producers.values():
             task.cancel()
 
@@ -99,7 +111,9 @@ class FakeEngine:
     def unfinished(self) -> set[str]:
         return set(self._producers)
 
-    async def tokenize_chat(self, conversations: Sequence[tuple[Any, Any]]) -> list[list[int]]:
+    async def tokenize_chat(
+        self, conversations: Sequence[tuple[Sequence[Message], dict[str, Any]]]
+    ) -> list[list[int]]:
         out = []
         for messages, kwargs in conversations:
             text = "".join(f"<{m.role}>{m.content}" for m in messages)
@@ -115,10 +129,12 @@ class FakeEngine:
         return "".join(chr(96 + i % 26) for i in ids)
 
     @staticmethod
-    def sampling_params(s: Any, max_tokens: int) -> Any:
+    def sampling_params(s: Sampling, max_tokens: int) -> Any:
         return SimpleNamespace(sampling=s, n=s.n, max_tokens=max_tokens)
 
-    async def add(self, request_id: str, prompt: Sequence[int], params: Any, priority: int) -> Any:
+    async def add(
+        self, request_id: str, prompt: Sequence[int], params: Any, priority: int
+    ) -> FakeCollector:
         if self._dead:
             raise SluiceError("the engine died; retry shortly", status=503, retry_after=5)
         collector = FakeCollector()
@@ -166,3 +182,8 @@ class FakeEngine:
 
 def now() -> float:
     return time.monotonic()
+
+
+if TYPE_CHECKING:
+    # The fake must keep up with the engine seam: drift is a type error here.
+    _check: Engine = FakeEngine()

@@ -29,7 +29,6 @@ from server.protocol.responses import (
     chat_logprobs,
     completion_body,
     completion_logprobs,
-    error_body,
     models_body,
 )
 from server.protocol.sse import DONE, ChatStream, CompletionStream, sse
@@ -61,7 +60,6 @@ __all__ = [
     "check_context",
     "completion_body",
     "completion_logprobs",
-    "error_body",
     "models_body",
     "parse_chat",
     "parse_completion",

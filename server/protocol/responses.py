@@ -20,7 +20,6 @@ from typing import Any, Final, Literal
 
 import orjson
 
-from server.errors import SluiceError
 from server.protocol.types import ToolCall
 
 __all__ = [
@@ -35,7 +34,6 @@ __all__ = [
     "chat_logprobs",
     "completion_body",
     "completion_logprobs",
-    "error_body",
     "models_body",
 ]
 
@@ -258,7 +256,3 @@ def models_body(
             entry["max_model_len"] = max_model_len
         data.append(entry)
     return orjson.dumps({"object": "list", "data": data})
-
-
-def error_body(error: SluiceError) -> bytes:
-    return orjson.dumps(error.body())

@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from server.app import RUNTIME, Phase, build_app
+from batching import CoalescerConfig
+from server.app import build_app
 from server.settings import Settings
+from server.state import RUNTIME, Phase
 from tests.fakes import FakeEngine
 
 AppFactory = Callable[..., Any]
@@ -23,9 +25,15 @@ async def make_client() -> AsyncIterator[AppFactory]:
     clients: list[TestClient[Any, Any]] = []
 
     async def make(engine: FakeEngine | None = None, wait_ready: bool = True, **overrides: Any):
+        """Keyword arguments set Settings fields, or the coalescer's when they
+        name a CoalescerConfig field (window=..., adaptive=...)."""
         engine = engine or FakeEngine()
+        core_fields = {f.name for f in dataclasses.fields(CoalescerConfig)}
+        core = {k: overrides.pop(k) for k in list(overrides) if k in core_fields}
         settings = dataclasses.replace(
-            Settings(model_name="fake", model_path="/models/fake"), **overrides
+            Settings(model_name="fake", model_path="/models/fake"),
+            core=CoalescerConfig(**core),
+            **overrides,
         )
         app = build_app(settings, engine)
         client: TestClient[Any, Any] = TestClient(TestServer(app, handler_cancellation=True))

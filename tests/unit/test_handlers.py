@@ -1,6 +1,6 @@
 """The HTTP front end to end: the real app on a loopback socket, a FakeEngine behind it.
 
-Each test drives server/handlers.py through aiohttp's client and checks what an
+Each test drives the routes and the generation pipeline through aiohttp's client and checks what an
 OpenAI client would see (shapes validated with the `openai` package's models),
 plus what the engine saw (added / aborted / unfinished requests). Waits poll
 for a state with a generous ceiling; nothing here asserts how fast anything is.
@@ -19,7 +19,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.app import DRIVER, RUNTIME, Phase
+from server.state import DRIVER, RUNTIME, Phase
 from tests.fakes import FakeEngine
 from tests.support import until
 
@@ -563,7 +563,9 @@ async def test_disconnect_mid_stream_aborts_engine_request(make_client: Any) -> 
 
 
 async def test_disconnect_while_queued_never_reaches_engine(make_client: Any) -> None:
-    client, app, engine = await make_client(window=5.0, adaptive_window=False, warmup=False)
+    client, app, engine = await make_client(
+        window=5.0, adaptive=False, release_lone=False, warmup=False
+    )
     core = app[DRIVER].core
     task = asyncio.create_task(client.post(CHAT, json=chat(), headers={"x-request-id": "queued-1"}))
     await until(lambda: core.queued_requests == 1, what="queued")
@@ -580,7 +582,7 @@ async def test_disconnect_while_queued_never_reaches_engine(make_client: Any) ->
 async def test_queued_request_expires_with_503(make_client: Any) -> None:
     """A request that outlives --queue-timeout in the queue gets an answer (no hang)."""
     client, app, engine = await make_client(
-        window=5.0, adaptive_window=False, queue_timeout=0.2, warmup=False
+        window=5.0, adaptive=False, release_lone=False, queue_timeout=0.2, warmup=False
     )
     resp = await asyncio.wait_for(client.post(CHAT, json=chat()), 3.0)
     await assert_error(resp, 503)
@@ -593,7 +595,9 @@ async def test_queued_request_expires_with_503(make_client: Any) -> None:
 
 
 async def test_identical_greedy_requests_share_one_generation(make_client: Any) -> None:
-    client, _, engine = await make_client(window=0.05, adaptive_window=False, warmup=False)
+    client, _, engine = await make_client(
+        window=0.05, adaptive=False, release_lone=False, warmup=False
+    )
     body = chat(temperature=0, max_tokens=5)
     a, b = await asyncio.gather(client.post(CHAT, json=body), client.post(CHAT, json=body))
     ra, rb = await a.json(), await b.json()
@@ -606,7 +610,9 @@ async def test_identical_greedy_requests_share_one_generation(make_client: Any) 
 
 
 async def test_sampled_requests_are_not_deduplicated(make_client: Any) -> None:
-    client, _, engine = await make_client(window=0.05, adaptive_window=False, warmup=False)
+    client, _, engine = await make_client(
+        window=0.05, adaptive=False, release_lone=False, warmup=False
+    )
     body = chat(temperature=0.7, max_tokens=3)
     a, b = await asyncio.gather(client.post(CHAT, json=body), client.post(CHAT, json=body))
     assert a.status == b.status == 200
@@ -615,7 +621,7 @@ async def test_sampled_requests_are_not_deduplicated(make_client: Any) -> None:
 
 async def test_dedupe_one_caller_leaves_other_completes(make_client: Any) -> None:
     client, app, engine = await make_client(
-        engine=FakeEngine(step=0.01), window=0.05, adaptive_window=False, warmup=False
+        engine=FakeEngine(step=0.01), window=0.05, adaptive=False, release_lone=False, warmup=False
     )
     body = chat(temperature=0, max_tokens=30, stream=True)
     a, b = await asyncio.gather(
@@ -650,7 +656,7 @@ def cancel_leaked_pumps() -> list[str]:
 
 async def _both_leave(make_client: Any) -> tuple[Any, Any, str]:
     client, app, engine = await make_client(
-        engine=FakeEngine(step=0.01), window=0.05, adaptive_window=False, warmup=False
+        engine=FakeEngine(step=0.01), window=0.05, adaptive=False, release_lone=False, warmup=False
     )
     body = chat(temperature=0, max_tokens=200, stream=True)
     a, b = await asyncio.gather(client.post(CHAT, json=body), client.post(CHAT, json=body))
@@ -721,7 +727,7 @@ async def test_metrics_kv_cache_and_dedupe_hits(make_client: Any) -> None:
     engine = FakeEngine()
     engine.stats_value = dataclasses.replace(engine.stats_value, kv_cache_usage=0.42)
     client, _, _ = await make_client(
-        engine=engine, window=0.05, adaptive_window=False, warmup=False
+        engine=engine, window=0.05, adaptive=False, release_lone=False, warmup=False
     )
     body = chat(temperature=0)
     await asyncio.gather(client.post(CHAT, json=body), client.post(CHAT, json=body))

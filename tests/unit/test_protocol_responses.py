@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from server.errors import SluiceError
 from server.protocol import (
     DONE,
     ChatChoice,
@@ -23,7 +22,6 @@ from server.protocol import (
     Usage,
     chat_completion_body,
     completion_body,
-    error_body,
     models_body,
     sse,
 )
@@ -145,11 +143,6 @@ def test_models_body() -> None:
     ]
     assert raw["data"][0]["max_model_len"] == 4096
     assert "max_model_len" not in orjson.loads(models_body(["a"], created=5))["data"][0]
-
-
-def test_error_body() -> None:
-    err = SluiceError("bad n", param="n", code="invalid_value")
-    assert orjson.loads(error_body(err)) == err.body()
 
 
 # -- chat stream ---------------------------------------------------------------------

@@ -64,7 +64,7 @@ def test_abstract_socket() -> None:
 
 
 def test_no_socket_means_no_op() -> None:
-    n = SdNotify.from_env({})
+    n = SdNotify(None)
     assert not n.enabled and n.watchdog_interval is None
     assert not n.ready() and not n.stopping() and not n.status("x") and not n.watchdog()
 
@@ -74,11 +74,11 @@ def test_unsupported_address_is_a_no_op() -> None:
 
 
 def test_watchdog_interval_is_half_of_watchdog_usec() -> None:
-    env = {"NOTIFY_SOCKET": "/run/x", "WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "42"}
-    assert SdNotify.from_env(env, pid=42).watchdog_interval == 15.0
+    usec = "30000000"
+    assert SdNotify("/run/x", usec, watchdog_pid="42", pid=42).watchdog_interval == 15.0
     # The watchdog belongs to another process (we were started by the main one).
-    assert SdNotify.from_env(env, pid=43).watchdog_interval is None
-    assert SdNotify.from_env({**env, "WATCHDOG_PID": ""}, pid=1).watchdog_interval == 15.0
+    assert SdNotify("/run/x", usec, watchdog_pid="42", pid=43).watchdog_interval is None
+    assert SdNotify("/run/x", usec, watchdog_pid="", pid=1).watchdog_interval == 15.0
     assert SdNotify("/run/x", "0").watchdog_interval is None
     assert SdNotify("/run/x", "junk").watchdog_interval is None
     assert SdNotify("/run/x", None).watchdog_interval is None

@@ -1,0 +1,285 @@
+"""The two generation endpoints: what differs between chat and completions.
+
+Why this module exists: the pipeline (server/pipeline.py) runs every
+generation the same way; an endpoint only says how its body becomes token ids
+(`prepare_*`: parse, tokenize, context check) and how choices go back on the
+wire (its `Encoder`: whole bodies, stream frames, the reasoning split).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Final
+
+from aiohttp import web
+
+from server.engine_api import CompletionDelta
+from server.errors import SluiceError
+from server.pipeline import Encoder, Job, Trace, logprobs
+from server.protocol import (
+    ChatChoice,
+    ChatRequest,
+    ChatStream,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionStream,
+    FinishReason,
+    TokenLogprob,
+    Usage,
+    chat_completion_body,
+    check_context,
+    completion_body,
+    parse_chat,
+    parse_completion,
+)
+from server.reasoning import ReasoningSplitter, split_reasoning
+from server.state import ENGINE, RUNTIME, SETTINGS
+
+__all__ = ["REASONING_FIELD", "check_model", "prepare_chat", "prepare_completion", "read_body"]
+
+# vLLM 0.32 names the thinking part "reasoning"; the OpenAI-compatible
+# ecosystem (and the field our users' clients read) is "reasoning_content".
+REASONING_FIELD: Final = "reasoning_content"
+
+Detokenize = Callable[[Sequence[int]], str]
+
+
+async def read_body(request: web.Request) -> bytes:
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise SluiceError(
+            f"request body exceeds {request.app[SETTINGS].max_body_bytes} bytes",
+            status=413,
+            code="body_too_large",
+        ) from None
+
+
+def check_model(request: web.Request, model: str) -> None:
+    settings = request.app[SETTINGS]
+    if model not in (settings.model_name, settings.model_path):
+        raise SluiceError(
+            f"The model `{model}` does not exist.",
+            status=404,
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _finish_reason(reason: str | None) -> FinishReason:
+    return "length" if reason == "length" else "stop"
+
+
+# ---------------------------------------------------------------------------
+# Chat
+
+
+async def prepare_chat(request: web.Request, tr: Trace) -> tuple[Job, Encoder[ChatChoice]]:
+    req = parse_chat(await read_body(request), request.app[RUNTIME].limits)
+    check_model(request, req.model)
+    engine = request.app[ENGINE]
+    ids = (await engine.tokenize_chat([(req.messages, req.template_kwargs())]))[0]
+    max_tokens = check_context(len(ids), req.sampling.max_tokens, engine.info.max_model_len)
+    job = Job(
+        model=req.model,
+        prompts=(tuple(ids),),
+        max_tokens=(max_tokens,),
+        sampling=req.sampling,
+        priority=req.priority,
+        stream=req.stream,
+        include_usage=req.include_usage,
+        variant=req.enable_thinking,
+        # Thinking output is not kept by the result cache (--result-cache-ttl).
+        cacheable=not req.enable_thinking,
+    )
+    return job, ChatEncoder(req, tr.rid, engine.detokenize)
+
+
+class ChatEncoder:
+    """chat.completion bodies and chat.completion.chunk frames for one request."""
+
+    def __init__(self, req: ChatRequest, rid: str, detokenize: Detokenize) -> None:
+        self._req = req
+        self._rid = rid
+        self._created = int(time.time())
+        self._detokenize = detokenize
+        n = req.sampling.n
+        self._splitters = [ReasoningSplitter() for _ in range(n)] if req.enable_thinking else None
+        self._enc = ChatStream(
+            request_id=rid,
+            created=self._created,
+            model=req.model,
+            n=n,
+            reasoning_field=REASONING_FIELD,
+        )
+
+    def choices(
+        self,
+        texts: Sequence[str],
+        logprobs: Sequence[Sequence[TokenLogprob]],
+        reasons: Sequence[str | None],
+    ) -> tuple[ChatChoice, ...]:
+        req = self._req
+        out = []
+        for i, text in enumerate(texts):
+            reasoning, content = split_reasoning(text) if req.enable_thinking else (None, text)
+            out.append(
+                ChatChoice(
+                    index=i,
+                    content=content,
+                    reasoning=reasoning,
+                    finish_reason=_finish_reason(reasons[i]),
+                    logprobs=tuple(logprobs[i]) if req.logprobs else None,
+                )
+            )
+        return tuple(out)
+
+    def body(self, choices: Sequence[ChatChoice], usage: Usage) -> bytes:
+        return chat_completion_body(
+            request_id=self._rid,
+            created=self._created,
+            model=self._req.model,
+            choices=choices,
+            usage=usage,
+            reasoning_field=REASONING_FIELD,
+        )
+
+    def stream_head(self) -> bytes:
+        return b"".join(self._enc.first(i) for i in range(self._req.sampling.n))
+
+    def stream_delta(self, choice: int, delta: CompletionDelta) -> bytes:
+        enc = self._enc
+        splitter = self._splitters[choice] if self._splitters is not None else None
+        parts: list[bytes] = []
+        if self._req.logprobs:
+            text = delta.text
+            if splitter is not None:
+                r, text = splitter.feed(text)
+                if r:
+                    parts.append(enc.chunk(choice, reasoning=r))
+            lps = logprobs(self._detokenize, delta, self._req.top_logprobs)
+            parts.append(enc.chunk(choice, content=text, logprobs=lps))
+        elif splitter is not None:
+            r, t = splitter.feed(delta.text)
+            parts.append(enc.splits(((choice, r, t),)))
+        elif delta.text:
+            parts.append(enc.content(choice, delta.text))
+        if delta.finish_reason is not None:
+            if splitter is not None:
+                r, t = splitter.finish()
+                parts.append(enc.splits(((choice, r, t),)))
+            parts.append(enc.finish(choice, _finish_reason(delta.finish_reason)))
+        return b"".join(parts)
+
+    def stream_usage(self, usage: Usage) -> bytes:
+        return self._enc.usage(usage)
+
+
+# ---------------------------------------------------------------------------
+# Completions
+
+
+async def prepare_completion(
+    request: web.Request, tr: Trace
+) -> tuple[Job, Encoder[CompletionChoice]]:
+    req = parse_completion(await read_body(request), request.app[RUNTIME].limits)
+    check_model(request, req.model)
+    engine = request.app[ENGINE]
+    texts = [p for p in req.prompts if isinstance(p, str)]
+    encoded = iter(await engine.tokenize_prompts(texts)) if texts else iter(())
+    prompts = tuple(tuple(next(encoded)) if isinstance(p, str) else p for p in req.prompts)
+    max_len = engine.info.max_model_len
+    job = Job(
+        model=req.model,
+        prompts=prompts,
+        max_tokens=tuple(
+            check_context(len(ids), req.sampling.max_tokens, max_len, where="prompt")
+            for ids in prompts
+        ),
+        sampling=req.sampling,
+        priority=req.priority,
+        stream=req.stream,
+        include_usage=req.include_usage,
+        variant=req.echo,
+    )
+    return job, CompletionEncoder(req, prompts, tr.rid, engine.detokenize)
+
+
+class CompletionEncoder:
+    """text_completion bodies and stream frames for one request (echo included)."""
+
+    def __init__(
+        self,
+        req: CompletionRequest,
+        prompts: Sequence[Sequence[int]],
+        rid: str,
+        detokenize: Detokenize,
+    ) -> None:
+        self._req = req
+        self._prompts = prompts
+        self._rid = rid
+        self._created = int(time.time())
+        self._detokenize = detokenize
+        self._enc = CompletionStream(
+            request_id=rid, created=self._created, model=req.model, n=len(prompts) * req.sampling.n
+        )
+
+    def _echo(self, choice: int) -> str:
+        if not self._req.echo:
+            return ""
+        pi = choice // self._req.sampling.n
+        p = self._req.prompts[pi]
+        return p if isinstance(p, str) else self._detokenize(self._prompts[pi])
+
+    def choices(
+        self,
+        texts: Sequence[str],
+        logprobs: Sequence[Sequence[TokenLogprob]],
+        reasons: Sequence[str | None],
+    ) -> tuple[CompletionChoice, ...]:
+        want = self._req.sampling.logprobs is not None
+        out = []
+        for idx, text in enumerate(texts):
+            prefix = self._echo(idx)
+            out.append(
+                CompletionChoice(
+                    index=idx,
+                    text=prefix + text,
+                    finish_reason=_finish_reason(reasons[idx]),
+                    logprobs=tuple(logprobs[idx]) if want else None,
+                    text_offset=len(prefix),
+                )
+            )
+        return tuple(out)
+
+    def body(self, choices: Sequence[CompletionChoice], usage: Usage) -> bytes:
+        return completion_body(
+            request_id=self._rid,
+            created=self._created,
+            model=self._req.model,
+            choices=choices,
+            usage=usage,
+        )
+
+    def stream_head(self) -> bytes:
+        if not self._req.echo:
+            return b""
+        total = len(self._prompts) * self._req.sampling.n
+        return self._enc.texts((i, self._echo(i)) for i in range(total))
+
+    def stream_delta(self, choice: int, delta: CompletionDelta) -> bytes:
+        enc = self._enc
+        k = self._req.sampling.logprobs
+        parts: list[bytes] = []
+        if k is not None:
+            lps = logprobs(self._detokenize, delta, k)
+            parts.append(enc.chunk(choice, delta.text, logprobs=lps))
+        elif delta.text:
+            parts.append(enc.text(choice, delta.text))
+        if delta.finish_reason is not None:
+            parts.append(enc.finish(choice, _finish_reason(delta.finish_reason)))
+        return b"".join(parts)
+
+    def stream_usage(self, usage: Usage) -> bytes:
+        return self._enc.usage(usage)

@@ -1,0 +1,119 @@
+"""The engine seam: what the rest of Sluice may ask of an engine, as types.
+
+Why this module exists: the driver, the pipeline and the app talk to the engine
+only through the `Engine` Protocol below. `server/engine.py` (the vLLM adapter)
+implements it for production and `tests/fakes.py` for unit tests; mypy checks
+both against it, so a drift in either is a type error, not a `getattr`
+workaround. Nothing here imports vLLM.
+
+The output types describe the part of vLLM's `RequestOutput` / `CompletionOutput`
+Sluice reads (structurally: vLLM's own classes satisfy them unchanged).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from batching.pressure import EngineStats
+from server.protocol import Message, Sampling
+
+__all__ = [
+    "CompletionDelta",
+    "Engine",
+    "EngineOutput",
+    "ModelInfo",
+    "OutputStream",
+    "SamplingParamsLike",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the engine resolved at start: the model and the scheduler's capacity."""
+
+    name: str
+    max_model_len: int
+    eos_token_id: int | None
+    created: int
+    # The model's generation_config defaults (Qwen3: temperature 0.6, top_p
+    # 0.95, top_k 20), applied where a request leaves a field out, as vLLM's
+    # own server does.
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
+    # The engine scheduler's resolved limits (0: not known yet).
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    kv_cache_tokens: int = 0  # num_gpu_blocks x block_size
+
+
+class CompletionDelta(Protocol):
+    """One choice's new tokens in one engine output (vLLM's CompletionOutput)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def text(self) -> str: ...
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+    @property
+    def finish_reason(self) -> str | None: ...
+    @property
+    def logprobs(self) -> Any: ...  # vLLM: list of {token_id: Logprob} per token, or None
+
+
+class EngineOutput(Protocol):
+    """One engine output of one request (vLLM's RequestOutput in DELTA mode)."""
+
+    @property
+    def outputs(self) -> Sequence[CompletionDelta]: ...
+    @property
+    def finished(self) -> bool: ...
+
+
+class OutputStream(Protocol):
+    """A request's outputs as they come (vLLM's RequestOutputCollector).
+
+    `put` never blocks and merges into an unread output; an exception put there
+    is raised by the next `get`.
+    """
+
+    def put(self, item: Any) -> None: ...
+    async def get(self) -> EngineOutput: ...
+
+
+class SamplingParamsLike(Protocol):
+    """Opaque engine sampling parameters, built by `Engine.sampling_params`."""
+
+    @property
+    def n(self) -> int: ...
+
+
+class Engine(Protocol):
+    """The engine, as Sluice uses it."""
+
+    @property
+    def info(self) -> ModelInfo: ...
+    @property
+    def errored(self) -> bool: ...
+
+    async def start(self) -> None: ...
+    def shutdown(self) -> None: ...
+    async def check_health(self) -> None: ...
+    def stats(self) -> EngineStats: ...
+
+    async def tokenize_chat(
+        self, conversations: Sequence[tuple[Sequence[Message], dict[str, Any]]]
+    ) -> list[list[int]]: ...
+    async def tokenize_prompts(self, texts: Sequence[str]) -> list[list[int]]: ...
+    def detokenize(self, ids: Sequence[int]) -> str: ...
+
+    def sampling_params(self, s: Sampling, max_tokens: int) -> SamplingParamsLike: ...
+    async def add(
+        self,
+        request_id: str,
+        prompt_tokens: Sequence[int],
+        params: SamplingParamsLike,
+        priority: int,
+    ) -> OutputStream: ...
+    async def abort(self, request_ids: Sequence[str]) -> None: ...

@@ -1,0 +1,385 @@
+"""The one generation pipeline behind /v1/chat/completions and /v1/completions.
+
+Why this module exists: both endpoints do the same steps, and each step should
+exist once. An endpoint (server/endpoints.py) parses its body and tokenizes
+its prompts into a `Job` and supplies an `Encoder` for its wire format; this
+module does everything else:
+
+    trace (status, latency metrics, one access-log line, whatever happens)
+    -> phase check -> prepare (endpoint: parse, tokenize, context check)
+    -> result cache (deterministic, non-streaming results; --result-cache-ttl)
+    -> Driver.submit per prompt (the core admits or refuses at once)
+    -> await the tickets -> stream SSE or collect one JSON body -> leave.
+
+The `finally` around the tickets is what makes a vanished client cost
+nothing: aiohttp cancels the handler (handler_cancellation=True) and
+`Ticket.leave()` removes the request from the queue or aborts it in the
+engine. Streaming writes one buffer per engine output per request: vLLM
+merges the deltas a slow reader has not taken yet, so a lagging client gets
+several tokens in one write rather than a backlog of small ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import orjson
+from aiohttp import web
+
+from batching import Request as CoreRequest
+from batching import group_key
+from server import logs
+from server.driver import Generation, Ticket
+from server.engine_api import CompletionDelta, EngineOutput
+from server.errors import SluiceError
+from server.protocol import DONE, Sampling, TokenLogprob, Usage
+from server.state import DRIVER, ENGINE, METRICS, RESULTS, RUNTIME, SETTINGS, Phase
+
+__all__ = [
+    "Encoder",
+    "Job",
+    "Trace",
+    "generation_endpoint",
+    "json_response",
+    "logprobs",
+    "request_id",
+]
+
+_SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+_seq = itertools.count(1)
+C = TypeVar("C")
+
+
+def request_id(request: web.Request) -> str:
+    """The caller's x-request-id when usable, else a fresh one."""
+    rid = request.headers.get("x-request-id", "")
+    if rid and len(rid) <= 128 and rid.isprintable():
+        return rid
+    return uuid.uuid4().hex
+
+
+def json_response(body: bytes, rid: str, status: int = 200) -> web.Response:
+    return web.Response(
+        body=body, status=status, content_type="application/json", headers={"x-request-id": rid}
+    )
+
+
+@dataclass(slots=True)
+class Trace:
+    """What the access-log line and the latency metrics need."""
+
+    rid: str
+    endpoint: str
+    t0: float
+    status: int = 200
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft: float | None = None
+    tickets: list[Ticket] = field(default_factory=list)
+    stream: bool = False
+    error: str | None = None
+
+    def first_token(self) -> None:
+        if self.ttft is None:
+            self.ttft = time.monotonic() - self.t0
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One generation request, parsed and tokenized: what the pipeline runs.
+
+    `variant` is everything besides the prompt tokens and the sampling fields
+    that shapes the generated text (chat: the thinking mode) or the response
+    (completions: echo); it is part of the dedupe fingerprint and the result
+    cache key. `cacheable` says whether the endpoint allows the result cache
+    for this request at all.
+    """
+
+    model: str
+    prompts: tuple[tuple[int, ...], ...]
+    max_tokens: tuple[int, ...]  # per prompt, after the context check
+    sampling: Sampling
+    priority: int = 0
+    stream: bool = False
+    include_usage: bool = False
+    variant: Hashable = None
+    cacheable: bool = True
+
+
+class Encoder(Protocol[C]):
+    """An endpoint's wire format: whole bodies and stream frames.
+
+    Choice indexes are `prompt index x n + output index`. A stream encoder may
+    keep per-choice state (the reasoning split); one encoder serves one request.
+    """
+
+    def choices(
+        self,
+        texts: Sequence[str],
+        logprobs: Sequence[Sequence[TokenLogprob]],
+        reasons: Sequence[str | None],
+    ) -> tuple[C, ...]: ...
+    def body(self, choices: Sequence[C], usage: Usage) -> bytes: ...
+    def stream_head(self) -> bytes: ...
+    def stream_delta(self, choice: int, delta: CompletionDelta) -> bytes: ...
+    def stream_usage(self, usage: Usage) -> bytes: ...
+
+
+# An endpoint's own step: parse the body and tokenize, into a Job and its encoder.
+Prepare = Callable[[web.Request, Trace], Awaitable[tuple[Job, Encoder[Any]]]]
+
+
+def logprobs(
+    detokenize: Callable[[Sequence[int]], str], delta: CompletionDelta, k: int
+) -> list[TokenLogprob]:
+    """vLLM's per-token {token_id: Logprob} dicts to our TokenLogprob values.
+
+    vLLM returns the top `k` tokens plus the sampled one when it ranks below
+    them; OpenAI's `top_logprobs` is exactly the top `k` (rank 1..k).
+    """
+    out = []
+    lps = delta.logprobs or []
+    for tok_id, entry in zip(delta.token_ids, lps, strict=False):
+        chosen = entry.get(tok_id)
+        token = chosen.decoded_token if chosen is not None else detokenize([tok_id])
+        top = tuple(
+            (lp.decoded_token or "", lp.logprob)
+            for lp in sorted(entry.values(), key=lambda lp: lp.rank or 0)
+            if lp.rank is not None and 1 <= lp.rank <= k
+        )
+        out.append(TokenLogprob(token or "", chosen.logprob if chosen else 0.0, top))
+    return out
+
+
+def check_accepting(request: web.Request) -> None:
+    """503 unless the app is serving (starting, draining and dead refuse)."""
+    rt = request.app[RUNTIME]
+    if rt.phase is Phase.READY:
+        return
+    request.app[METRICS].rejections.labels(rt.phase.value).inc()
+    if rt.phase is Phase.STARTING:
+        raise SluiceError(
+            "the model is still loading", status=503, retry_after=5, code="warming_up"
+        )
+    if rt.phase is Phase.DRAINING:
+        raise SluiceError(
+            "server shutting down; retry elsewhere", status=503, retry_after=5, code="draining"
+        )
+    raise SluiceError("the engine is not running", status=503, retry_after=5, code="engine_dead")
+
+
+def generation_endpoint(
+    endpoint: str, prepare: Prepare
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """An aiohttp handler running `prepare` and then the pipeline, traced."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        tr = Trace(request_id(request), endpoint, time.monotonic())
+        try:
+            check_accepting(request)
+            job, enc = await prepare(request, tr)
+            tr.stream = job.stream
+            tr.prompt_tokens = sum(map(len, job.prompts))
+            return await _run(request, tr, job, enc)
+        except SluiceError as err:
+            tr.status, tr.error = err.status, err.code or err.message[:80]
+            raise
+        except asyncio.CancelledError:
+            tr.status, tr.error = 499, "client went away"
+            raise
+        except Exception:
+            tr.status = 500
+            raise
+        finally:
+            _finish_trace(request, tr)
+
+    return handler
+
+
+async def _run(request: web.Request, tr: Trace, job: Job, enc: Encoder[Any]) -> web.StreamResponse:
+    results = request.app[RESULTS]
+    key: Hashable = None
+    if job.cacheable and not job.stream and job.sampling.deterministic and results.enabled:
+        key = (tr.endpoint, job.prompts, job.max_tokens, job.sampling.fingerprint(), job.variant)
+        if hit := results.get(key, time.monotonic()):
+            choices, tr.completion_tokens = hit
+            tr.first_token()
+            return json_response(enc.body(choices, _usage(tr)), tr.rid)
+    tr.tickets = _submit(request, tr, job)
+    try:
+        gens = [await t.wait() for t in tr.tickets]
+        if job.stream:
+            return await _stream(request, tr, job, enc, gens)
+        detokenize = request.app[ENGINE].detokenize
+        choices = enc.choices(*await _gather(tr, job, detokenize, gens))
+        if key is not None:
+            results.put(key, (choices, tr.completion_tokens), time.monotonic())
+        return json_response(enc.body(choices, _usage(tr)), tr.rid)
+    finally:
+        for t in tr.tickets:
+            t.leave()
+
+
+def _usage(tr: Trace) -> Usage:
+    return Usage(tr.prompt_tokens, tr.completion_tokens)
+
+
+def _submit(request: web.Request, tr: Trace, job: Job) -> list[Ticket]:
+    """Admit one core request per prompt; all or none (a refusal leaves the rest)."""
+    driver = request.app[DRIVER]
+    engine = request.app[ENGINE]
+    settings = request.app[SETTINGS]
+    now = driver.now()
+    key = group_key(settings.model_name)
+    sampling = job.sampling
+    # Only deterministic sampling can share a generation (greedy, or seeded).
+    fp = (sampling.fingerprint(), job.variant) if sampling.deterministic else None
+    base = f"{tr.rid}-{next(_seq)}"
+    single = len(job.prompts) == 1
+    tickets: list[Ticket] = []
+    try:
+        for i, ids in enumerate(job.prompts):
+            core_req = CoreRequest(
+                id=base if single else f"{base}-{i}",
+                key=key,
+                prompt_tokens=ids,
+                max_new_tokens=job.max_tokens[i] * sampling.n,
+                arrival=now,
+                priority=job.priority,
+                deadline=now + settings.queue_timeout,
+                fingerprint=fp,
+            )
+            params = engine.sampling_params(sampling, job.max_tokens[i])
+            tickets.append(driver.submit(core_req, params))
+    except SluiceError:
+        for t in tickets:
+            t.leave()
+        raise
+    return tickets
+
+
+async def _merged(
+    gens: Sequence[Generation], tickets: Sequence[Ticket]
+) -> AsyncIterator[tuple[int, EngineOutput]]:
+    """(prompt index, output) from several generations, as they come."""
+    if len(gens) == 1:
+        async for out in gens[0].outputs(tickets[0].id):
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, EngineOutput] | BaseException | None] = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            async for out in gens[i].outputs(tickets[i].id):
+                queue.put_nowait((i, out))
+        except Exception as exc:
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(None)
+
+    async with asyncio.TaskGroup() as tg:
+        for i in range(len(gens)):
+            tg.create_task(pump(i))
+        remaining = len(gens)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+
+
+async def _gather(
+    tr: Trace,
+    job: Job,
+    detokenize: Callable[[Sequence[int]], str],
+    gens: Sequence[Generation],
+) -> tuple[list[str], list[list[TokenLogprob]], list[str | None]]:
+    """Read every generation to its end: per choice the text, the logprobs
+    (empty when off) and the finish reason."""
+    n = job.sampling.n
+    k = job.sampling.logprobs
+    total = len(gens) * n
+    texts: list[list[str]] = [[] for _ in range(total)]
+    lps: list[list[TokenLogprob]] = [[] for _ in range(total)]
+    reasons: list[str | None] = [None] * total
+    async for pi, out in _merged(gens, tr.tickets):
+        tr.first_token()
+        for c in out.outputs:
+            idx = pi * n + c.index
+            texts[idx].append(c.text)
+            tr.completion_tokens += len(c.token_ids)
+            if k is not None:
+                lps[idx].extend(logprobs(detokenize, c, k))
+            if c.finish_reason is not None:
+                reasons[idx] = c.finish_reason
+    return ["".join(t) for t in texts], lps, reasons
+
+
+async def _stream(
+    request: web.Request, tr: Trace, job: Job, enc: Encoder[Any], gens: Sequence[Generation]
+) -> web.StreamResponse:
+    n = job.sampling.n
+    resp = web.StreamResponse(headers={**_SSE_HEADERS, "x-request-id": tr.rid})
+    await resp.prepare(request)
+    try:
+        if head := enc.stream_head():
+            await resp.write(head)
+        async for pi, out in _merged(gens, tr.tickets):
+            tr.first_token()
+            parts = []
+            for c in out.outputs:
+                tr.completion_tokens += len(c.token_ids)
+                if frame := enc.stream_delta(pi * n + c.index, c):
+                    parts.append(frame)
+            if parts:
+                await resp.write(b"".join(parts))
+        if job.include_usage:
+            await resp.write(enc.stream_usage(_usage(tr)))
+        await resp.write(DONE)
+    except SluiceError as err:
+        # Headers are gone: the error travels as a final SSE event, then [DONE].
+        tr.status, tr.error = err.status, err.code or err.message[:80]
+        await resp.write(b"data: " + orjson.dumps(err.body()) + b"\n\n" + DONE)
+    return resp
+
+
+def _finish_trace(request: web.Request, tr: Trace) -> None:
+    metrics = request.app[METRICS]
+    now = time.monotonic()
+    metrics.requests.labels(tr.endpoint, str(tr.status)).inc()
+    metrics.duration.observe(now - tr.t0)
+    if tr.ttft is not None:
+        metrics.ttft.observe(tr.ttft)
+    metrics.generated_tokens.inc(tr.completion_tokens)
+    request.app[RUNTIME].tokens_out += tr.completion_tokens
+    t = tr.tickets[0] if tr.tickets else None
+    fields: dict[str, Any] = {
+        "request_id": tr.rid,
+        "endpoint": tr.endpoint,
+        "status": tr.status,
+        "stream": tr.stream,
+        "prompt_tokens": tr.prompt_tokens,
+        "completion_tokens": tr.completion_tokens,
+        "queue_wait_ms": round(t.queue_wait * 1000, 2) if t else None,
+        "ttft_ms": round(tr.ttft * 1000, 2) if tr.ttft is not None else None,
+        "total_ms": round((now - tr.t0) * 1000, 2),
+        "batch_id": t.batch_id if t else None,
+        "batch_size": t.batch_size if t else None,
+        "deduped": t.joined if t else False,
+    }
+    if tr.error:
+        fields["error"] = tr.error
+    logs.access(fields)

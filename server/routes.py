@@ -1,0 +1,116 @@
+"""The HTTP surface: which path runs what.
+
+Why this module exists: one table of routes. The two generation endpoints are
+the pipeline (server/pipeline.py) with their endpoint's preparation
+(server/endpoints.py); the rest (models, probes, metrics, tokenizer) are
+small enough to live here. Authentication and error bodies are middleware
+(server/middleware.py), so no handler checks a key or formats an error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from server.endpoints import check_model, prepare_chat, prepare_completion, read_body
+from server.errors import SluiceError
+from server.metrics import CONTENT_TYPE
+from server.pipeline import check_accepting, generation_endpoint, json_response, request_id
+from server.protocol import models_body, parse_chat
+from server.state import ENGINE, METRICS, RUNTIME, SETTINGS, Phase
+
+__all__ = ["add_routes"]
+
+
+async def models(request: web.Request) -> web.Response:
+    info = request.app[ENGINE].info
+    body = models_body(
+        [request.app[SETTINGS].model_name],
+        created=info.created,
+        max_model_len=info.max_model_len or None,
+    )
+    return json_response(body, request_id(request))
+
+
+async def health(request: web.Request) -> web.Response:
+    rt = request.app[RUNTIME]
+    if rt.phase is Phase.DEAD or request.app[ENGINE].errored:
+        raise SluiceError(
+            f"engine dead: {rt.engine_error or 'errored'}",
+            status=503,
+            retry_after=5,
+            code="engine_dead",
+        )
+    return json_response(
+        orjson.dumps({"status": "ok", "phase": rt.phase.value}), request_id(request)
+    )
+
+
+async def ready(request: web.Request) -> web.Response:
+    rt = request.app[RUNTIME]
+    if not rt.ready:
+        why = rt.phase.value if rt.phase is not Phase.READY else rt.admission.name.lower()
+        raise SluiceError(f"not ready: {why}", status=503, retry_after=5, code="not_ready")
+    return json_response(orjson.dumps({"status": "ready"}), request_id(request))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def _object(body: bytes) -> dict[str, Any]:
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise SluiceError(f"malformed JSON: {exc}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise SluiceError("the request body must be a JSON object", code="invalid_json")
+    return obj
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM-compatible /tokenize: {"prompt"} or {"messages"}; "model" is optional."""
+    check_accepting(request)
+    obj = _object(await read_body(request))
+    model = obj.get("model") or request.app[SETTINGS].model_name
+    if not isinstance(model, str):
+        raise SluiceError("'model' must be a string", param="model")
+    check_model(request, model)
+    engine = request.app[ENGINE]
+    if "messages" in obj:
+        req = parse_chat(orjson.dumps({**obj, "model": model}), request.app[RUNTIME].limits)
+        ids = (await engine.tokenize_chat([(req.messages, req.template_kwargs())]))[0]
+    else:
+        prompt = obj.get("prompt")
+        if not isinstance(prompt, str):
+            raise SluiceError("'prompt' must be a string", param="prompt")
+        ids = (await engine.tokenize_prompts([prompt]))[0]
+    body = orjson.dumps(
+        {"count": len(ids), "max_model_len": engine.info.max_model_len, "tokens": ids}
+    )
+    return json_response(body, request_id(request))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    check_accepting(request)
+    obj = _object(await read_body(request))
+    tokens = obj.get("tokens")
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
+    ):
+        raise SluiceError("'tokens' must be a list of token ids", param="tokens")
+    body = orjson.dumps({"prompt": request.app[ENGINE].detokenize(tokens)})
+    return json_response(body, request_id(request))
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", generation_endpoint("chat", prepare_chat))
+    app.router.add_post("/v1/completions", generation_endpoint("completions", prepare_completion))
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)

@@ -1,0 +1,78 @@
+"""The app's typed state: its life-cycle phase, run state and app keys.
+
+Why this module exists: the app (server/app.py), the HTTP routes and the
+generation pipeline all read the same state; keeping it here, below all of
+them, means none of them imports another to get at it (no import cycle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from batching import AdmissionState, ResultCache
+from server.driver import Driver
+from server.engine_api import Engine
+from server.metrics import Metrics
+from server.protocol import ChatChoice, CompletionChoice, Limits
+from server.sdnotify import SdNotify
+from server.settings import Settings
+from server.watchdog import Watchdog
+
+__all__ = [
+    "DRIVER",
+    "ENGINE",
+    "METRICS",
+    "NOTIFIER",
+    "RESULTS",
+    "RUNTIME",
+    "SETTINGS",
+    "WATCHDOG",
+    "CachedResult",
+    "Phase",
+    "Runtime",
+]
+
+
+class Phase(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    DEAD = "dead"
+    STOPPED = "stopped"
+
+
+@dataclass(slots=True)
+class Runtime:
+    """The app's mutable run state, shared by routes and background tasks."""
+
+    phase: Phase = Phase.STARTING
+    admission: AdmissionState = AdmissionState.OK
+    started_at: float = field(default_factory=time.monotonic)
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    exit_code: int = 0
+    engine_error: str | None = None
+    tokens_out: int = 0  # completion tokens sent, for STATUS= tokens/s
+    limits: Limits = field(default_factory=Limits)  # request bounds, final once booted
+
+    @property
+    def ready(self) -> bool:
+        return self.phase is Phase.READY and self.admission is AdmissionState.OK
+
+
+# A deterministic result kept by --result-cache-ttl: the choices and the
+# completion tokens they cost.
+CachedResult = tuple[tuple[ChatChoice, ...] | tuple[CompletionChoice, ...], int]
+
+SETTINGS = web.AppKey("settings", Settings)
+ENGINE = web.AppKey[Engine]("engine")
+DRIVER = web.AppKey("driver", Driver)
+METRICS = web.AppKey("metrics", Metrics)
+RUNTIME = web.AppKey("runtime", Runtime)
+NOTIFIER = web.AppKey("notifier", SdNotify)
+WATCHDOG = web.AppKey("watchdog", Watchdog)
+RESULTS = web.AppKey[ResultCache[CachedResult]]("results")  # --result-cache-ttl
