@@ -7,6 +7,8 @@ rest of Sluice a small surface:
   engine gets token ids: small inputs on the loop (cheaper than a thread
   hop), long documents on a worker thread, batched across the requests that
   arrive while the previous batch runs (server/batcher.py);
+* `chat_parser` / `check_constraint`: tool calls, the reasoning split and
+  structured outputs through vLLM's own parsers (server/vllm_parsers.py);
 * `sampling_params`: our frozen `Sampling` value to vLLM's `SamplingParams`,
   always in DELTA mode, so a lagging reader gets several tokens merged into
   one output instead of a backlog (vLLM's RequestOutputCollector merges them);
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -38,8 +41,13 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from server.batcher import Batcher
 from server.engine_api import ModelInfo
 from server.errors import SluiceError
-from server.protocol import Message, Sampling
-from server.vllm_parsers import to_structured_outputs
+from server.protocol import ChatRequest, Constraint, Message, Sampling
+from server.vllm_parsers import (
+    OutputParsers,
+    RequestParsing,
+    check_constraint,
+    to_structured_outputs,
+)
 from server.watchdog import ENGINE_IDLE, EngineStats
 
 log = logging.getLogger("sluice.engine")
@@ -119,6 +127,7 @@ class EngineAdapter:
         self._stats = _StatsBox()
         self._llm: AsyncLLM | None = None
         self._tokenizer: Any = None
+        self._parsers: OutputParsers | None = None
         # One thread: tokenizer calls are serialised (HF fast tokenizers are
         # not safe to share across threads mid-call) and batched by the caller.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-tok")
@@ -153,6 +162,10 @@ class EngineAdapter:
             max_num_batched_tokens=int(sched.max_num_batched_tokens),
             kv_cache_tokens=int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0),
         )
+        try:
+            self._parsers = OutputParsers(self._tokenizer)
+        except TypeError as exc:  # vLLM's check: the tokenizer lacks Qwen3's tags
+            log.warning("tool calls off for this model: %s", exc)
 
     def shutdown(self) -> None:
         if self._llm is not None:
@@ -230,6 +243,40 @@ class EngineAdapter:
         # One trip into the Rust tokenizer for all texts of the batch.
         encoded = iter(tok(good, add_special_tokens=False)["input_ids"]) if good else iter(())
         return [errors[i] if t is None else list(next(encoded)) for i, t in enumerate(texts)]
+
+    # -- output parsing and constraints ---------------------------------------
+
+    def chat_parser(self, req: ChatRequest) -> RequestParsing:
+        """vLLM's tool-call and reasoning parsers for one chat request."""
+        if self._parsers is None:
+            raise SluiceError(
+                "tool calls are not available for this model (its tokenizer lacks the"
+                " Qwen3/hermes tags)",
+                param="tools",
+                code="unsupported",
+            )
+        return self._parsers.for_request(req)
+
+    async def check_constraint(self, constraint: Constraint) -> None:
+        """The engine's own check of a structured-output constraint, as a 400.
+
+        On the tokenizer thread: compiling a grammar takes up to milliseconds
+        (a regex under vLLM's timeout), too long for the event loop.
+        """
+        llm = self._llm
+        if llm is None:
+            raise SluiceError("engine not started", status=503, retry_after=5)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(
+            self._pool,
+            functools.partial(
+                check_constraint,
+                constraint,
+                model_config=llm.model_config,
+                config=llm.vllm_config.structured_outputs_config,
+                tokenizer=self._tokenizer,
+            ),
+        )
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids)))

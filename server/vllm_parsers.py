@@ -11,12 +11,13 @@ What it offers is Sluice-shaped and frozen:
 * ``RequestParsing.parse(text)``: a finished choice as ``Parsed`` (reasoning,
   content, tool calls with id, name and arguments as JSON text);
 * ``RequestParsing.stream()``: per choice, text deltas (and their token ids)
-  in, ``Delta`` out: reasoning, content and ``ToolCallDelta`` values (the
+  in, ``ParsedDelta`` out: reasoning, content and ``ToolCallDelta`` values (the
   id, type and name first, then argument fragments: the shape the ``openai``
   client's stream helpers assemble);
 * ``forced_constraint(req)``: the constraint that holds a forced call;
-  ``OutputParsers.structured_outputs(constraint)``: a constraint as the
-  engine's ``StructuredOutputsParams``, with the engine's own check as a 400.
+  ``to_structured_outputs`` / ``check_constraint``: a constraint as the
+  engine's ``StructuredOutputsParams``, the latter with the engine's own
+  check as a 400.
 
 ``tool_choice: auto`` (and ``none``) run vLLM's composed ``Parser`` (hermes
 tool parser + qwen3 reasoning parser, as ``vllm serve --tool-call-parser
@@ -42,7 +43,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Final
 
 import orjson
@@ -59,16 +60,15 @@ from vllm.tool_parsers.streaming import (
 from vllm.tool_parsers.utils import get_json_schema_from_tools
 
 from server.errors import SluiceError
-from server.protocol.responses import FinishReason, ToolCallDelta
+from server.protocol.responses import FinishReason, Parsed, ParsedDelta, ToolCallDelta
 from server.protocol.types import ChatRequest, Constraint, ToolCall
 
 __all__ = [
-    "Delta",
     "JsonEscaper",
     "OutputParsers",
-    "Parsed",
     "RequestParsing",
     "StreamParser",
+    "check_constraint",
     "forced_constraint",
     "to_structured_outputs",
 ]
@@ -78,25 +78,7 @@ __all__ = [
 _PLACEHOLDER_MESSAGES: Final = [{"role": "user", "content": ""}]
 
 
-@dataclass(frozen=True, slots=True)
-class Parsed:
-    """A finished choice, split: reasoning, answer text, tool calls."""
-
-    reasoning: str | None
-    content: str | None
-    tool_calls: tuple[ToolCall, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Delta:
-    """What one text delta of a choice releases (empty strings: nothing)."""
-
-    reasoning: str = ""
-    content: str = ""
-    tool_calls: tuple[ToolCallDelta, ...] = ()
-
-
-EMPTY: Final = Delta()
+EMPTY: Final = ParsedDelta()
 
 
 class JsonEscaper:
@@ -165,9 +147,12 @@ def forced_constraint(req: ChatRequest) -> Constraint | None:
     with ``parallel_tool_calls: false``). It replaces any response_format,
     as in vLLM: the answer is the call.
     """
+    return _forced(req, _vllm_tools(req))
+
+
+def _forced(req: ChatRequest, vreq: ChatCompletionRequest) -> Constraint | None:
     if not req.tools or not req.tool_choice.forced:
         return None
-    vreq = _vllm_tools(req)
     schema = get_json_schema_from_tools(vreq.tool_choice, vreq.tools, vreq.parallel_tool_calls)
     return Constraint("json", orjson.dumps(schema).decode(), param="tools")
 
@@ -188,60 +173,59 @@ def to_structured_outputs(constraint: Constraint | None) -> StructuredOutputsPar
     return StructuredOutputsParams(choice=list(constraint.choices))
 
 
+def check_constraint(
+    constraint: Constraint, *, model_config: Any, config: Any, tokenizer: Any
+) -> StructuredOutputsParams:
+    """``constraint`` as ``StructuredOutputsParams``, checked as the engine will check it.
+
+    ``model_config`` and ``config`` are the engine's (``AsyncLLM.model_config``,
+    ``.vllm_config.structured_outputs_config``). The check is vLLM's own
+    (``SamplingParams.verify``: for xgrammar the schema, regex or grammar
+    must compile), so a bad one is a 400 naming its field now instead of a
+    failed generation once queued. It compiles (under a millisecond for a
+    small schema, measured; a regex compile runs under vLLM's timeout): call
+    it from a worker thread.
+    """
+    params = to_structured_outputs(constraint)
+    assert params is not None
+    probe = SamplingParams(max_tokens=1, structured_outputs=replace(params))
+    try:
+        probe.verify(model_config, None, config, tokenizer)
+    except (VLLMClientError, ValueError, TypeError) as exc:
+        raise SluiceError(
+            f"'{constraint.param}' cannot be used as a constraint: {exc}",
+            status=400,
+            param=constraint.param,
+            code="invalid_value",
+        ) from None
+    return params
+
+
 # ---------------------------------------------------------------------------
 # Parsing the output.
 
 
 class OutputParsers:
-    """vLLM's composed parser class for one engine, and the engine's constraint check.
+    """vLLM's composed parser class for one engine's tokenizer.
 
-    ``model_config`` and ``structured_outputs_config`` are the engine's
-    (``AsyncLLM.model_config``, ``.vllm_config.structured_outputs_config``);
-    without them constraints are passed on unchecked.
+    Raises TypeError when the tokenizer lacks what the parsers need (vLLM's
+    start-up check), e.g. a model without Qwen3's ``<think>`` tokens.
     """
 
     def __init__(
         self,
         tokenizer: Any,
         *,
-        model_config: Any = None,
-        structured_outputs_config: Any = None,
         tool_parser: str = "hermes",
         reasoning_parser: str | None = "qwen3",
     ) -> None:
         self._tokenizer = tokenizer
-        self._model_config = model_config
-        self._so_config = structured_outputs_config
         self._parser_cls = ParserManager.get_parser(
             tool_parser_name=tool_parser,
             reasoning_parser_name=reasoning_parser,
             enable_auto_tools=True,
             tokenizer=tokenizer,
         )
-
-    def structured_outputs(self, constraint: Constraint | None) -> StructuredOutputsParams | None:
-        """The engine's ``StructuredOutputsParams`` for ``constraint``, checked.
-
-        The check is the engine's own (``SamplingParams.verify``: for
-        xgrammar the schema, regex or grammar must compile), so a bad one is
-        a 400 naming its field now instead of a failed generation once
-        queued. It compiles (about 0.5 ms for a small schema; a regex
-        compile runs under vLLM's timeout): call it from a worker thread.
-        """
-        params = to_structured_outputs(constraint)
-        if constraint is None or params is None or self._so_config is None:
-            return params
-        probe = SamplingParams(max_tokens=1, structured_outputs=replace(params))
-        try:
-            probe.verify(self._model_config, None, self._so_config, self._tokenizer)
-        except (VLLMClientError, ValueError, TypeError) as exc:
-            raise SluiceError(
-                f"'{constraint.param}' cannot be used as a constraint: {exc}",
-                status=400,
-                param=constraint.param,
-                code="invalid_value",
-            ) from None
-        return params
 
     def for_request(self, req: ChatRequest) -> RequestParsing:
         """Parsing for one request (once per request; its choices share it)."""
@@ -251,7 +235,16 @@ class OutputParsers:
 class RequestParsing:
     """One request's parsing: whole choices, or a stream state per choice."""
 
-    __slots__ = ("_cls", "_forced", "_kwargs", "_name", "_parallel", "_tokenizer", "_vreq")
+    __slots__ = (
+        "_cls",
+        "_constraint",
+        "_forced",
+        "_kwargs",
+        "_name",
+        "_parallel",
+        "_tokenizer",
+        "_vreq",
+    )
 
     def __init__(self, parser_cls: Any, tokenizer: Any, req: ChatRequest) -> None:
         self._cls = parser_cls
@@ -261,6 +254,7 @@ class RequestParsing:
         self._name = req.tool_choice.name
         self._parallel = req.parallel_tool_calls
         vreq = _vllm_tools(req)
+        self._constraint = _forced(req, vreq)
         if self._forced is not None:
             # vLLM's parser only splits off the reasoning; the call is ours to read.
             vreq.tool_choice = "none"
@@ -273,6 +267,11 @@ class RequestParsing:
     def forced(self) -> str | None:
         """``required`` or ``function`` for a forced call, else None."""
         return self._forced
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """What holds a forced call (``forced_constraint``); None: no forced call."""
+        return self._constraint
 
     def finish_reason(self, engine_reason: str | None, called: bool) -> FinishReason:
         """The choice's finish reason, as vLLM and OpenAI give it: ``tool_calls``
@@ -333,7 +332,7 @@ class RequestParsing:
 
 
 class StreamParser:
-    """One choice's stream: ``feed(text, token_ids, finished=...)`` -> ``Delta``.
+    """One choice's stream: ``feed(text, token_ids, finished=...)`` -> ``ParsedDelta``.
 
     ``called`` tells whether any tool call was announced, for the finish
     reason (``tool_calls``, as vLLM and OpenAI give it for ``auto`` and
@@ -355,7 +354,9 @@ class StreamParser:
         """Give the rendered prompt (vLLM's parser reads where thinking stands)."""
         self._prompt = list(prompt_token_ids)
 
-    def feed(self, text: str, token_ids: Sequence[int] = (), *, finished: bool = False) -> Delta:
+    def feed(
+        self, text: str, token_ids: Sequence[int] = (), *, finished: bool = False
+    ) -> ParsedDelta:
         owner = self._owner
         msg = self._parser.parse_delta(
             text, list(token_ids), owner._vreq, prompt_token_ids=self._prompt, finished=finished
@@ -382,7 +383,7 @@ class StreamParser:
             self.called = True
         if not (reasoning or content or calls):
             return EMPTY
-        return Delta(reasoning, content, calls)
+        return ParsedDelta(reasoning, content, calls)
 
     def _forced_deltas(self, text: str) -> tuple[ToolCallDelta, ...]:
         if not text:

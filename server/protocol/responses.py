@@ -27,6 +27,8 @@ __all__ = [
     "ChatChoice",
     "CompletionChoice",
     "FinishReason",
+    "Parsed",
+    "ParsedDelta",
     "TokenLogprob",
     "ToolCallDelta",
     "Usage",
@@ -75,6 +77,24 @@ class ToolCallDelta:
             out["type"] = "function"
         out["function"] = function
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """A finished chat choice's text, split: reasoning, answer, tool calls."""
+
+    reasoning: str | None
+    content: str | None
+    tool_calls: tuple[ToolCall, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedDelta:
+    """What one text delta of a streamed chat choice releases ("" / (): nothing)."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -281,20 +281,12 @@ class ChatRequest:
             kwargs["tools"] = [t.as_dict() for t in self.tools]
         return kwargs
 
-    def fingerprint(self) -> tuple[Any, ...]:
-        """Everything besides the prompt tokens that shapes the answer (dedupe, result cache).
-
-        The sampling (with its output constraint), the thinking split, and
-        the tools: they decide a forced call's constraint and how the output
-        is parsed into calls.
-        """
-        return (
-            self.sampling.fingerprint(),
-            self.enable_thinking,
-            self.tools,
-            self.tool_choice,
-            self.parallel_tool_calls,
-        )
+    def variant(self) -> tuple[Any, ...]:
+        """Besides the prompt tokens and ``sampling.fingerprint()`` (which holds
+        the output constraint), everything that shapes the answer, for dedupe
+        and the result cache: the thinking split, and the tools, which decide
+        a forced call's constraint and how the output is read into calls."""
+        return (self.enable_thinking, self.tools, self.tool_choice, self.parallel_tool_calls)
 
 
 @dataclass(frozen=True, slots=True)

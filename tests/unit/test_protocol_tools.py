@@ -367,12 +367,16 @@ def test_fingerprint_covers_tools_and_constraint() -> None:
         chat(temperature=0, structured_outputs={"regex": "b"}),
         chat(temperature=0, chat_template_kwargs={"enable_thinking": False}),
     ]
-    prints = [r.fingerprint() for r in [base, *variants]]
+
+    def fingerprint(r: ChatRequest) -> Any:
+        return (r.sampling.fingerprint(), r.variant())
+
+    prints = [fingerprint(r) for r in [base, *variants]]
     assert len(set(prints)) == len(prints)
     hash(tuple(prints))  # hashable, for the core's dedupe index
     # The same constraint from another field is the same answer.
-    assert chat(temperature=0, guided_regex="a").fingerprint() == variants[6].fingerprint()
-    assert chat(temperature=0, tools=TOOLS).fingerprint() == variants[0].fingerprint()
+    assert fingerprint(chat(temperature=0, guided_regex="a")) == fingerprint(variants[6])
+    assert fingerprint(chat(temperature=0, tools=TOOLS)) == fingerprint(variants[0])
 
 
 # -- response bodies and stream frames -------------------------------------------------------

@@ -21,15 +21,14 @@ from hypothesis import strategies as st
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from server.protocol import ChatRequest, Limits, parse_chat
+from server.protocol import ChatRequest, Limits, Parsed, ParsedDelta, parse_chat
 from server.protocol.sse import ChatStream
 from server.reasoning import split_reasoning
 from server.vllm_parsers import (
-    Delta,
     JsonEscaper,
     OutputParsers,
-    Parsed,
     RequestParsing,
+    check_constraint,
     forced_constraint,
     to_structured_outputs,
 )
@@ -67,7 +66,7 @@ def request(thinking: bool = False, **fields: Any) -> ChatRequest:
     return parse_chat(orjson.dumps(body), Limits())
 
 
-def feed(rp: RequestParsing, deltas: Sequence[str]) -> tuple[list[Delta], bool]:
+def feed(rp: RequestParsing, deltas: Sequence[str]) -> tuple[list[ParsedDelta], bool]:
     sp = rp.stream()
     out = [sp.feed(d, finished=i == len(deltas) - 1) for i, d in enumerate(deltas)]
     return out, sp.called
@@ -299,13 +298,14 @@ def test_engine_check_is_a_400(demo_model_dir: Path, parsers: OutputParsers) -> 
 
     from server.errors import SluiceError
 
-    checked = OutputParsers(
-        parsers._tokenizer,
-        model_config=ModelConfig(model=str(demo_model_dir), max_model_len=512),
-        structured_outputs_config=StructuredOutputsConfig(backend="xgrammar"),
-    )
+    engine = {
+        "model_config": ModelConfig(model=str(demo_model_dir), max_model_len=512),
+        "config": StructuredOutputsConfig(backend="xgrammar"),
+        "tokenizer": parsers._tokenizer,
+    }
     good = request(response_format={"type": "json_object"}).sampling.constraint
-    assert checked.structured_outputs(good) is not None
+    assert good is not None
+    assert check_constraint(good, **engine).json_object is True
     bad_schema = {"type": "object", "properties": {"a": {"type": "strin"}}}
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": bad_schema}}
     for fields, param in [
@@ -313,8 +313,10 @@ def test_engine_check_is_a_400(demo_model_dir: Path, parsers: OutputParsers) -> 
         ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex"),
         ({"guided_grammar": "root ::= nowhere"}, "guided_grammar"),
     ]:
+        constraint = request(**fields).sampling.constraint
+        assert constraint is not None
         with pytest.raises(SluiceError) as info:
-            checked.structured_outputs(request(**fields).sampling.constraint)
+            check_constraint(constraint, **engine)
         assert info.value.status == 400 and info.value.param == param
 
 
