@@ -43,6 +43,7 @@ from bench.scenarios import (
     POISSON,
     PREFIX,
     SCENARIO_TITLES,
+    STRUCTURED,
     WINDOW,
     Job,
     Plan,
@@ -165,7 +166,7 @@ def client_argv(cfg: RunConfig, base_url: str, job: Job, seed: int, result: Path
         "--tokenizer",
         cfg.tokenizer,
         *job.args,
-        "--ignore-eos",
+        *(("--ignore-eos",) if job.ignore_eos else ()),
         "--seed",
         str(seed),
         "--percentile-metrics",
@@ -460,6 +461,7 @@ SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
     ),
     PREFIX: BURST_METRICS,
     IDENTICAL: BURST_METRICS,
+    STRUCTURED: ("req_s", "out_tok_s", "ttft_p50", "ttft_p99", "tpot_p50", "e2el_p99", "failed"),
 }
 WINDOW_METRICS = ("req_s", "ttft_p50", "ttft_p99", "tpot_p50", "failed")
 
@@ -581,7 +583,7 @@ def render_markdown(
     else:
         out.append("No target could be evaluated from this run's scenarios.")
     out.append("")
-    for sc in (CONCURRENCY, POISSON, MIXED, PREFIX, IDENTICAL):
+    for sc in (CONCURRENCY, POISSON, MIXED, PREFIX, IDENTICAL, STRUCTURED):
         table = rp.aggregate(records, sc)
         if not table.points:
             continue
@@ -603,6 +605,15 @@ def render_markdown(
                 "Short = 1/128 of the context in (64 tokens at 8,192), 64 out; medium = "
                 "1/16 in, 128 out; long = 1/2 in, 128 out. Three client processes at once, "
                 "Poisson arrivals at 70/20/10% of the total rate.",
+                "",
+            ]
+        if sc == STRUCTURED:
+            out += [
+                "The same random prompts (128 in, at most 64 out, EOS honoured) plain and "
+                "under a JSON-schema constraint (`structured_outputs.json`: two enums, a "
+                "boolean, an integer range), on `/v1/completions`. Constrained answers end "
+                "when their JSON closes, so compare TPOT and TTFT for the constraint's cost "
+                "per token, and the Sluice/vLLM ratio for the servers.",
                 "",
             ]
         if sc in (PREFIX, IDENTICAL):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -13,6 +14,8 @@ from bench.scenarios import (
     MIXED,
     QUICK,
     SCENARIOS,
+    STRUCTURED,
+    STRUCTURED_SCHEMA,
     build_plan,
     seed_for,
 )
@@ -223,6 +226,19 @@ def test_plan_all_scenarios() -> None:
     assert "--temperature" in args and identical.prefix_metrics
     assert args[args.index("--prefix-repetition-num-prefixes") + 1] == "1"
     assert args[args.index("--prefix-repetition-suffix-len") + 1] == "0"
+
+
+def test_plan_structured_pair() -> None:
+    """Plain and JSON-schema points differ only in the constraint; EOS ends both."""
+    plain, schema = build_plan([STRUCTURED], QUICK, max_model_len=8192).points
+    assert (plain.name, schema.name) == ("plain c=32", "json schema c=32")
+    (pj,), (sj,) = plain.jobs, schema.jobs
+    assert not pj.ignore_eos and not sj.ignore_eos
+    assert sj.args[: len(pj.args)] == pj.args
+    flag, body = sj.args[len(pj.args) :]
+    assert flag == "--extra-body"
+    assert json.loads(body) == {"structured_outputs": {"json": STRUCTURED_SCHEMA}}
+    assert pj.args[pj.args.index("--max-concurrency") + 1] == "32"
 
 
 def test_plan_subset_and_quick() -> None:
