@@ -322,7 +322,8 @@ class RequestParsing:
         for item in value:
             if not isinstance(item, dict) or not isinstance(item.get("name"), str):
                 return None
-            args = orjson.dumps(item.get("parameters", {})).decode()
+            # json, not orjson: the parsed value may hold integers beyond 64 bits.
+            args = json.dumps(item.get("parameters", {}), ensure_ascii=False, separators=(",", ":"))
             calls.append(ToolCall(make_tool_call_id(), item["name"], args))
         return tuple(calls)
 

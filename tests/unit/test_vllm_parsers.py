@@ -248,6 +248,8 @@ def test_required_calls(parsers: OutputParsers) -> None:
     choice = assembled(rp, splits(text, {5, 30, 44, 60}))
     assert choice.finish_reason == "tool_calls"
     assert stream_calls(choice) == calls(parsed)
+    big = '[{"name":"get_time","parameters":{"n":123456789012345678901234567890}}]'
+    assert calls(rp.parse(big)) == [("get_time", {"n": 123456789012345678901234567890})]
 
 
 def test_forced_call_in_thinking_mode(parsers: OutputParsers) -> None:
