@@ -156,9 +156,9 @@ def client_argv(cfg: RunConfig, base_url: str, job: Job, seed: int, result: Path
     """The full `vllm bench serve` flags of one job."""
     return [
         "--backend",
-        "openai",
+        "openai-chat" if job.chat else "openai",
         "--endpoint",
-        "/v1/completions",
+        "/v1/chat/completions" if job.chat else "/v1/completions",
         "--base-url",
         base_url,
         "--model",
@@ -609,11 +609,12 @@ def render_markdown(
             ]
         if sc == STRUCTURED:
             out += [
-                "The same random prompts (128 in, at most 64 out, EOS honoured) plain and "
-                "under a JSON-schema constraint (`structured_outputs.json`: two enums, a "
-                "boolean, an integer range), on `/v1/completions`. Constrained answers end "
-                "when their JSON closes, so compare TPOT and TTFT for the constraint's cost "
-                "per token, and the Sluice/vLLM ratio for the servers.",
+                "The same random prompts (128 in, at most 64 out, EOS honoured) as chat "
+                "turns with thinking off, plain and under a JSON-schema constraint "
+                "(`structured_outputs.json`: an enum, a boolean, an integer range). "
+                "Constrained answers end when their JSON closes, so compare TPOT and TTFT "
+                "for the constraint's cost per token, and the Sluice/vLLM ratio for the "
+                "servers.",
                 "",
             ]
         if sc in (PREFIX, IDENTICAL):

@@ -66,12 +66,14 @@ class Job:
     """One client process of a point: its role and its dataset/load flags.
 
     ``ignore_eos`` False lets a request end when the model (or a constraint)
-    says so, instead of running to its output length.
+    says so, instead of running to its output length; ``chat`` sends it to
+    /v1/chat/completions instead of /v1/completions.
     """
 
     role: str
     args: tuple[str, ...]
     ignore_eos: bool = True
+    chat: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,12 +280,18 @@ def build_plan(
         )
     if STRUCTURED in sel:
         # The same prompts with and without the constraint, EOS honoured in
-        # both: the constrained answers end when their JSON closes.
-        body = json.dumps({"structured_outputs": {"json": STRUCTURED_SCHEMA}})
+        # both: the constrained answers end when their JSON closes. Chat with
+        # thinking off: with the engine's reasoning parser, vLLM's server holds
+        # a constraint on /v1/completions until a </think> that never comes.
+        no_think = {"chat_template_kwargs": {"enable_thinking": False}}
         c, n = STRUCTURED_CONCURRENCY, sizes.structured_prompts
-        for name, extra in (("plain", ()), ("json schema", ("--extra-body", body))):
+        for name, extra in (
+            ("plain", no_think),
+            ("json schema", {**no_think, "structured_outputs": {"json": STRUCTURED_SCHEMA}}),
+        ):
             job = _closed_loop(input_len, output_len, n, c)
-            job = Job(job.role, (*job.args, *extra), ignore_eos=False)
+            args = (*job.args, "--extra-body", json.dumps(extra))
+            job = Job(job.role, args, ignore_eos=False, chat=True)
             points.append(Point(STRUCTURED, f"{name} c={c}", (job,), concurrency=c))
     window_points: list[Point] = []
     if WINDOW in sel:

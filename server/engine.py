@@ -58,6 +58,8 @@ __all__ = ["EngineAdapter", "EngineDeadError", "EngineStats"]
 # microseconds to tokenize) are tokenized on the event loop; larger ones on the
 # tokenizer thread, a few per call (see server/batcher.py).
 INLINE_TOKENIZE_CHARS = 1024
+# SamplingParams.extra_args key carrying Constraint.from_start to `add`.
+_FROM_START = "sluice_constraint_from_start"
 
 
 class _StatsBox:
@@ -304,6 +306,7 @@ class EngineAdapter:
             skip_special_tokens=s.skip_special_tokens,
             include_stop_str_in_output=s.include_stop_str_in_output,
             structured_outputs=to_structured_outputs(s.constraint),
+            extra_args={_FROM_START: True} if s.constraint and s.constraint.from_start else None,
             output_kind=RequestOutputKind.DELTA,
         )
 
@@ -317,11 +320,15 @@ class EngineAdapter:
         """Add one request; returns vLLM's per-request output collector."""
         if self._llm is None:
             raise SluiceError("engine not started", status=503, retry_after=5)
+        # A constraint from the first token: tell the engine's reasoning gate
+        # the thinking is over (else it waits for a </think> that never comes).
+        from_start = bool(params.extra_args and params.extra_args.get(_FROM_START))
         return await self._llm.add_request(
             request_id,
             {"prompt_token_ids": list(prompt_tokens)},
             params,
             priority=priority,
+            reasoning_ended=True if from_start else None,
         )
 
     async def abort(self, request_ids: Sequence[str]) -> None:

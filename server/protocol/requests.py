@@ -23,6 +23,7 @@ Pure code: no aiohttp, no vLLM, no I/O.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Final
 
@@ -378,10 +379,15 @@ def parse_completion(body: bytes, limits: Limits) -> CompletionRequest:
         raise unsupported("echo", "'echo' together with 'logprobs'")
 
     stream, include_usage = _stream(obj)
+    sampling = _sampling(obj, limits, max_tokens, logprobs)
+    if sampling.constraint is not None:
+        # A raw prompt has no chat template opening a thought: constrain at once.
+        constraint = dataclasses.replace(sampling.constraint, from_start=True)
+        sampling = dataclasses.replace(sampling, constraint=constraint)
     return CompletionRequest(
         model=model,
         prompts=prompts,
-        sampling=_sampling(obj, limits, max_tokens, logprobs),
+        sampling=sampling,
         stream=stream,
         include_usage=include_usage,
         priority=_priority(obj),

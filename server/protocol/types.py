@@ -79,12 +79,16 @@ class Constraint:
     grammar (EBNF or Lark); ``choice``: one of ``choices``, verbatim. Text,
     not dicts, so the value is hashable and frozen for dedupe. ``param`` names
     the request field it came from, for errors; it is not part of the value.
+    ``from_start``: the constraint holds from the first generated token (a raw
+    completion); otherwise, with the engine's reasoning parser, it starts
+    after the thinking ends (chat).
     """
 
     kind: Literal["json", "json_object", "regex", "grammar", "choice"]
     value: str = ""
     choices: tuple[str, ...] = ()
     param: str = field(default="response_format", compare=False)
+    from_start: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.support import SluiceProcess
+from tests.support import ROOT, SluiceProcess
 
 pytestmark = pytest.mark.engine
 
@@ -215,3 +215,37 @@ def test_bad_constraints_are_400(client: openai.OpenAI) -> None:
             tool_choice={"type": "function", "function": {"name": "nope"}},
         )
     assert info.value.body["param"] == "tool_choice"  # type: ignore[index]
+
+
+def test_raw_completion_is_constrained_from_the_first_token(client: openai.OpenAI) -> None:
+    """A raw prompt has no thought to wait for: the constraint holds at once,
+    although the engine runs the qwen3 reasoning parser."""
+    r = client.completions.create(
+        model=MODEL,
+        prompt="Is it raining? Answer:",
+        max_tokens=20,
+        seed=9,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )
+    assert r.choices[0].text in ("yes", "no")
+    r = client.completions.create(
+        model=MODEL,
+        prompt="The weather as JSON:",
+        max_tokens=60,
+        seed=9,
+        extra_body={"guided_json": TIME},
+    )
+    jsonschema.validate(json.loads(r.choices[0].text), TIME)
+
+
+@pytest.mark.parametrize("section", ["### Tool calls", "### Structured output"])
+def test_readme_example_runs(sluice_server: SluiceProcess, section: str) -> None:
+    """The README's examples, verbatim but for the server's address, on the demo model."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index(section)
+    block = text[text.index("```python\n", start) + 10 : text.index("\n```", start)]
+    if "OpenAI(" not in block:  # the second example reuses the first one's client
+        block = "from openai import OpenAI\nclient = OpenAI(base_url=BASE, api_key='x')\n" + block
+    code = block.replace('"http://127.0.0.1:8000/v1"', "BASE")
+    scope: dict[str, Any] = {"BASE": sluice_server.base + "/v1", "print": lambda *a: None}
+    exec(compile(code, f"README {section}", "exec"), scope)

@@ -233,11 +233,12 @@ def test_plan_structured_pair() -> None:
     plain, schema = build_plan([STRUCTURED], QUICK, max_model_len=8192).points
     assert (plain.name, schema.name) == ("plain c=32", "json schema c=32")
     (pj,), (sj,) = plain.jobs, schema.jobs
-    assert not pj.ignore_eos and not sj.ignore_eos
-    assert sj.args[: len(pj.args)] == pj.args
-    flag, body = sj.args[len(pj.args) :]
-    assert flag == "--extra-body"
-    assert json.loads(body) == {"structured_outputs": {"json": STRUCTURED_SCHEMA}}
+    assert not pj.ignore_eos and not sj.ignore_eos and pj.chat and sj.chat
+    assert sj.args[:-1] == pj.args[:-1] and sj.args[-2] == "--extra-body"
+    no_think = {"chat_template_kwargs": {"enable_thinking": False}}
+    assert json.loads(pj.args[-1]) == no_think
+    constrained = {**no_think, "structured_outputs": {"json": STRUCTURED_SCHEMA}}
+    assert json.loads(sj.args[-1]) == constrained
     assert pj.args[pj.args.index("--max-concurrency") + 1] == "32"
 
 
