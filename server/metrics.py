@@ -8,6 +8,7 @@ they are never stale and cost nothing between scrapes.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -33,6 +34,9 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _WAIT = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 5, 30)
 _SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# The status page's sampler drains the recent observations once a second; the
+# bound only matters when no sampler runs (a benchmark's app, a unit test).
+_RECENT = 4096
 
 
 class _LiveCollector(Collector):
@@ -140,6 +144,24 @@ class Metrics:
         self.generated_tokens = Counter(
             "sluice_generated_tokens", "Completion tokens sent to callers", registry=r
         )
+        self.prompt_tokens = Counter(
+            "sluice_prompt_tokens", "Prompt tokens of answered requests", registry=r
+        )
+        # TTFTs and released batch sizes since the status sampler last looked:
+        # it takes exact p50/p95 per second from them (server/status.py).
+        self.recent_ttft: deque[float] = deque(maxlen=_RECENT)
+        self.recent_batch_sizes: deque[int] = deque(maxlen=_RECENT)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        self.recent_ttft.append(seconds)
+
+    def drain_recent(self) -> tuple[tuple[float, ...], tuple[int, ...]]:
+        """The TTFTs and batch sizes observed since the last call."""
+        ttft, sizes = tuple(self.recent_ttft), tuple(self.recent_batch_sizes)
+        self.recent_ttft.clear()
+        self.recent_batch_sizes.clear()
+        return ttft, sizes
 
     def on_core_events(self, events: Iterable[Any]) -> None:
         """Turn the batching core's event records into metrics."""
@@ -147,6 +169,7 @@ class Metrics:
             if isinstance(e, Released):
                 self.batches.labels(e.reason.value).inc()
                 self.batch_size.observe(e.size)
+                self.recent_batch_sizes.append(e.size)
             elif isinstance(e, Ended):
                 self.ended.labels(e.outcome.name.lower()).inc()
                 if e.outcome is Outcome.DISPATCHED:

@@ -27,8 +27,10 @@ log = logging.getLogger("sluice")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Paths behind the API key (when one is set). The probes and /metrics stay
-# open: systemd, load balancers and Prometheus read them without a key.
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+# open: systemd, load balancers and Prometheus read them without a key. The
+# status page itself (/, /static/) holds no data; what it shows, /status.json,
+# is behind the key.
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/status.json")
 
 
 def _json_error(err: SluiceError) -> web.Response:

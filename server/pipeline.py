@@ -362,7 +362,9 @@ def _finish_trace(request: web.Request, tr: Trace) -> None:
     metrics.requests.labels(tr.endpoint, str(tr.status)).inc()
     metrics.duration.observe(now - tr.t0)
     if tr.ttft is not None:
-        metrics.ttft.observe(tr.ttft)
+        metrics.observe_ttft(tr.ttft)
+    if tr.status == 200:
+        metrics.prompt_tokens.inc(tr.prompt_tokens)
     metrics.generated_tokens.inc(tr.completion_tokens)
     request.app[RUNTIME].tokens_out += tr.completion_tokens
     t = tr.tickets[0] if tr.tickets else None

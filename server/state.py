@@ -21,6 +21,7 @@ from server.metrics import Metrics
 from server.protocol import ChatChoice, CompletionChoice, Limits
 from server.sdnotify import SdNotify
 from server.settings import Settings
+from server.status import StatusSampler
 from server.watchdog import Watchdog
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "RESULTS",
     "RUNTIME",
     "SETTINGS",
+    "STATUS",
     "WATCHDOG",
     "CachedResult",
     "Phase",
@@ -76,3 +78,4 @@ RUNTIME = web.AppKey("runtime", Runtime)
 NOTIFIER = web.AppKey("notifier", SdNotify)
 WATCHDOG = web.AppKey("watchdog", Watchdog)
 RESULTS = web.AppKey[ResultCache[CachedResult]]("results")  # --result-cache-ttl
+STATUS = web.AppKey("status", StatusSampler)  # the status page's ring buffer

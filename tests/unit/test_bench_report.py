@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -253,7 +254,93 @@ def test_seeds_are_deterministic_per_point_and_rep() -> None:
     assert seed_for("a", "b", 1) != seed_for("a", "b", 2)
 
 
-def test_plot_points_sorted_by_throughput() -> None:
-    series = rp.plot_points(_records(), (CONCURRENCY,))
-    assert series[rp.SLUICE] == [(52.0, 100.0)]  # c=1 has no TTFT, c=32 only
-    assert rp.RAW not in series  # no TTFT p99 in the raw records above
+# ------------------------------------------------------------------- plot
+
+_LINE = rp.LinePanel(CONCURRENCY, "req_s", "throughput", "concurrency")
+_BARS = rp.BarPanel(MIXED, (("short", "short_ttft_p95"), ("long", "long_ttft_p95")), "t", "ms")
+
+
+def test_point_number_reads_the_scenario_variable() -> None:
+    assert rp.point_number("c=128") == 128.0
+    assert rp.point_number("2.5 req/s") == 2.5
+    assert rp.point_number("alone") is None
+
+
+def test_line_series_on_the_scenarios_own_axis() -> None:
+    recs = [*_records(), rp.Record(CONCURRENCY, "warm-up", rp.SLUICE, 0, {"req_s": 9.0})]
+    series = rp.line_series(rp.aggregate(recs, CONCURRENCY), _LINE)
+    # sorted by concurrency (c=32 was measured first); a point without a number is left out
+    assert [(x, v.median) for x, v in series[rp.SLUICE]] == [(1.0, 5.0), (32.0, 52.0)]
+    assert series[rp.RAW] == [(32.0, rp.Spread(72.0, 70.0, 74.0, 3))]
+    ttft = rp.LinePanel(CONCURRENCY, "ttft_p99", "t", "c")
+    assert rp.RAW not in rp.line_series(rp.aggregate(recs, CONCURRENCY), ttft)
+
+
+def test_bar_groups_by_class_and_by_point() -> None:
+    recs = [
+        rp.Record(MIXED, "8 req/s", rp.SLUICE, 0, {"short_ttft_p95": 10.0, "long_ttft_p95": 90.0}),
+        rp.Record(MIXED, "8 req/s", rp.VLLM, 0, {"short_ttft_p95": 30.0}),
+    ]
+    labels, per = rp.bar_groups(rp.aggregate(recs, MIXED), _BARS)
+    assert labels == ["short", "long"]
+    assert [v.median if v else None for v in per[rp.SLUICE]] == [10.0, 90.0]
+    assert [v.median if v else None for v in per[rp.VLLM]] == [30.0, None]
+    # several points (say alone / under a flood): the point is named under the label
+    recs += [rp.Record(MIXED, "flood", rp.SLUICE, 0, {"short_ttft_p95": 50.0})]
+    labels, per = rp.bar_groups(rp.aggregate(recs, MIXED), _BARS)
+    assert labels == ["short\n8 req/s", "long\n8 req/s", "short\nflood"]
+    assert per[rp.VLLM][2] is None
+
+
+def test_panels_without_data_are_left_out(tmp_path: Path) -> None:
+    tables = {CONCURRENCY: rp.aggregate(_records(), CONCURRENCY)}
+    assert rp.panel_has_data(tables, _LINE)
+    assert not rp.panel_has_data(tables, _BARS)  # no mixed table at all
+    absent = rp.BarPanel("noisy_neighbour", (("chat", "chat_ttft_p95"),), "t", "ms")
+    assert not rp.panel_has_data(tables, absent)
+    pytest.importorskip("matplotlib")
+    assert rp.write_panels(tables, (_BARS, absent), tmp_path / "p.png", "t").startswith(
+        "plot skipped"
+    )
+    msg = rp.write_panels(tables, (_LINE, _BARS, absent), tmp_path / "p.png", "t")
+    assert msg.startswith("plot written") and (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_parse_spread_reads_table_cells() -> None:
+    assert rp.parse_spread("2,919 [2,830–3,064]", 3) == rp.Spread(2919.0, 2830.0, 3064.0, 3)
+    assert rp.parse_spread("9.81", 3) == rp.Spread(9.81, 9.81, 9.81, 3)
+    assert rp.parse_spread("–", 3) is None
+    with pytest.raises(ValueError):
+        rp.parse_spread("1.2x", 3)
+
+
+def test_tables_from_markdown_round_trip() -> None:
+    table = rp.aggregate(_records(), CONCURRENCY)
+    md = "\n".join(
+        [
+            "# report",
+            "## Concurrency",
+            "",
+            rp.render_comparison(table, ("req_s", "ttft_p99")),
+            "",
+            "## Something else",
+            "| a | b |",
+            "|---|---|",
+            "| 1 | 2 |",
+        ]
+    )
+    back = rp.tables_from_markdown(md, {CONCURRENCY: "Concurrency"}, n=3)
+    assert set(back) == {CONCURRENCY}
+    got = back[CONCURRENCY]
+    assert got.points == ["c=32", "c=1"]
+    assert got.get("c=32", rp.SLUICE, "req_s") == rp.Spread(52.0, 50.0, 54.0, 3)
+    assert got.get("c=32", rp.VLLM, "ttft_p99") == rp.Spread(200.0, 200.0, 200.0, 3)
+    assert got.get("c=32", rp.RAW, "ttft_p99") is None  # a dash
+
+    def medians(t: rp.Table) -> dict[str, list[tuple[float, float, float, float]]]:
+        return {
+            s: [(x, v.median, v.low, v.high) for x, v in pts]
+            for s, pts in rp.line_series(t, _LINE).items()
+        }
+
+    assert medians(got) == medians(table)

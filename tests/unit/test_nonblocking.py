@@ -13,9 +13,11 @@ from typing import Any
 
 from blockbuster import blockbuster_ctx
 
+from server.state import STATUS
+
 
 async def test_request_path_does_not_block_the_loop(make_client: Any) -> None:
-    client, _, _ = await make_client(warmup=False)
+    client, app, _ = await make_client(warmup=False)
     chat = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     with blockbuster_ctx():
         r = await client.post("/v1/chat/completions", json=chat)
@@ -25,4 +27,8 @@ async def test_request_path_does_not_block_the_loop(make_client: Any) -> None:
         r = await client.post("/v1/completions", json={"model": "fake", "prompt": "x"})
         assert r.status == 200
         assert (await client.get("/metrics")).status == 200
+        app[STATUS].sample()
+        assert (await client.get("/status.json")).status == 200
+        assert (await client.get("/")).status == 200
+        assert (await client.get("/static/status.js")).status == 200
         assert (await client.post("/v1/completions", data=b"{bad")).status == 400
