@@ -283,7 +283,9 @@ def build_plan(
         # both: the constrained answers end when their JSON closes. Chat with
         # thinking off: with the engine's reasoning parser, vLLM's server holds
         # a constraint on /v1/completions until a </think> that never comes.
-        no_think = {"chat_template_kwargs": {"enable_thinking": False}}
+        # The client sends ignore_eos with random prompts whatever its flags
+        # (seen on the wire); the extra body overrides it.
+        no_think = {"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": False}
         c, n = STRUCTURED_CONCURRENCY, sizes.structured_prompts
         for name, extra in (
             ("plain", no_think),

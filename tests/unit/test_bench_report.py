@@ -236,7 +236,7 @@ def test_plan_structured_pair() -> None:
     (pj,), (sj,) = plain.jobs, schema.jobs
     assert not pj.ignore_eos and not sj.ignore_eos and pj.chat and sj.chat
     assert sj.args[:-1] == pj.args[:-1] and sj.args[-2] == "--extra-body"
-    no_think = {"chat_template_kwargs": {"enable_thinking": False}}
+    no_think = {"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": False}
     assert json.loads(pj.args[-1]) == no_think
     constrained = {**no_think, "structured_outputs": {"json": STRUCTURED_SCHEMA}}
     assert json.loads(sj.args[-1]) == constrained
