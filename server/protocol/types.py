@@ -165,12 +165,14 @@ class Tool:
     strict: bool | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """The OpenAI tool object, as the chat template and vLLM's parsers read it."""
-        function: dict[str, Any] = {"name": self.name}
-        if self.description is not None:
-            function["description"] = self.description
-        if self.parameters is not None:
-            function["parameters"] = orjson.loads(self.parameters)
+        """The OpenAI tool object as vLLM's server hands it to the chat template
+        (its ``model_dump``: ``description`` and ``parameters`` always present,
+        null when not given), so the prompt is the one vLLM's server renders."""
+        function: dict[str, Any] = {
+            "name": self.name,
+            "description": self.description,
+            "parameters": None if self.parameters is None else orjson.loads(self.parameters),
+        }
         if self.strict is not None:
             function["strict"] = self.strict
         return {"type": "function", "function": function}
@@ -216,13 +218,10 @@ class Message:
     tool_call_id: str | None = None
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as a chat template reads it.
-
-        Tool-call arguments go in as objects, not JSON text, as vLLM passes
-        them (templates such as Qwen3's render them with ``tojson``); text
-        that is not a JSON object becomes ``{}``, as in vLLM: the history
-        holds it, and refusing it would make every later turn fail too.
-        """
+        """The message in OpenAI's shape, as vLLM's renderer parses it for the
+        chat template (it turns tool-call arguments into objects, and text that
+        is no JSON object into ``{}``, so that a bad call in the history does
+        not fail every later turn)."""
         out: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.name is not None:
             out["name"] = self.name
@@ -231,21 +230,13 @@ class Message:
                 {
                     "id": c.id,
                     "type": "function",
-                    "function": {"name": c.name, "arguments": _json_object(c.arguments)},
+                    "function": {"name": c.name, "arguments": c.arguments},
                 }
                 for c in self.tool_calls
             ]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 @dataclass(frozen=True, slots=True)
