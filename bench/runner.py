@@ -44,6 +44,7 @@ from bench.scenarios import (
     POISSON,
     PREFIX,
     SCENARIO_TITLES,
+    STRUCTURED,
     WINDOW,
     Job,
     Plan,
@@ -156,9 +157,9 @@ def client_argv(cfg: RunConfig, base_url: str, job: Job, seed: int, result: Path
     """The full `vllm bench serve` flags of one job."""
     return [
         "--backend",
-        "openai",
+        "openai-chat" if job.chat else "openai",
         "--endpoint",
-        "/v1/completions",
+        "/v1/chat/completions" if job.chat else "/v1/completions",
         "--base-url",
         base_url,
         "--model",
@@ -166,7 +167,7 @@ def client_argv(cfg: RunConfig, base_url: str, job: Job, seed: int, result: Path
         "--tokenizer",
         cfg.tokenizer,
         *job.args,
-        "--ignore-eos",
+        *(("--ignore-eos",) if job.ignore_eos else ()),
         "--seed",
         str(seed),
         "--percentile-metrics",
@@ -461,6 +462,7 @@ SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
     ),
     PREFIX: BURST_METRICS,
     IDENTICAL: BURST_METRICS,
+    STRUCTURED: ("req_s", "out_tok_s", "ttft_p50", "ttft_p99", "tpot_p50", "e2el_p99", "failed"),
 }
 WINDOW_METRICS = ("req_s", "ttft_p50", "ttft_p99", "tpot_p50", "failed")
 
@@ -597,7 +599,7 @@ def render_markdown(
     else:
         out.append("No target could be evaluated from this run's scenarios.")
     out.append("")
-    for sc in (CONCURRENCY, POISSON, MIXED, PREFIX, IDENTICAL):
+    for sc in (CONCURRENCY, POISSON, MIXED, PREFIX, IDENTICAL, STRUCTURED):
         table = rp.aggregate(records, sc)
         if not table.points:
             continue
@@ -619,6 +621,16 @@ def render_markdown(
                 "Short = 1/128 of the context in (64 tokens at 8,192), 64 out; medium = "
                 "1/16 in, 128 out; long = 1/2 in, 128 out. Three client processes at once, "
                 "Poisson arrivals at 70/20/10% of the total rate.",
+                "",
+            ]
+        if sc == STRUCTURED:
+            out += [
+                "The same random prompts (128 in, at most 64 out, EOS honoured) as chat "
+                "turns with thinking off, plain and under a JSON-schema constraint "
+                "(`structured_outputs.json`: an enum, a boolean, an integer range). "
+                "Constrained answers end when their JSON closes, so compare TPOT and TTFT "
+                "for the constraint's cost per token, and the Sluice/vLLM ratio for the "
+                "servers.",
                 "",
             ]
         if sc in (PREFIX, IDENTICAL):

@@ -12,6 +12,7 @@ every count to a smoke test of the pipeline (minutes, numbers meaningless).
 
 from __future__ import annotations
 
+import json
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,8 +25,18 @@ MIXED = "mixed"
 PREFIX = "prefix_burst"
 IDENTICAL = "identical_burst"
 WINDOW = "window"
+STRUCTURED = "structured"
 RAW_CEILING = "raw"  # not a scenario of its own: raw points live in CONCURRENCY
-SCENARIOS: tuple[str, ...] = (CONCURRENCY, POISSON, MIXED, PREFIX, IDENTICAL, WINDOW, RAW_CEILING)
+SCENARIOS: tuple[str, ...] = (
+    CONCURRENCY,
+    POISSON,
+    MIXED,
+    PREFIX,
+    IDENTICAL,
+    STRUCTURED,
+    WINDOW,
+    RAW_CEILING,
+)
 SCENARIO_TITLES: dict[str, str] = {
     CONCURRENCY: "Concurrency sweep (random prompts, closed loop)",
     POISSON: "Poisson request-rate sweep (random prompts, open loop)",
@@ -33,15 +44,36 @@ SCENARIO_TITLES: dict[str, str] = {
     PREFIX: "Shared-prefix burst (prefix_repetition dataset, all at once)",
     IDENTICAL: "Identical-request burst (one greedy 256-token prompt repeated, all at once)",
     WINDOW: "Coalescing-window sweep (Sluice only)",
+    STRUCTURED: "JSON-schema constraint vs plain at c=32 (random prompts, EOS honoured)",
+}
+STRUCTURED_CONCURRENCY = 32
+# Bounded (enums, a boolean, a small integer range): a random-weight model
+# loops inside a free string or number until max_tokens.
+STRUCTURED_SCHEMA: dict[str, object] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Oslo", "Rome", "Lima", "Pune"]},
+        "rain": {"type": "boolean"},
+        "level": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["city", "rain", "level"],
+    "additionalProperties": False,
 }
 
 
 @dataclass(frozen=True, slots=True)
 class Job:
-    """One client process of a point: its role and its dataset/load flags."""
+    """One client process of a point: its role and its dataset/load flags.
+
+    ``ignore_eos`` False lets a request end when the model (or a constraint)
+    says so, instead of running to its output length; ``chat`` sends it to
+    /v1/chat/completions instead of /v1/completions.
+    """
 
     role: str
     args: tuple[str, ...]
+    ignore_eos: bool = True
+    chat: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +102,7 @@ class Sizes:
     identical_prompts: int
     window_low: tuple[int, int]  # (concurrency, prompts)
     window_high: tuple[int, int]
+    structured_prompts: int
     raw_concurrency: tuple[int, ...] = (32, 128)
 
 
@@ -83,6 +116,7 @@ FULL = Sizes(
     identical_prompts=64,
     window_low=(1, 12),
     window_high=(128, 256),
+    structured_prompts=256,
 )
 QUICK = Sizes(
     concurrency={1: 3, 8: 16, 32: 32, 128: 128},
@@ -94,6 +128,7 @@ QUICK = Sizes(
     identical_prompts=16,
     window_low=(1, 3),
     window_high=(128, 128),
+    structured_prompts=32,
 )
 
 # Sluice-only window configurations: label -> extra `sluice serve` flags. The
@@ -243,6 +278,23 @@ def build_plan(
         points.append(
             Point(IDENTICAL, f"{sizes.identical_prompts} x 1 prompt", (job,), prefix_metrics=True)
         )
+    if STRUCTURED in sel:
+        # The same prompts with and without the constraint, EOS honoured in
+        # both: the constrained answers end when their JSON closes. Chat with
+        # thinking off: with the engine's reasoning parser, vLLM's server holds
+        # a constraint on /v1/completions until a </think> that never comes.
+        # The client sends ignore_eos with random prompts whatever its flags
+        # (seen on the wire); the extra body overrides it.
+        no_think = {"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": False}
+        c, n = STRUCTURED_CONCURRENCY, sizes.structured_prompts
+        for name, extra in (
+            ("plain", no_think),
+            ("json schema", {**no_think, "structured_outputs": {"json": STRUCTURED_SCHEMA}}),
+        ):
+            job = _closed_loop(input_len, output_len, n, c)
+            args = (*job.args, "--extra-body", json.dumps(extra))
+            job = Job(job.role, args, ignore_eos=False, chat=True)
+            points.append(Point(STRUCTURED, f"{name} c={c}", (job,), concurrency=c))
     window_points: list[Point] = []
     if WINDOW in sel:
         for label, (c, n) in (("low", sizes.window_low), ("high", sizes.window_high)):

@@ -9,6 +9,8 @@ small surface:
   hop), long documents on a worker thread, batched across the requests that
   arrive while the previous batch runs (server/batcher.py). The chat
   template is applied by the engine's own renderer, as vLLM's server does;
+* `chat_parser` / `check_constraint`: tool calls, the reasoning split and
+  structured outputs through vLLM's own parsers (server/vllm_parsers.py);
 * `sampling_params`: our frozen `Sampling` value to vLLM's `SamplingParams`,
   always in DELTA mode, so a lagging reader gets several tokens merged into
   one output instead of a backlog (vLLM's RequestOutputCollector merges them);
@@ -27,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -47,7 +50,13 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from server.batcher import Batcher
 from server.engine_api import ModelInfo
 from server.errors import SluiceError
-from server.protocol import Message, Sampling
+from server.protocol import ChatRequest, Constraint, Message, Sampling
+from server.vllm_parsers import (
+    OutputParsers,
+    RequestParsing,
+    check_constraint,
+    to_structured_outputs,
+)
 from server.watchdog import ENGINE_IDLE, EngineStats
 
 log = logging.getLogger("sluice.engine")
@@ -65,6 +74,8 @@ USAGE_CONTEXT = UsageContext.OPENAI_API_SERVER
 # microseconds to tokenize) are tokenized on the event loop; larger ones on the
 # tokenizer thread, a few per call (see server/batcher.py).
 INLINE_TOKENIZE_CHARS = 1024
+# SamplingParams.extra_args key carrying Constraint.from_start to `add`.
+_FROM_START = "sluice_constraint_from_start"
 
 
 class _StatsBox:
@@ -159,6 +170,7 @@ class EngineAdapter:
         self._llm: AsyncLLM | None = None
         self._tokenizer: Any = None
         self._renderer: Any = None
+        self._parsers: OutputParsers | None = None
         # add_special_tokens for prompts and rendered chats (set at start).
         self._special_tokens = {"text": False, "chat": False}
         # One thread: tokenizer calls are serialised (HF fast tokenizers are
@@ -210,6 +222,10 @@ class EngineAdapter:
                 }
             },
         )
+        try:
+            self._parsers = OutputParsers(self._tokenizer)
+        except TypeError as exc:  # vLLM's check: the tokenizer lacks Qwen3's tags
+            log.warning("tool calls off for this model: %s", exc)
 
     def shutdown(self) -> None:
         if self._llm is not None:
@@ -279,12 +295,7 @@ class EngineAdapter:
                 "a chat template passed with the request is refused",
                 param="chat_template_kwargs.chat_template",
             )
-        msgs: list[Any] = [
-            {"role": m.role, "content": m.content}
-            if m.name is None
-            else {"role": m.role, "content": m.content, "name": m.name}
-            for m in messages
-        ]
+        msgs: list[Any] = [m.template_dict() for m in messages]
         params = ChatParams(
             chat_template_kwargs={**kwargs, "add_generation_prompt": True, "tokenize": False}
         )
@@ -321,6 +332,40 @@ class EngineAdapter:
                 out[i] = list(ids)
         return cast(list[list[int] | BaseException], out)  # every slot is filled above
 
+    # -- output parsing and constraints ---------------------------------------
+
+    def chat_parser(self, req: ChatRequest) -> RequestParsing:
+        """vLLM's tool-call and reasoning parsers for one chat request."""
+        if self._parsers is None:
+            raise SluiceError(
+                "tool calls are not available for this model (its tokenizer lacks the"
+                " Qwen3/hermes tags)",
+                param="tools",
+                code="unsupported",
+            )
+        return self._parsers.for_request(req)
+
+    async def check_constraint(self, constraint: Constraint) -> None:
+        """The engine's own check of a structured-output constraint, as a 400.
+
+        On the tokenizer thread: compiling a grammar takes up to milliseconds
+        (a regex under vLLM's timeout), too long for the event loop.
+        """
+        llm = self._llm
+        if llm is None:
+            raise SluiceError("engine not started", status=503, retry_after=5)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(
+            self._pool,
+            functools.partial(
+                check_constraint,
+                constraint,
+                model_config=llm.model_config,
+                config=llm.vllm_config.structured_outputs_config,
+                tokenizer=self._tokenizer,
+            ),
+        )
+
     def detokenize(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids)))
 
@@ -346,6 +391,8 @@ class EngineAdapter:
             ignore_eos=s.ignore_eos,
             skip_special_tokens=s.skip_special_tokens,
             include_stop_str_in_output=s.include_stop_str_in_output,
+            structured_outputs=to_structured_outputs(s.constraint),
+            extra_args={_FROM_START: True} if s.constraint and s.constraint.from_start else None,
             output_kind=RequestOutputKind.DELTA,
         )
 
@@ -366,11 +413,15 @@ class EngineAdapter:
         """
         if self._llm is None:
             raise SluiceError("engine not started", status=503, retry_after=5)
+        # A constraint from the first token: tell the engine's reasoning gate
+        # the thinking is over (else it waits for a </think> that never comes).
+        from_start = bool(params.extra_args and params.extra_args.get(_FROM_START))
         return await self._llm.add_request(
             request_id,
             tokens_input(list(prompt_tokens)),
             params,
             priority=priority,
+            **({"reasoning_ended": True} if from_start else {}),
         )
 
     async def abort(self, request_ids: Sequence[str]) -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from server.engine_api import ModelInfo
 from server.errors import SluiceError
-from server.protocol import Message, Sampling
+from server.protocol import ChatRequest, Constraint, Message, Sampling
 from server.watchdog import ENGINE_IDLE, EngineStats
 
 if TYPE_CHECKING:
@@ -75,6 +75,15 @@ class FakeEngine:
     stats_value: EngineStats = ENGINE_IDLE
     peak_running: int = 0  # most requests producing at once
     priorities: dict[str, int] = field(default_factory=dict)  # engine priority per request
+    # Set: every choice says these pieces, one per step, then stops (else the
+    # fake repeats a thinking pattern until max_tokens).
+    script: tuple[str, ...] | None = None
+    # A real tokenizer (the demo model's) for tests of tool calls: the script's
+    # token ids come from it, and chat_parser gives vLLM's real parsers on it
+    # (they read the tags by token id). None: chat_parser refuses.
+    tokenizer: Any = None
+    _parsers: Any = None
+    constraints: list[Constraint] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.info = ModelInfo(
@@ -131,6 +140,20 @@ class FakeEngine:
     def detokenize(self, ids: Sequence[int]) -> str:
         return "".join(chr(96 + i % 26) for i in ids)
 
+    def chat_parser(self, req: ChatRequest) -> Any:
+        if self.tokenizer is None:
+            raise SluiceError("no parsers in this fake", param="tools", code="unsupported")
+        if self._parsers is None:
+            from server.vllm_parsers import OutputParsers
+
+            self._parsers = OutputParsers(self.tokenizer)
+        return self._parsers.for_request(req)
+
+    async def check_constraint(self, constraint: Constraint) -> None:
+        if constraint.kind == "regex" and constraint.value == "(":
+            raise SluiceError("bad regex", param=constraint.param, code="invalid_value")
+        self.constraints.append(constraint)
+
     @staticmethod
     def sampling_params(s: Sampling, max_tokens: int) -> Any:
         return SimpleNamespace(sampling=s, n=s.n, max_tokens=max_tokens)
@@ -151,20 +174,27 @@ class FakeEngine:
 
     async def _produce(self, rid: str, params: Any, collector: FakeCollector) -> None:
         s = params.sampling
-        words = ["<think>", "hmm", "</think>", "Hello", " world"]
+        words = self.script or ("<think>", "hmm", "</think>", "Hello", " world")
+        steps = params.max_tokens if self.script is None else min(len(words), params.max_tokens)
         try:
-            for i in range(params.max_tokens):
+            for i in range(steps):
                 await asyncio.sleep(self.step)
-                last = i == params.max_tokens - 1
+                last = i == steps - 1
+                reason = "length" if steps == params.max_tokens else "stop"
                 outs = []
                 for j in range(params.n):
                     text = words[i % len(words)] if not s.stop or i < 3 else ""
+                    ids = (
+                        [i + 1]
+                        if self.tokenizer is None
+                        else self.tokenizer.encode(text, add_special_tokens=False)
+                    )
                     outs.append(
                         FakeCompletion(
                             index=j,
                             text=text,
-                            token_ids=[i + 1],
-                            finish_reason="length" if last else None,
+                            token_ids=ids,
+                            finish_reason=reason if last else None,
                         )
                     )
                 collector.put(FakeOutput(rid, outs, last))

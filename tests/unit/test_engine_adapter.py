@@ -14,11 +14,14 @@ the engine core). So the tests see:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.inputs import TokensPrompt
 from vllm.renderers import renderer_from_config
 from vllm.renderers.params import ChatParams
@@ -29,7 +32,7 @@ from server import engine as engine_mod
 from server.cli import parse_serve_args
 from server.engine import EngineAdapter
 from server.errors import SluiceError
-from server.protocol import Message, Sampling
+from server.protocol import Constraint, Limits, Message, Sampling, parse_chat
 
 GPU_BLOCKS = 1000  # what the engine core's handshake would report
 
@@ -49,12 +52,21 @@ class FrontHalf:
     def get_tokenizer(self) -> Any:
         return self.renderer.get_tokenizer()
 
-    async def add_request(self, request_id: str, prompt: Any, params: Any, priority: int) -> Any:
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: Any,
+        priority: int,
+        reasoning_ended: bool | None = None,
+    ) -> Any:
         # As AsyncLLM.add_request routes a rendered input (a dict with "type").
         assert isinstance(prompt, dict) and "type" in prompt
         req = self.input_processor.process_inputs(
             request_id, prompt, params, supported_tasks=("generate",), priority=priority
         )
+        if reasoning_ended is not None:  # as AsyncLLM.add_request sets it
+            req.reasoning_ended = reasoning_ended
         self.requests.append(req)
         return req
 
@@ -147,6 +159,68 @@ async def test_add_takes_the_rendered_input_path(
         "r2", TokensPrompt(prompt_token_ids=ids), params, supported_tasks=("generate",)
     )
     assert any("raw prompts" in w for w in warned)
+
+
+TOOLS: list[Any] = [
+    {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "g", "description": "d", "strict": True}},
+]
+HISTORY: list[Any] = [
+    {"role": "user", "content": "call f"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "done"},
+]
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+async def test_tools_and_their_history_render_as_vllms_server(
+    adapter: EngineAdapter, thinking: bool
+) -> None:
+    body = {
+        "model": "m",
+        "messages": HISTORY,
+        "tools": TOOLS,
+        "chat_template_kwargs": {"enable_thinking": thinking},
+    }
+    req = parse_chat(orjson.dumps(body), Limits())
+    (ids,) = await adapter.tokenize_chat([(req.messages, req.template_kwargs())])
+    # vLLM's server: the client's messages, the tools' model_dump() as a template kwarg
+    # (copies: vLLM's renderer parses tool-call arguments in place).
+    vreq = ChatCompletionRequest(model="m", messages=copy.deepcopy(HISTORY), tools=TOOLS)
+    tools = [t.model_dump() for t in vreq.tools or ()]
+    kwargs = {"enable_thinking": thinking, "add_generation_prompt": True, "tools": tools}
+    params = ChatParams(chat_template_kwargs=kwargs)
+    _, (want,) = _renderer(adapter).render_chat([copy.deepcopy(HISTORY)], params)
+    assert ids == want["prompt_token_ids"]
+    assert "<tool_response>\ndone\n</tool_response>" in adapter.detokenize(ids)
+
+
+async def test_parsers_and_constraints_from_the_engine(adapter: EngineAdapter) -> None:
+    body = {"model": "m", "messages": HISTORY[:1], "tools": TOOLS, "tool_choice": "required"}
+    parser = adapter.chat_parser(parse_chat(orjson.dumps(body), Limits()))
+    assert parser.constraint is not None and parser.constraint.param == "tools"
+    await adapter.check_constraint(parser.constraint)  # compiles with the engine's backend
+    with pytest.raises(SluiceError) as info:
+        await adapter.check_constraint(Constraint("regex", "a(b", param="guided_regex"))
+    assert (info.value.status, info.value.param) == (400, "guided_regex")
+
+
+@pytest.mark.parametrize("from_start", [True, False])
+async def test_a_raw_completions_constraint_skips_the_reasoning_gate(
+    adapter: EngineAdapter, from_start: bool
+) -> None:
+    (ids,) = await adapter.tokenize_prompts(["Yes or no?"])
+    constraint = Constraint("choice", choices=("yes", "no"), from_start=from_start)
+    params = adapter.sampling_params(Sampling(max_tokens=3, constraint=constraint), 3)
+    req = await adapter.add("c1", ids, params, priority=0)
+    assert req.sampling_params.structured_outputs is not None
+    assert req.reasoning_ended is (True if from_start else None)
 
 
 def test_info_carries_the_resolved_capacity(adapter: EngineAdapter) -> None:
