@@ -81,6 +81,56 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
         help="prompt-token cap of one batch (default: the engine's per-step budget)",
     )
     g.add_argument(
+        "--hold-backlog",
+        action=argparse.BooleanOptionalAction,
+        default=d.hold_backlog,
+        help="keep the backlog in Sluice and release it as the engine has room (slots, one "
+        "step of prefill, KV cache); off releases every eligible request at once "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--engine-priority",
+        choices=("request", "order"),
+        default=d.engine_priority,
+        help="the priority each request gets in the engine: its own `priority`, or "
+        "Sluice's order (priority, then the shorter prompt; for vLLM's "
+        "--scheduling-policy priority) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--kv-reserve-short",
+        type=float,
+        default=c.kv_reserve_short,
+        help="share of the KV cache that prompts longer than --short-prompt-tokens may not "
+        "use, kept for short requests; 0 = off (default: %(default)s)",
+    )
+    g.add_argument(
+        "--short-prompt-tokens",
+        type=int,
+        default=c.short_prompt_tokens,
+        help="a prompt this long or shorter counts as short (default: %(default)s)",
+    )
+    g.add_argument(
+        "--backlog-step-lookahead",
+        type=float,
+        default=c.step_lookahead,
+        help="released prompts without a first token may add up to this many engine "
+        "steps' token budget (default: %(default)s)",
+    )
+    g.add_argument(
+        "--backlog-slot-spare",
+        type=float,
+        default=c.slot_spare,
+        help="share of the engine's max_num_seqs released beyond it, so a freed slot "
+        "is filled at once (default: %(default)s)",
+    )
+    g.add_argument(
+        "--backlog-age-bound",
+        type=float,
+        default=c.age_bound,
+        help="seconds after which a backlogged request goes ahead of its caller's shorter "
+        "and higher-priority ones (default: %(default)s)",
+    )
+    g.add_argument(
         "--max-pending-requests",
         type=int,
         default=c.max_pending_requests,
@@ -120,7 +170,16 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
         "--api-key-file",
         type=Path,
         default=None,
-        help="file holding the bearer API key (or set SLUICE_API_KEY); none = open",
+        help="file holding the bearer API key (or set SLUICE_API_KEY): one caller; "
+        "none and no --callers = open, the OpenAI `user` field names the caller",
+    )
+    g.add_argument(
+        "--callers",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="TOML file of callers: [callers.NAME] key, weight, max_concurrency, "
+        "max_queued, tokens_per_minute (see README); reloaded on SIGHUP",
     )
     g.add_argument(
         "--max-body-bytes",
@@ -224,6 +283,7 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
     from batching import CoalescerConfig
     from batching.pressure import PressureConfig
     from server import demo_model
+    from server.callers import CallersError, load_callers, world_readable
 
     parser = build_serve_parser()
     ns = parser.parse_args(list(argv))
@@ -263,19 +323,30 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
     api_key = env.api_key
     if ns.api_key_file is not None:
         api_key = ns.api_key_file.read_text().strip() or None
+    callers = None
+    if ns.callers is not None:
+        if ns.api_key_file is not None:
+            parser.error("--callers and --api-key-file: give one (each caller has its key)")
+        try:
+            callers = load_callers(ns.callers)
+        except CallersError as exc:
+            parser.error(str(exc))
+        if world_readable(ns.callers):
+            log.warning(
+                "the callers file is readable by other users; it holds API keys",
+                extra={"fields": {"path": str(ns.callers)}},
+            )
+        if api_key is not None:
+            log.warning("SLUICE_API_KEY is ignored: the callers file names the keys")
+            api_key = None
 
     pressure_kwargs: dict[str, Any] = {
         f.name: getattr(ns, f"pressure_{f.name}")
         for f in dataclasses.fields(PressureConfig)
         if hasattr(ns, f"pressure_{f.name}")
     }
-    return Settings(
-        host=ns.host,
-        port=ns.port,
-        model_name=served,
-        model_path=ns.model,
-        demo_model=demo,
-        core=CoalescerConfig(
+    try:
+        core = CoalescerConfig(
             window=ns.window_ms / 1000.0,
             adaptive=ns.adaptive_window,
             release_lone=ns.adaptive_window,
@@ -283,12 +354,31 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
             max_pending_tokens=ns.max_pending_tokens,
             dedupe=ns.dedupe,
             prefix_block=(ns.block_size or 16) if ns.prefix_leader else 0,
-        ),
+            callers=callers.policies if callers is not None else CoalescerConfig().callers,
+            age_bound=ns.backlog_age_bound,
+            kv_reserve_short=ns.kv_reserve_short,
+            short_prompt_tokens=ns.short_prompt_tokens,
+            step_lookahead=ns.backlog_step_lookahead,
+            slot_spare=ns.backlog_slot_spare,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    return Settings(
+        host=ns.host,
+        port=ns.port,
+        model_name=served,
+        model_path=ns.model,
+        demo_model=demo,
+        core=core,
         max_batch_seqs=ns.max_batch_seqs,
         max_batch_tokens=ns.max_batch_tokens,
+        hold_backlog=ns.hold_backlog,
+        engine_priority=ns.engine_priority,
         queue_timeout=ns.queue_timeout,
         result_cache_ttl=ns.result_cache_ttl,
         api_key=api_key,
+        callers_file=ns.callers,
+        caller_table=callers,
         max_body_bytes=ns.max_body_bytes,
         max_n=ns.max_n,
         default_thinking=ns.default_thinking,

@@ -101,6 +101,7 @@ async def prepare_chat(request: web.Request, tr: Trace) -> tuple[Job, Encoder[Ch
         priority=req.priority,
         stream=req.stream,
         include_usage=req.include_usage,
+        user=req.user,
         variant=req.variant(),
         # Thinking output is not kept by the result cache (--result-cache-ttl).
         cacheable=not req.enable_thinking,
@@ -276,6 +277,7 @@ async def prepare_completion(
         priority=req.priority,
         stream=req.stream,
         include_usage=req.include_usage,
+        user=req.user,
         variant=req.echo,
     )
     return job, CompletionEncoder(req, prompts, tr.rid, engine.detokenize)

@@ -67,11 +67,14 @@ class FakeEngine:
     step: float = 0.002  # seconds per generated token
     start_delay: float = 0.0
     fail_start: bool = False
+    max_num_seqs: int = 64  # reported in ModelInfo: the core's engine slots
     added: list[str] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     _producers: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     _dead: bool = False
     stats_value: EngineStats = ENGINE_IDLE
+    peak_running: int = 0  # most requests producing at once
+    priorities: dict[str, int] = field(default_factory=dict)  # engine priority per request
     # Set: every choice says these pieces, one per step, then stops (else the
     # fake repeats a thinking pattern until max_tokens).
     script: tuple[str, ...] | None = None
@@ -88,7 +91,7 @@ class FakeEngine:
             max_model_len=self.max_model_len,
             eos_token_id=0,
             created=0,
-            max_num_seqs=64,
+            max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=2048,
         )
         self.started = False
@@ -162,9 +165,11 @@ class FakeEngine:
             raise SluiceError("the engine died; retry shortly", status=503, retry_after=5)
         collector = FakeCollector()
         self.added.append(request_id)
+        self.priorities[request_id] = priority
         self._producers[request_id] = asyncio.create_task(
             self._produce(request_id, params, collector)
         )
+        self.peak_running = max(self.peak_running, len(self._producers))
         return collector
 
     async def _produce(self, rid: str, params: Any, collector: FakeCollector) -> None:

@@ -25,9 +25,15 @@ from server.state import DRIVER, RUNTIME, AdmissionState, Phase
 from tests.fakes import FakeEngine
 from tests.support import until
 
-# Host memory and VRAM cannot decide here: only the engine's KV reading can.
+# Host memory and VRAM cannot decide here: only the engine's KV reading can, and
+# one preemption at a full cache counts as a storm (the defaults want 100 in 5 s).
 KV_ONLY = PressureConfig(
-    host_critical_available_mib=0, host_shed_available_mib=1, host_leave_available_mib=2
+    host_critical_available_mib=0,
+    host_shed_available_mib=1,
+    host_leave_available_mib=2,
+    preempt_leave=1,
+    preempt_shed=1,
+    preempt_critical=1,
 )
 
 
