@@ -3,18 +3,21 @@
 Pure Python in the style of h11: no asyncio, no vLLM, no clock of its own. The
 server passes time in (`now`) and acts on what the core returns.
 
-Modules: keys (GroupKey), types (requests, batches, outcomes), config, coalescer (the
-policy), prefix (shared-prefix leaders), drain (drain-rate estimate for Retry-After),
-cache (TTL result cache), events (observability records). Everything public is
+Modules: keys (GroupKey), types (requests, batches, outcomes), config, callers (caller
+policies and limits), coalescer (admission and the window), backlog (fair release
+order), room (engine room), prefix (shared-prefix leaders), drain (drain-rate estimate
+for Retry-After), cache (TTL result cache), events (observability records). Everything public is
 re-exported here; import from `batching`, not from the modules.
 """
 
 from .cache import ResultCache
+from .callers import DEFAULT_CALLER, CallerPolicy, Callers, CallerStats
 from .coalescer import Coalescer
 from .config import CoalescerConfig
 from .drain import DrainRate
 from .events import Counters, DedupeHit, Ended, Event, PrefixLeader, Refusal, Released
 from .keys import GroupKey, group_key
+from .room import EngineCapacity
 from .types import (
     AdmissionState,
     Admitted,
@@ -29,15 +32,20 @@ from .types import (
 )
 
 __all__ = [
+    "DEFAULT_CALLER",
     "AdmissionState",
     "Admitted",
     "Batch",
+    "CallerPolicy",
+    "CallerStats",
+    "Callers",
     "Coalescer",
     "CoalescerConfig",
     "Counters",
     "DedupeHit",
     "DrainRate",
     "Ended",
+    "EngineCapacity",
     "EngineLoad",
     "Entry",
     "Event",

@@ -35,7 +35,7 @@ def _setters(cls: type[Any], names: tuple[str, ...]) -> tuple[_Setter, ...]:
     return tuple(cls.__dict__[n].__set__ for n in names)
 
 
-_E1, _E2, _E3, _E4 = _setters(Ended, ("request_id", "outcome", "queue_wait", "at"))
+_E1, _E2, _E3, _E4, _E5 = _setters(Ended, ("request_id", "outcome", "queue_wait", "at", "caller"))
 _N1, _N2 = _setters(Entry, ("request", "subscribers"))
 _A1, _A2 = _setters(Admitted, ("request_id", "joined"))
 _B1, _B2, _B3, _B4, _B5, _B6 = _setters(
@@ -46,12 +46,13 @@ _R1, _R2, _R3, _R4, _R5, _R6 = _setters(
 )
 
 
-def ended(request_id: str, outcome: Outcome, queue_wait: float, at: float) -> Ended:
+def ended(request_id: str, outcome: Outcome, queue_wait: float, at: float, caller: str) -> Ended:
     o = _new(Ended)
     _E1(o, request_id)
     _E2(o, outcome)
     _E3(o, queue_wait)
     _E4(o, at)
+    _E5(o, caller)
     return o
 
 

@@ -1,4 +1,4 @@
-"""The coalescer: admission, the coalescing window, ordering, grouping.
+"""The coalescer: admission, the coalescing window, the backlog, release to the engine.
 
 Why this module exists: it is the one queue Sluice owns, and the only place where
 policy happens. It is sans-IO (h11 style): the driver passes `now` in, calls `due()`
@@ -8,62 +8,88 @@ Rules:
 
 1. Admission is bounded by `max_pending_requests` (subscribers) and
    `max_pending_tokens` (prompt + max_new of generations), counting queued plus in
-   flight (dispatched and not yet `finished()`). Over a limit the request is refused at
+   flight (released and not yet `finished()`). Over a limit the request is refused at
    once with a `retry_after` of excess / measured drain rate (see drain.py), clamped to
    [retry_after_min, retry_after_max]. A duplicate that joins a queued generation costs
    one request and no tokens. Every admitted subscriber ends exactly once, as
    DISPATCHED, CANCELLED, EXPIRED or REJECTED, reported as an `Ended` event.
-2. Window: a group's queued requests are released when its oldest one has waited
+2. Callers (callers.py): a request over its caller's own `max_queued` or
+   `tokens_per_minute` is refused with CALLER_LIMIT and a `retry_after` from that
+   caller's own drain; other callers are not affected. The caller's limits are checked
+   before the global ones (the more specific answer wins).
+3. Window: a group's queued requests become eligible when its oldest one has waited
    `window` (DEADLINE), or as soon as the group holds `max_batch_seqs` entries or
-   `max_batch_tokens` prompt tokens (SIZE_CAP / TOKEN_CAP, released by the next
-   `due()`; `next_deadline()` then returns the time the cap was reached). `window == 0`
-   releases everything on the next `due()` (IMMEDIATE). A deadline release takes the
-   whole group, split into as many batches as the caps demand, so nothing waits longer
-   than its window plus one `due()` call.
-3. A batch holds one GroupKey.
-4. Batch order: priority (lower first), then shorter prompt, then admission order.
-   A split takes a prefix of that order; a lone request over the token cap forms a
-   batch by itself.
-5. `cancel()` and expiry (`Request.deadline`) remove queued work before dispatch in
-   O(1) / O(log n): heaps are cleaned lazily (stale entries are skipped on pop).
-6. Dedupe: a request whose (key, prompt_tokens, fingerprint) equals a queued
-   generation's (fingerprint not None) subscribes to it. The generation keeps its first
-   request's data even if that caller cancels; it leaves only with its last subscriber.
-   Each subscriber keeps its own deadline.
-7. Shared prefixes (see prefix.py): in a released batch, entries that share a whole
-   first KV block with an earlier entry are held back `prefix_follow_delay` behind
-   their leader and then released as their own batch (PREFIX_FOLLOW), unless that
-   prefix was released within `prefix_memory` seconds. Held followers still count as
-   queued; they can be cancelled, can expire, and can be joined by duplicates.
-8. Adaptive: if `due()` gets an `EngineLoad` with running == 0 and waiting == 0, and
-   the core itself has nothing in flight, every queued group is released now (EARLY):
-   with an idle engine, waiting out the window is pure latency. The in-flight check is
-   an addition to the plain load test: the driver's snapshot can be older than our own
-   last dispatch, and a stale "idle" must not turn the window off under load. Held
-   prefix followers keep their (few milliseconds of) delay.
+   `max_batch_tokens` prompt tokens (SIZE_CAP / TOKEN_CAP, at the next `due()`;
+   `next_deadline()` then returns the time the cap was reached). `window == 0` makes
+   everything eligible at the next `due()` (IMMEDIATE). A deadline takes the whole
+   group; a cap takes, in rule-6 order, batches while the rest still reaches a cap.
+4. A batch holds one GroupKey.
+5. Backlog (backlog.py, room.py): eligible generations wait in their caller's backlog
+   and `due()` releases them only while the engine has room: a running slot, about
+   one scheduler step of unstarted prefill, KV room. The driver reports a generation's
+   first output with `started()`, its end with `finished()`, and the engine's stats
+   with each `due(now, load)`; the backlog is not time-driven, so while
+   `backlog_generations` is non-zero the driver calls `due()` after each of those.
+   With nothing in flight the first backlogged generation always goes (the engine
+   never idles while Sluice holds work). With the engine capacity unknown (all 0)
+   and no caller's max_concurrency in the way, nothing is held: eligible means
+   released, in the order it became eligible.
+6. Order of release: fair share between callers (virtual token counters), then
+   priority (lower first), then the shorter prompt, then admission order; an age
+   bound against starvation and no head-of-line blocking; see backlog.py.
+7. Batches: when everything that became eligible goes at once (empty backlog, room
+   for all of it, no max_concurrency), each cut of rule 3 is one batch. Otherwise the
+   generations one `due()` releases are grouped by (GroupKey, reason), in order of
+   first release, and split by the caps (a lone request over the token cap forms a
+   batch by itself). The reason is PREFIX_FOLLOW for a held prefix follower, the
+   reason it became eligible if released by the same `due()` call, and BACKLOG if it
+   waited in the backlog.
+8. `cancel()` and expiry (`Request.deadline`) remove queued work (window, backlog or
+   held) before release in O(1) / O(log n): heaps are cleaned lazily.
+9. Dedupe: a request whose (key, prompt_tokens, fingerprint) equals a queued
+   generation's (fingerprint not None) subscribes to it, whatever its caller (the
+   output is the same; the generation keeps its owner's place and is charged to its
+   owner, the joined request counts as queued for its own caller). The generation
+   keeps its first request's data even if that caller cancels; it leaves only with
+   its last subscriber. Each subscriber keeps its own deadline.
+10. Shared prefixes (see prefix.py): among the generations one `due()` releases, one
+   that shares a whole first KV block with an earlier one is held back
+   `prefix_follow_delay` behind that leader and then goes back to the backlog (and is
+   released as PREFIX_FOLLOW), unless that prefix was released within `prefix_memory`
+   seconds. Held followers still count as queued; they can be cancelled, can expire,
+   and can be joined by duplicates.
+11. Adaptive: if `due()` gets an `EngineLoad` with running == 0 and waiting == 0, and
+   the core itself has nothing in flight, every queued group becomes eligible now
+   (EARLY): with an idle engine, waiting out the window is pure latency. The in-flight
+   check is an addition to the plain load test: the driver's snapshot can be older
+   than our own last release, and a stale "idle" must not turn the window off under
+   load. Held prefix followers keep their (few milliseconds of) delay.
    Lone arrivals (`release_lone`): a request admitted more than `window` after the
-   previous admission is released by the next `due()` (LONE), with whatever its group
-   holds. At that arrival rate no company is expected within the window, so waiting
-   would only add latency (a busy engine takes it at its next step either way); the
-   requests that follow it closely wait out their window as usual, so a burst still
-   coalesces behind its first request.
-9. Admission states: SHEDDING refuses new work (MEMORY); CRITICAL refuses new work
+   previous admission becomes eligible at the next `due()` (LONE), with whatever its
+   group holds. At that arrival rate no company is expected within the window, so
+   waiting would only add latency; the requests that follow it closely wait out their
+   window as usual, so a burst still coalesces behind its first request.
+12. Admission states: SHEDDING refuses new work (MEMORY); CRITICAL refuses new work
    and `due()` releases nothing (expiry still runs; `next_deadline()` then reports
    expiry times only, so a driver does not spin); DRAINING refuses (DRAINING) and keeps
    releasing. After changing the state, the driver should call `due()` again.
 
 Performance: the hot path (add + due + finished) uses plain dicts, lists and heaps and
-allocates, per request, one internal record, one subscriber dict, the heap entry, the
-`Admitted`, the `Entry` and the `Ended` event. See bench/core_bench.py for numbers.
+allocates, per request, one internal record, one subscriber dict, two backlog entries,
+the `Admitted`, the `Entry` and the `Ended` event. See bench/core_bench.py for numbers.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Hashable
+from dataclasses import replace
 from heapq import heappop, heappush
 
 from . import _fast
+from ._records import BACKLOG, GONE, HELD, QUEUED, Gen, Group
+from .backlog import Backlog
+from .callers import Callers, CallerState, CallerStats
 from .config import CoalescerConfig
 from .drain import DrainRate
 from .events import (
@@ -75,13 +101,13 @@ from .events import (
     Refusal,
 )
 from .keys import GroupKey
-from .prefix import PrefixMemory, block_key, plan_followers, shared_blocks
+from .prefix import PrefixMemory, shared_blocks
+from .room import EngineCapacity, Room
 from .types import (
     AdmissionState,
     Admitted,
     Batch,
     EngineLoad,
-    Entry,
     Outcome,
     RefusalReason,
     Refused,
@@ -90,11 +116,6 @@ from .types import (
 )
 
 __all__ = ["Coalescer"]
-
-# Generation states. Plain ints: compared on the hot path, never exported.
-_QUEUED = 0  # in its group, waiting for the window
-_HELD = 1  # a prefix follower waiting for its release time (not in a group any more)
-_GONE = 2  # dispatched, or dropped when its last subscriber left
 
 _KEEP_GROUPS = 64  # empty groups kept for reuse (see Coalescer.__init__)
 
@@ -108,46 +129,10 @@ _TOKEN_CAP = ReleaseReason.TOKEN_CAP
 _EARLY = ReleaseReason.EARLY
 _LONE = ReleaseReason.LONE
 _FOLLOW = ReleaseReason.PREFIX_FOLLOW
+_BACKLOG = ReleaseReason.BACKLOG
 
 
-class _Gen:
-    """One queued generation (mutable, private)."""
-
-    __slots__ = ("dkey", "group", "ptok", "request", "seq", "state", "subs", "tokens")
-
-    def __init__(
-        self, request: Request, group: _Group, seq: int, ptok: int, tokens: int, *, dkey: Hashable
-    ) -> None:
-        self.request = request
-        self.group = group
-        self.seq = seq
-        self.ptok = ptok
-        self.tokens = tokens
-        self.dkey = dkey  # dedupe key, or None
-        self.state = _QUEUED
-        # Subscriber id -> its own Request (for its arrival and deadline). Dict order
-        # is subscription order, so the first caller stays first.
-        self.subs: dict[str, Request] = {request.id: request}
-
-
-class _Group:
-    """Queued generations of one GroupKey (mutable, private).
-
-    `gens` may hold stale (_GONE) records after cancels; `n` and `ptok` count the live
-    ones only, and a release filters the list.
-    """
-
-    __slots__ = ("gens", "key", "n", "ptok", "ready")
-
-    def __init__(self, key: GroupKey) -> None:
-        self.key = key
-        self.gens: list[_Gen] = []
-        self.n = 0
-        self.ptok = 0
-        self.ready = False  # a cap was reached; released by the next due()
-
-
-def _order(g: _Gen) -> tuple[int, int, int]:
+def _order(g: Gen) -> tuple[int, int, int]:
     return (g.request.priority, g.ptok, g.seq)
 
 
@@ -155,26 +140,27 @@ class Coalescer:
     """Sans-IO admission and batching policy; see the module docstring for the rules."""
 
     def __init__(self, config: CoalescerConfig) -> None:
-        self.config = config
+        self._config = config
         self._state = _OK
         self._seq = 0
         self._batch_id = 0
-        # Groups stay when they empty (a new _Group per request cost 0.3 us with window
+        self._round = 0  # due() calls, to tell "eligible now" from "waited"
+        # Groups stay when they empty (a new Group per request cost 0.3 us with window
         # 0) unless there are more than _KEEP_GROUPS, so invented adapters cannot leak.
-        self._groups: dict[GroupKey, _Group] = {}
-        self._ready: list[_Group] = []
+        self._groups: dict[GroupKey, Group] = {}
+        self._ready: list[Group] = []
         self._ready_at = 0.0  # when the first group in _ready reached a cap
-        self._lone: list[_Gen] = []  # lone arrivals, released by the next due()
+        self._lone: list[Gen] = []  # lone arrivals, eligible at the next due()
         self._lone_at = 0.0  # when the first of them was admitted
-        self._last_add = -math.inf  # time of the latest admission (rule 8)
-        self._gens: dict[str, _Gen] = {}  # queued + held generations, by request id
-        self._subs: dict[str, _Gen] = {}  # queued + held subscribers
-        self._dedupe: dict[Hashable, _Gen] = {}
-        self._in_flight: dict[str, _Gen] = {}
+        self._last_add = -math.inf  # time of the latest admission (rule 11)
+        self._gens: dict[str, Gen] = {}  # queued + held + backlogged, by request id
+        self._subs: dict[str, Gen] = {}  # their subscribers
+        self._dedupe: dict[Hashable, Gen] = {}
+        self._in_flight: dict[str, Gen] = {}
         # Heaps of (time, seq, item); seq is unique, so items are never compared.
-        self._wheap: list[tuple[float, int, _Gen]] = []  # window deadlines
+        self._wheap: list[tuple[float, int, Gen]] = []  # window deadlines
         self._xheap: list[tuple[float, int, Request]] = []  # subscriber expiries
-        self._held: list[tuple[float, int, list[_Gen]]] = []  # prefix followers
+        self._held: list[tuple[float, int, list[Gen]]] = []  # prefix followers
         self._q_reqs = 0
         self._q_tokens = 0
         self._f_reqs = 0
@@ -182,6 +168,16 @@ class Coalescer:
         self._events: list[Event] = []
         self._drain = DrainRate()
         self._memory = PrefixMemory(config.prefix_memory)
+        self._callers: dict[str, CallerState] = {}
+        self._backlog = Backlog(config.age_bound)
+        # What became eligible in the current due() call: (generations, reason) cuts,
+        # each within the batch caps, in order.
+        self._fresh: list[tuple[list[Gen], ReleaseReason]] = []
+        self._uncapped = self._no_caps()
+        self._known = config.engine.known  # any engine number known: room.py applies
+        self._kv_usage = 0.0  # from the latest EngineLoad
+        self._unstarted_n = 0  # released generations without a first output yet
+        self._unstarted_tokens = 0  # their prompt tokens
         self._n_admitted = 0
         self._n_refused = 0
         self._n_dispatched = 0
@@ -194,7 +190,7 @@ class Coalescer:
         self._n_leaders = 0
         self._n_followers = 0
 
-    # -- state and gauges --------------------------------------------------------
+    # -- state, gauges, callers ----------------------------------------------------
 
     @property
     def state(self) -> AdmissionState:
@@ -205,8 +201,37 @@ class Coalescer:
         self._state = value
 
     @property
+    def config(self) -> CoalescerConfig:
+        return self._config
+
+    @config.setter
+    def config(self, value: CoalescerConfig) -> None:
+        """Replace the tunables (the server does once the engine has resolved its
+        limits). Queued work stays; a new age bound applies to what becomes eligible
+        afterwards."""
+        self._config = value
+        self._known = value.engine.known
+        self._memory.memory = value.prefix_memory
+        self._backlog.age_bound = value.age_bound
+        self._apply_callers()
+
+    @property
+    def capacity(self) -> EngineCapacity:
+        """The engine's capacity (room.py)."""
+        return self._config.engine
+
+    @capacity.setter
+    def capacity(self, value: EngineCapacity) -> None:
+        self._config = replace(self._config, engine=value)
+        self._known = value.known
+
+    def _no_caps(self) -> bool:
+        p = self._config.callers
+        return not (p.default.max_concurrency or any(q.max_concurrency for q in p.policies))
+
+    @property
     def queued_requests(self) -> int:
-        """Queued subscribers (including held prefix followers)."""
+        """Queued subscribers (window, backlog and held prefix followers)."""
         return self._q_reqs
 
     @property
@@ -216,6 +241,16 @@ class Coalescer:
     @property
     def queued_generations(self) -> int:
         return len(self._gens)
+
+    @property
+    def backlog_generations(self) -> int:
+        """Eligible generations held back until the engine has room."""
+        return self._backlog.n
+
+    @property
+    def engine_waiting(self) -> int:
+        """Released generations without a first output: waiting inside the engine."""
+        return self._unstarted_n
 
     @property
     def pending_requests(self) -> int:
@@ -228,7 +263,7 @@ class Coalescer:
 
     @property
     def in_flight(self) -> int:
-        """Dispatched generations not yet finished."""
+        """Released generations not yet finished."""
         return len(self._in_flight)
 
     @property
@@ -252,6 +287,31 @@ class Coalescer:
             prefix_followers=self._n_followers,
         )
 
+    def callers(self) -> tuple[CallerStats, ...]:
+        """A snapshot of every caller seen so far."""
+        return tuple(c.stats() for c in self._callers.values())
+
+    def caller(self, name: str) -> CallerStats | None:
+        c = self._callers.get(name)
+        return None if c is None else c.stats()
+
+    def set_callers(self, callers: Callers) -> None:
+        """Replace the policy table (SIGHUP); queued work and counters stay."""
+        self._config = replace(self._config, callers=callers)
+        self._apply_callers()
+
+    def _apply_callers(self) -> None:
+        callers = self._config.callers
+        for c in self._callers.values():
+            c.set_policy(callers.get(c.name))
+        self._uncapped = self._no_caps()
+
+    def _caller(self, name: str) -> CallerState:
+        c = self._callers.get(name)
+        if c is None:
+            c = self._callers[name] = CallerState(self._config.callers.get(name), name)
+        return c
+
     def pop_events(self) -> list[Event]:
         events = self._events
         self._events = []
@@ -260,16 +320,20 @@ class Coalescer:
     # -- admission ---------------------------------------------------------------
 
     def add(self, request: Request, now: float) -> Admitted | Refused:
-        cfg = self.config
+        cfg = self._config
         rid = request.id
+        c = self._callers.get(request.caller) or self._caller(request.caller)
         if self._state is not _OK:
-            return self._refuse_state(rid, now)
+            return self._refuse_state(c, rid, now)
         if rid in self._subs or rid in self._gens or rid in self._in_flight:
             # A reused id would corrupt the maps keyed by it. Ids of joined duplicates
             # are not tracked once dispatched (nothing is keyed by them any more).
             return self._refuse(
-                rid, RefusalReason.DUPLICATE_ID, 0.0, f"request id {rid!r} is in use", now
+                c, rid, RefusalReason.DUPLICATE_ID, 0.0, f"request id {rid!r} is in use", now
             )
+        policy = c.policy
+        if policy.max_queued is not None and self._over_queue(c):
+            return self._refuse_caller_queue(c, rid, now)
         fp = request.fingerprint
         dkey: Hashable = None
         if fp is not None and cfg.dedupe:
@@ -277,16 +341,39 @@ class Coalescer:
             gen = self._dedupe.get(dkey)
             if gen is not None:
                 if self._q_reqs + self._f_reqs >= cfg.max_pending_requests:
-                    return self._refuse_requests(rid, now)
+                    return self._refuse_requests(c, rid, now)
                 self._last_add = now
-                return self._join(gen, request)
+                return self._join(gen, request, c)
         ptok = len(request.prompt_tokens)
         tokens = ptok + request.max_new_tokens
+        bucket = c.bucket
+        if bucket is not None:
+            wait = bucket.wait(tokens, now)
+            if wait > 0:
+                if tokens > bucket.capacity:
+                    return self._refuse(
+                        c,
+                        rid,
+                        RefusalReason.TOO_LARGE,
+                        0.0,
+                        f"request needs {tokens} tokens (prompt + max_tokens); caller "
+                        f"{c.name!r} may use {policy.tokens_per_minute} per minute",
+                        now,
+                    )
+                return self._refuse(
+                    c,
+                    rid,
+                    RefusalReason.CALLER_LIMIT,
+                    self._clamp(wait),
+                    f"caller {c.name!r} is over its tokens_per_minute",
+                    now,
+                )
         if self._q_reqs + self._f_reqs >= cfg.max_pending_requests:
-            return self._refuse_requests(rid, now)
+            return self._refuse_requests(c, rid, now)
         if self._q_tokens + self._f_tokens + tokens > cfg.max_pending_tokens:
             if tokens > cfg.max_pending_tokens:
                 return self._refuse(
+                    c,
                     rid,
                     RefusalReason.TOO_LARGE,
                     0.0,
@@ -296,18 +383,21 @@ class Coalescer:
                 )
             excess = self._q_tokens + self._f_tokens + tokens - cfg.max_pending_tokens
             return self._refuse(
+                c,
                 rid,
                 RefusalReason.QUEUE_FULL_TOKENS,
                 self._retry_after(excess, self._drain.tokens_per_s),
                 "the token queue is full",
                 now,
             )
+        if bucket is not None:
+            bucket.take(tokens)
         self._seq = seq = self._seq + 1
         key = request.key
         group = self._groups.get(key)
         if group is None:
-            group = self._groups[key] = _Group(key)
-        gen = _Gen(request, group, seq, ptok, tokens, dkey=dkey)
+            group = self._groups[key] = Group(key)
+        gen = Gen(request, group, c, seq, ptok, tokens, dkey)
         group.gens.append(gen)
         group.n += 1
         group.ptok += ptok
@@ -318,6 +408,8 @@ class Coalescer:
         self._q_reqs += 1
         self._q_tokens += tokens
         self._n_admitted += 1
+        c.queued += 1
+        c.admitted += 1
         heappush(self._wheap, (request.arrival + cfg.window, seq, gen))
         if cfg.release_lone and now - self._last_add > cfg.window > 0:
             if not self._lone:
@@ -328,7 +420,7 @@ class Coalescer:
             heappush(self._xheap, (request.deadline, seq, request))
         if (
             not group.ready
-            and cfg.window  # window 0: the window heap releases it anyway (IMMEDIATE)
+            and cfg.window  # window 0: the window heap takes it anyway (IMMEDIATE)
             and (group.n >= cfg.max_batch_seqs or group.ptok >= cfg.max_batch_tokens)
         ):
             group.ready = True
@@ -337,13 +429,15 @@ class Coalescer:
             self._ready.append(group)
         return _fast.admitted(rid, None)
 
-    def _join(self, gen: _Gen, request: Request) -> Admitted:
+    def _join(self, gen: Gen, request: Request, c: CallerState) -> Admitted:
         rid = request.id
         gen.subs[rid] = request
         self._subs[rid] = gen
         self._q_reqs += 1
         self._n_admitted += 1
         self._n_dedupe += 1
+        c.queued += 1
+        c.admitted += 1
         self._seq = seq = self._seq + 1
         if request.deadline is not None:
             heappush(self._xheap, (request.deadline, seq, request))
@@ -351,21 +445,44 @@ class Coalescer:
         self._events.append(DedupeHit(rid, joined))
         return Admitted(rid, joined)
 
-    def _retry_after(self, excess: float, rate: float | None) -> float:
-        cfg = self.config
-        t = cfg.retry_after_default if rate is None or rate <= 0 else excess / rate
+    @staticmethod
+    def _over_queue(c: CallerState) -> bool:
+        """Rule 2: queued + in flight would pass max_queued + max_concurrency."""
+        mq = c.policy.max_queued
+        if mq is None:
+            return False
+        mc = c.policy.max_concurrency
+        if mc is None:
+            return c.queued >= mq
+        return c.queued + min(c.in_flight, mc) >= mq + mc
+
+    def _clamp(self, t: float) -> float:
+        cfg = self._config
         return min(max(t, cfg.retry_after_min), cfg.retry_after_max)
 
+    def _retry_after(self, excess: float, rate: float | None) -> float:
+        if rate is None or rate <= 0:
+            return self._clamp(self._config.retry_after_default)
+        return self._clamp(excess / rate)
+
     def _refuse(
-        self, rid: str, reason: RefusalReason, retry_after: float, message: str, now: float
+        self,
+        c: CallerState,
+        rid: str,
+        reason: RefusalReason,
+        retry_after: float,
+        message: str,
+        now: float,
     ) -> Refused:
         self._n_refused += 1
-        self._events.append(Refusal(rid, reason, retry_after, now))
+        c.refused += 1
+        self._events.append(Refusal(rid, reason, retry_after, now, c.name))
         return Refused(reason, retry_after, message)
 
-    def _refuse_requests(self, rid: str, now: float) -> Refused:
-        excess = self._q_reqs + self._f_reqs + 1 - self.config.max_pending_requests
+    def _refuse_requests(self, c: CallerState, rid: str, now: float) -> Refused:
+        excess = self._q_reqs + self._f_reqs + 1 - self._config.max_pending_requests
         return self._refuse(
+            c,
             rid,
             RefusalReason.QUEUE_FULL_REQUESTS,
             self._retry_after(excess, self._drain.requests_per_s),
@@ -373,11 +490,26 @@ class Coalescer:
             now,
         )
 
-    def _refuse_state(self, rid: str, now: float) -> Refused:
+    def _refuse_caller_queue(self, c: CallerState, rid: str, now: float) -> Refused:
+        p = c.policy
+        mc = p.max_concurrency or 0
+        used = min(c.in_flight, mc)
+        excess = c.queued + used + 1 - ((p.max_queued or 0) + mc)
+        return self._refuse(
+            c,
+            rid,
+            RefusalReason.CALLER_LIMIT,
+            self._retry_after(excess, c.drain.requests_per_s),
+            f"caller {c.name!r} has {c.queued} requests waiting (max_queued {p.max_queued})",
+            now,
+        )
+
+    def _refuse_state(self, c: CallerState, rid: str, now: float) -> Refused:
         if self._state is AdmissionState.DRAINING:
             # The server is going away: the client should go elsewhere or come back
             # after a restart; the drain rate says nothing about that.
             return self._refuse(
+                c,
                 rid,
                 RefusalReason.DRAINING,
                 self._retry_after(0.0, None),
@@ -387,6 +519,7 @@ class Coalescer:
         # Memory frees as queued work drains through the engine: suggest the time it
         # takes to drain what is queued now (at least retry_after_min).
         return self._refuse(
+            c,
             rid,
             RefusalReason.MEMORY,
             self._retry_after(self._q_tokens, self._drain.tokens_per_s),
@@ -394,7 +527,11 @@ class Coalescer:
             now,
         )
 
-    # -- leaving before dispatch -------------------------------------------------
+    # -- leaving before release ----------------------------------------------------
+
+    def _sub_caller(self, gen: Gen, sreq: Request) -> CallerState:
+        owner = gen.caller
+        return owner if sreq.caller == owner.name else self._callers[sreq.caller]
 
     def cancel(self, request_id: str, now: float) -> bool:
         """The caller left while queued. True if it was queued (and is now CANCELLED)."""
@@ -404,24 +541,33 @@ class Coalescer:
         sreq = gen.subs.pop(request_id)
         self._q_reqs -= 1
         self._n_cancelled += 1
-        self._events.append(Ended(request_id, Outcome.CANCELLED, now - sreq.arrival, now))
+        self._sub_caller(gen, sreq).queued -= 1
+        self._events.append(
+            Ended(request_id, Outcome.CANCELLED, now - sreq.arrival, now, sreq.caller)
+        )
         if not gen.subs:
             self._drop(gen)
         return True
 
-    def _drop(self, gen: _Gen) -> None:
-        """Remove a queued or held generation whose last subscriber left."""
-        if gen.state == _QUEUED:
+    def _drop(self, gen: Gen) -> None:
+        """Remove a queued, held or backlogged generation whose last subscriber left."""
+        state = gen.state
+        if state == QUEUED:
             group = gen.group
             group.n -= 1
             group.ptok -= gen.ptok
             if not group.n:
                 self._forget(group)
-        gen.state = _GONE
+        elif state == BACKLOG:
+            self._backlog.discard(gen)
+        gen.state = GONE
         del self._gens[gen.request.id]
         if gen.dkey is not None and self._dedupe.get(gen.dkey) is gen:
             del self._dedupe[gen.dkey]
         self._q_tokens -= gen.tokens
+        bucket = gen.caller.bucket
+        if bucket is not None:
+            bucket.give(gen.tokens)  # never reached the engine
 
     def _expire(self, now: float) -> None:
         xheap = self._xheap
@@ -436,7 +582,8 @@ class Coalescer:
             del gen.subs[rid]
             self._q_reqs -= 1
             self._n_expired += 1
-            self._events.append(Ended(rid, Outcome.EXPIRED, now - req.arrival, now))
+            self._sub_caller(gen, req).queued -= 1
+            self._events.append(Ended(rid, Outcome.EXPIRED, now - req.arrival, now, req.caller))
             if not gen.subs:
                 self._drop(gen)
 
@@ -445,10 +592,16 @@ class Coalescer:
         ids: list[str] = []
         events = self._events
         for gen in self._gens.values():
-            gen.state = _GONE
+            gen.state = GONE
+            bucket = gen.caller.bucket
+            if bucket is not None:
+                bucket.give(gen.tokens)
             for sid, sreq in gen.subs.items():
                 ids.append(sid)
-                events.append(Ended(sid, Outcome.REJECTED, now - sreq.arrival, now))
+                events.append(Ended(sid, Outcome.REJECTED, now - sreq.arrival, now, sreq.caller))
+        for c in self._callers.values():
+            c.queued = 0
+        self._backlog.clear()
         self._n_rejected += len(ids)
         self._gens.clear()
         self._subs.clear()
@@ -466,10 +619,11 @@ class Coalescer:
     # -- release -----------------------------------------------------------------
 
     def next_deadline(self) -> float | None:
-        """Earliest time `due()` could release or expire something; None if never.
+        """Earliest time `due()` could make something eligible or expire it.
 
         May lie in the past (a cap was reached, or `due()` was not called): call
-        `due()` at once then. In CRITICAL only expiry times count.
+        `due()` at once then. In CRITICAL only expiry times count. The backlog is
+        released on events, not on time (rule 5).
         """
         best: float | None = None
         xheap = self._xheap
@@ -485,7 +639,7 @@ class Coalescer:
         if self._ready:
             # Drop groups that fell under the caps again (cancels, expiries), so that
             # a driver is not woken for nothing.
-            cfg = self.config
+            cfg = self._config
             for group in self._ready:
                 if group.n < cfg.max_batch_seqs and group.ptok < cfg.max_batch_tokens:
                     group.ready = False
@@ -493,88 +647,106 @@ class Coalescer:
             if self._ready and (best is None or self._ready_at < best):
                 best = self._ready_at
         if self._lone:
-            self._lone = [g for g in self._lone if g.state == _QUEUED]
+            self._lone = [g for g in self._lone if g.state == QUEUED]
             if self._lone and (best is None or self._lone_at < best):
                 best = self._lone_at
         wheap = self._wheap
-        while wheap and wheap[0][2].state != _QUEUED:
+        while wheap and wheap[0][2].state != QUEUED:
             heappop(wheap)
         if wheap and (best is None or wheap[0][0] < best):
             best = wheap[0][0]
         held = self._held
-        while held and not any(g.state == _HELD for g in held[0][2]):
+        while held and not any(g.state == HELD for g in held[0][2]):
             heappop(held)
         if held and (best is None or held[0][0] < best):
             best = held[0][0]
         return best
 
     def due(self, now: float, load: EngineLoad | None = None) -> list[Batch]:
-        """Expire, then release every batch that is due at `now`, in order."""
+        """Expire, make due work eligible, then release what the engine has room for."""
         out: list[Batch] = []
         xheap = self._xheap
         if xheap and xheap[0][0] <= now:
             self._expire(now)
         if self._state is _CRITICAL:
             return out
-        # Decided before this call dispatches anything (see rule 8).
+        if load is not None:
+            self._kv_usage = load.kv_usage
+        # Decided before this call releases anything (see rule 11).
         idle = (
             load is not None
-            and self.config.adaptive
+            and self._config.adaptive
             and load.running == 0
             and load.waiting == 0
             and not self._in_flight
         )
+        self._round += 1
+        fresh = self._fresh  # what becomes eligible now, in order
         held = self._held
         while held and held[0][0] <= now:
-            live = [g for g in heappop(held)[2] if g.state == _HELD]
+            live = [g for g in heappop(held)[2] if g.state == HELD]
             if live:
-                self._emit(live, _FOLLOW, now, out)
+                fresh.extend((part, _FOLLOW) for part in self._split(live))
         if self._ready:
             ready = self._ready
             self._ready = []
             for group in ready:
                 group.ready = False
                 if group.n:
-                    self._cut(group, now, None, out)
+                    self._cut(group, None)
         if self._lone:
             lone = self._lone
             self._lone = []
             for gen in lone:
-                if gen.state == _QUEUED:
-                    self._cut(gen.group, now, _LONE, out)
+                if gen.state == QUEUED:
+                    self._cut(gen.group, _LONE)
         wheap = self._wheap
         if wheap and wheap[0][0] <= now:
-            reason = _IMMEDIATE if self.config.window == 0 else _DEADLINE
+            reason = _IMMEDIATE if self._config.window == 0 else _DEADLINE
             while wheap and wheap[0][0] <= now:
                 gen = heappop(wheap)[2]
-                if gen.state == _QUEUED:
-                    self._cut(gen.group, now, reason, out)
+                if gen.state == QUEUED:
+                    self._cut(gen.group, reason)
         if idle and self._q_reqs:
             for group in list(self._groups.values()):
                 if group.n:
-                    self._cut(group, now, _EARLY, out)
+                    self._cut(group, _EARLY)
+        backlog = self._backlog
+        if fresh:
+            self._fresh = []
+            if not backlog.n and self._uncapped and (not self._known or self._room_for(fresh)):
+                self._release_fresh(fresh, now, out)
+            else:
+                rnd = self._round
+                push = backlog.push
+                for gens, why in fresh:
+                    for g in gens:
+                        g.reason = why
+                        g.round = rnd
+                        push(g)
+        if backlog.n:
+            self._release(now, out)
         if out:
             self._drain.busy(now)
         return out
 
-    def _cut(
-        self, group: _Group, now: float, reason: ReleaseReason | None, out: list[Batch]
-    ) -> None:
-        """Release a group's queued generations as batches, in order.
+    def _cut(self, group: Group, reason: ReleaseReason | None) -> None:
+        """Make a group's queued generations eligible (rule 3), in rule-6 order.
 
-        reason None: a cap was reached; cut batches only while the rest still reaches
-        a cap, and keep the rest queued. Otherwise release the whole group.
+        reason None: a cap was reached; take batches only while the rest still reaches
+        a cap, and keep the rest queued. Otherwise take the whole group.
         """
-        cfg = self.config
+        cfg = self._config
         max_seqs = cfg.max_batch_seqs
         max_tok = cfg.max_batch_tokens
         gens = group.gens
         if group.n != len(gens):
-            gens = [g for g in gens if g.state == _QUEUED]
+            gens = [g for g in gens if g.state == QUEUED]
         if len(gens) > 1:
             gens.sort(key=_order)
         n = len(gens)
         left = group.ptok
+        fresh = self._fresh
         i = 0
         while i < n:
             if reason is None and n - i < max_seqs and left < max_tok:
@@ -590,7 +762,7 @@ class Coalescer:
                 j += 1
             left -= bt
             why = reason or (_SIZE_CAP if j - i >= max_seqs else _TOKEN_CAP)
-            self._release(gens[i:j] if (i or j < n) else gens, why, now, out)
+            fresh.append((gens[i:j] if (i or j < n) else gens, why))
             i = j
         rest = gens[i:] if i else gens
         group.gens = rest
@@ -599,87 +771,248 @@ class Coalescer:
         if not rest:
             self._forget(group)
 
-    def _forget(self, group: _Group) -> None:
+    def _forget(self, group: Group) -> None:
         """An empty group: keep it for reuse unless there are too many."""
         if len(self._groups) > _KEEP_GROUPS and self._groups.get(group.key) is group:
             del self._groups[group.key]
 
-    def _release(
-        self, gens: list[_Gen], reason: ReleaseReason, now: float, out: list[Batch]
+    def _release(self, now: float, out: list[Batch]) -> None:
+        """Release backlogged generations while the engine has room (rules 5-7, 10)."""
+        backlog = self._backlog
+        room = self._room()
+        block = self._config.prefix_block
+        first: dict[int, Gen] = {}  # block key -> its leader in this round
+        followers: dict[int, list[Gen]] = {}  # block key -> held followers (or [])
+        released: list[Gen] = []
+        serve = self._serve
+        for g in backlog.pick(now, room):
+            if (
+                block
+                and not g.follow
+                and len(g.request.prompt_tokens) >= block
+                and self._follows(g, first, followers, now)
+            ):
+                continue
+            room.take(g.ptok)
+            serve(g)
+            released.append(g)
+        self._round_done(released, first, followers, now, out)
+
+    def _room(self) -> Room:
+        cfg = self._config
+        return Room(
+            cfg.engine,
+            len(self._in_flight),
+            self._unstarted_n,
+            self._unstarted_tokens,
+            self._kv_usage,
+            cfg.kv_reserve_short,
+            cfg.short_prompt_tokens,
+            cfg.step_lookahead,
+            cfg.slot_spare,
+        )
+
+    def _room_for(self, fresh: list[tuple[list[Gen], ReleaseReason]]) -> bool:
+        """Would the engine take all of `fresh` now (the backlog being empty)?"""
+        room = self._room()
+        for gens, _ in fresh:
+            for g in gens:
+                if not room.fits(g.ptok):
+                    return False
+                room.take(g.ptok)
+        return True
+
+    def _release_fresh(
+        self, fresh: list[tuple[list[Gen], ReleaseReason]], now: float, out: list[Batch]
     ) -> None:
-        """Apply the shared-prefix rule to one cut batch, then emit it."""
-        block = self.config.prefix_block
-        if block:
-            memory = self._memory
-            key = gens[0].request.key
-            if len(gens) == 1:
-                prompt = gens[0].request.prompt_tokens
-                if len(prompt) >= block:  # as prefix.block_key, inlined (hot path)
-                    memory.remember(hash((key, prompt[:block])), now)
+        """Rule 5 when everything that became eligible fits: release it, in order.
+
+        The backlog is empty, no caller has a max_concurrency and the engine has room
+        for all of it, so nothing is held and the order within the round is the order
+        of eligibility; each cut is already within the caps and goes as one batch.
+        Skipping the backlog's heaps keeps the common case cheap.
+        """
+        backlog = self._backlog
+        if self._config.prefix_block:  # rule 10 looks at the whole round first
+            first: dict[int, Gen] = {}
+            followers: dict[int, list[Gen]] = {}
+            kept: list[tuple[list[Gen], ReleaseReason]] = []
+            for gens, why in fresh:
+                keep = [g for g in gens if g.follow or not self._follows(g, first, followers, now)]
+                if keep:
+                    kept.append((keep, why))
+            self._prefixes_done(first, followers, now)
+            fresh = kept
+        for gens, why in fresh:
+            for g in gens:  # Backlog.served, inlined
+                c = g.caller
+                backlog.vt = c.counter
+                c.counter += g.ptok / c.weight
+                c.in_flight += 1
+                c.prompt_tokens += g.ptok
+            self._emit(gens, why, now, out)
+
+    def _serve(self, g: Gen) -> None:
+        self._backlog.served(g)
+        g.caller.prompt_tokens += g.ptok
+
+    def _follows(
+        self, g: Gen, first: dict[int, Gen], followers: dict[int, list[Gen]], now: float
+    ) -> bool:
+        """Rule 10 for one generation picked in this round; True if held as a follower."""
+        prompt = g.request.prompt_tokens
+        block = self._config.prefix_block
+        if len(prompt) < block:
+            return False
+        bk = hash((g.group.key, prompt[:block]))  # as prefix.block_key, inlined
+        if bk not in first:
+            first[bk] = g
+            if not self._memory.cached(bk, now):
+                followers[bk] = []
+            return False
+        follow = followers.get(bk)
+        if follow is None:
+            return False
+        g.state = HELD
+        g.follow = True
+        follow.append(g)
+        return True
+
+    def _round_done(
+        self,
+        released: list[Gen],
+        first: dict[int, Gen],
+        followers: dict[int, list[Gen]],
+        now: float,
+        out: list[Batch],
+    ) -> None:
+        """Hold this round's followers, remember its prefixes, emit its batches (rule 7)."""
+        cfg = self._config
+        if cfg.prefix_block:
+            self._prefixes_done(first, followers, now)
+        if not released:
+            return
+        rnd = self._round
+        if len(released) == 1:
+            g = released[0]
+            why = _FOLLOW if g.follow else (g.reason or _BACKLOG) if g.round == rnd else _BACKLOG
+            self._emit(released, why, now, out)
+            return
+        batches: dict[tuple[GroupKey, ReleaseReason], list[Gen]] = {}
+        for g in released:
+            why = _FOLLOW if g.follow else (g.reason or _BACKLOG) if g.round == rnd else _BACKLOG
+            k = (g.group.key, why)
+            lst = batches.get(k)
+            if lst is None:
+                batches[k] = [g]
             else:
-                bkeys = [block_key(key, g.request.prompt_tokens, block) for g in gens]
-                plans = plan_followers(bkeys, memory, now)
-                if plans:
-                    gens = self._hold_followers(gens, plans, now)
-                    # Leaders are released now: remember their prefixes. Other entries
-                    # in the batch have no follower here, remember them too.
-                for g in gens:
-                    bk = block_key(key, g.request.prompt_tokens, block)
-                    if bk is not None:
-                        memory.remember(bk, now)
-            memory.prune(now)
-        self._emit(gens, reason, now, out)
+                lst.append(g)
+        for (_, why), gens in batches.items():
+            for part in self._split(gens):
+                self._emit(part, why, now, out)
+
+    def _split(self, gens: list[Gen]) -> list[list[Gen]]:
+        """Generations of one key, in order, as batches within the caps (rule 7)."""
+        cfg = self._config
+        max_seqs = cfg.max_batch_seqs
+        max_tok = cfg.max_batch_tokens
+        n = len(gens)
+        if n <= max_seqs and sum(g.ptok for g in gens) <= max_tok:
+            return [gens]
+        parts = []
+        i = 0
+        while i < n:
+            j = i
+            bt = 0
+            stop = min(n, i + max_seqs)
+            while j < stop:
+                p = gens[j].ptok
+                if bt + p > max_tok and j > i:
+                    break
+                bt += p
+                j += 1
+            parts.append(gens[i:j])
+            i = j
+        return parts
+
+    def _prefixes_done(
+        self, first: dict[int, Gen], followers: dict[int, list[Gen]], now: float
+    ) -> None:
+        """Hold this round's followers and remember the prefixes it released (rule 10)."""
+        if followers:
+            self._hold_followers(first, followers, now)
+        memory = self._memory
+        for bk in first:
+            memory.remember(bk, now)
+        memory.prune(now)
 
     def _hold_followers(
-        self, gens: list[_Gen], plans: list[tuple[int, list[int]]], now: float
-    ) -> list[_Gen]:
-        block = self.config.prefix_block
-        held: set[int] = set()
-        for lead, followers in plans:
-            prompt = gens[lead].request.prompt_tokens
-            shared = min(
-                shared_blocks(prompt, gens[f].request.prompt_tokens, block) for f in followers
-            )
-            self._events.append(PrefixLeader(gens[lead].request.id, len(followers), shared, now))
+        self, first: dict[int, Gen], followers: dict[int, list[Gen]], now: float
+    ) -> None:
+        """One PrefixLeader event per leader; the followers wait as one group per
+        GroupKey, in rule-6 order, so that each comes back as one batch (rule 7)."""
+        block = self._config.prefix_block
+        by_key: dict[GroupKey, list[Gen]] = {}
+        for bk, follow in followers.items():
+            if not follow:
+                continue
+            lead = first[bk]
+            prompt = lead.request.prompt_tokens
+            shared = min(shared_blocks(prompt, f.request.prompt_tokens, block) for f in follow)
+            self._events.append(PrefixLeader(lead.request.id, len(follow), shared, now))
             self._n_leaders += 1
-            self._n_followers += len(followers)
-            held.update(followers)
-        follow = [g for i, g in enumerate(gens) if i in held]  # keeps batch order
-        for g in follow:
-            g.state = _HELD
-        self._seq = seq = self._seq + 1
-        heappush(self._held, (now + self.config.prefix_follow_delay, seq, follow))
-        return [g for i, g in enumerate(gens) if i not in held]
+            self._n_followers += len(follow)
+            by_key.setdefault(lead.group.key, []).extend(follow)
+        at = now + self._config.prefix_follow_delay
+        for follow in by_key.values():
+            follow.sort(key=_order)
+            self._seq = seq = self._seq + 1
+            heappush(self._held, (at, seq, follow))
 
-    def _emit(self, gens: list[_Gen], reason: ReleaseReason, now: float, out: list[Batch]) -> None:
-        """Dispatch generations as one batch: move them from queued to in flight."""
+    def _emit(self, gens: list[Gen], reason: ReleaseReason, now: float, out: list[Batch]) -> None:
+        """Release generations as one batch: move them from queued to in flight."""
         events = self._events
         subs_map = self._subs
         gens_map = self._gens
         in_flight = self._in_flight
         dedupe = self._dedupe
-        entries: list[Entry] = []
+        entries = []
         tokens = 0
+        ptok = 0
         nsubs = 0
         for g in gens:
-            g.state = _GONE
+            g.state = GONE
             req = g.request
             rid = req.id
             del gens_map[rid]
             if g.dkey is not None and dedupe.get(g.dkey) is g:
                 del dedupe[g.dkey]
             in_flight[rid] = g
+            c = g.caller  # in flight already (Backlog.served)
+            if c.policy.max_queued is not None:
+                c.drain.busy(now)
             subs = g.subs
-            for sid, sreq in subs.items():
-                del subs_map[sid]
-                events.append(_fast.ended(sid, _DISPATCHED, now - sreq.arrival, now))
+            if len(subs) == 1 and rid in subs:  # the common case: its owner alone
+                del subs_map[rid]
+                c.queued -= 1
+                events.append(_fast.ended(rid, _DISPATCHED, now - req.arrival, now, req.caller))
+            else:
+                for sid, sreq in subs.items():
+                    del subs_map[sid]
+                    self._sub_caller(g, sreq).queued -= 1
+                    events.append(
+                        _fast.ended(sid, _DISPATCHED, now - sreq.arrival, now, sreq.caller)
+                    )
             nsubs += len(subs)
             tokens += g.tokens
+            ptok += g.ptok
             entries.append(_fast.entry(req, tuple(subs)))
         self._q_reqs -= nsubs
         self._f_reqs += nsubs
         self._q_tokens -= tokens
         self._f_tokens += tokens
+        self._unstarted_n += len(gens)
+        self._unstarted_tokens += ptok
         self._n_dispatched += nsubs
         self._n_generations += len(gens)
         self._n_batches += 1
@@ -688,18 +1021,33 @@ class Coalescer:
         events.append(_fast.released(bid, key, reason, len(gens), tokens, now))
         out.append(_fast.batch(bid, key, tuple(entries), reason, now, tokens))
 
-    # -- after dispatch ----------------------------------------------------------
+    # -- after release -------------------------------------------------------------
+
+    def started(self, request_id: str, now: float) -> bool:
+        """A released generation produced its first output: it left the engine's queue.
+
+        Returns False for an unknown, finished or already started id (a no-op).
+        """
+        gen = self._in_flight.get(request_id)
+        if gen is None or gen.started:
+            return False
+        gen.started = True
+        self._unstarted_n -= 1
+        self._unstarted_tokens -= gen.ptok
+        return True
 
     def finished(self, request_id: str, now: float, tokens: int | None = None) -> bool:
-        """A dispatched generation (by `Entry.request.id`) ended in the engine.
+        """A released generation (by `Entry.request.id`) ended in the engine.
 
-        Frees its pending capacity and feeds the drain-rate estimator. `tokens` is how
-        many tokens it generated (the driver's completion count); the core adds the
-        prompt itself, so the rate is in the same unit as admission (prompt + output).
-        None means "unknown" and counts max_new_tokens; pass 0 for a generation that
-        never reached the engine. Returns False for an unknown or already finished id
-        (a no-op), so the driver may report an abort and a final output for the same
-        generation.
+        Frees its pending capacity, charges its generated tokens to its caller's fair
+        share (2 per token), gives the unused part of max_new_tokens back to the
+        caller's tokens_per_minute, and feeds the drain-rate estimators. `tokens` is
+        how many tokens it generated (the driver's completion count); the core adds
+        the prompt itself, so the rate is in the same unit as admission (prompt +
+        output). None means "unknown" and counts max_new_tokens; pass 0 for a
+        generation that never reached the engine. Returns False for an unknown or
+        already finished id (a no-op), so the driver may report an abort and a final
+        output for the same generation.
         """
         gen = self._in_flight.pop(request_id, None)
         if gen is None:
@@ -707,6 +1055,19 @@ class Coalescer:
         n = len(gen.subs)
         self._f_reqs -= n
         self._f_tokens -= gen.tokens
-        drained = gen.tokens if tokens is None else gen.ptok + tokens
+        if not gen.started:
+            self._unstarted_n -= 1
+            self._unstarted_tokens -= gen.ptok
+        max_new = gen.request.max_new_tokens
+        generated = max_new if tokens is None else tokens
+        c = gen.caller
+        c.in_flight -= 1
+        c.generated_tokens += generated
+        c.counter += 2 * generated / c.weight
+        if c.bucket is not None and generated < max_new:
+            c.bucket.give(max_new - generated)
+        drained = gen.ptok + generated
         self._drain.finished(drained, n, now, not self._in_flight)
+        if c.policy.max_queued is not None:  # its drain only prices its own 429s
+            c.drain.finished(drained, n, now, not c.in_flight)
         return True

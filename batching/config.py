@@ -14,14 +14,34 @@ Rules:
   Requests count subscribers (callers); tokens count generations (a deduplicated caller
   costs one request and no tokens).
 * `prefix_block == 0` disables the shared-prefix leader/follower rule.
+* `callers` is the caller policy table (callers.py); `engine` the engine's capacity
+  (room.py; all 0 = unknown: eligible work is released at once, as before the
+  backlog existed). Both can be replaced at run time (`set_callers`, `capacity`).
+* `age_bound` (seconds, > 0, may be inf) is the backlog's anti-starvation bound
+  (backlog.py rule 3). 10 s: far above a chat turn's wait, and long enough that it
+  does not turn a caller's own short-first order into first-come-first-served while
+  its long requests wait their normal turn under load.
+* `kv_reserve_short` (0 <= x < 1) is the share of the KV cache that prompts longer
+  than `short_prompt_tokens` may not use (room.py rule 5); 0 turns it off.
+* `step_lookahead` (>= 1) and `slot_spare` (>= 0) size the engine's own queue
+  (room.py rules 2 and 3): unstarted prompts up to 2 steps' token budget, and 1/16
+  more requests than the engine has slots (16 on 256 slots), so that the engine
+  never waits a step for the driver.
 * Invalid values raise ValueError at construction, never later on the hot path.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from .callers import Callers
+from .room import EngineCapacity
+
 __all__ = ["CoalescerConfig"]
+
+_NO_CALLERS = Callers()  # every caller gets the default policy: weight 1, no limits
+_UNKNOWN_ENGINE = EngineCapacity()  # nothing held back
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +65,13 @@ class CoalescerConfig:
     # Retry-After is whole seconds anyway, and a retry sooner than about a second
     # mostly re-meets the same full queue.
     retry_after_min: float = 1.0
+    callers: Callers = _NO_CALLERS
+    engine: EngineCapacity = _UNKNOWN_ENGINE
+    age_bound: float = 10.0  # seconds a backlogged request waits before it goes first
+    kv_reserve_short: float = 0.0  # KV share long prompts leave free for short ones
+    short_prompt_tokens: int = 256  # a prompt this long or shorter counts as short
+    step_lookahead: float = 2.0  # engine step budgets of unstarted prompts
+    slot_spare: float = 0.0625  # share of engine slots released beyond max_num_seqs
 
     def __post_init__(self) -> None:
         if self.window < 0:
@@ -61,3 +88,11 @@ class CoalescerConfig:
             raise ValueError("need 0 <= retry_after_min <= retry_after_max")
         if self.retry_after_default < 0:
             raise ValueError("retry_after_default must be >= 0")
+        if not (self.age_bound > 0 and not math.isnan(self.age_bound)):
+            raise ValueError("age_bound must be > 0 seconds (inf: no bound)")
+        if not 0.0 <= self.kv_reserve_short < 1.0:
+            raise ValueError("kv_reserve_short must be in [0, 1)")
+        if self.short_prompt_tokens < 0:
+            raise ValueError("short_prompt_tokens must be >= 0")
+        if not self.step_lookahead >= 1.0 or not self.slot_spare >= 0.0:
+            raise ValueError("need step_lookahead >= 1 and slot_spare >= 0")

@@ -10,7 +10,8 @@ Rules:
 * Every admitted subscriber produces exactly one `Ended`, with one `Outcome`. A refusal
   produces one `Refusal` and no `Ended` (the caller was never admitted).
 * One `Released` per batch, emitted after the `Ended(DISPATCHED)` of its subscribers.
-* `queue_wait` is measured from the subscriber's own `Request.arrival`.
+* `queue_wait` is measured from the subscriber's own `Request.arrival` (window and
+  backlog together); `Ended` and `Refusal` name the subscriber's caller.
 * Events are in the order the core made its decisions; nothing is aggregated here
   (see `Counters` for the cumulative totals).
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .callers import DEFAULT_CALLER
 from .keys import GroupKey
 from .types import Outcome, RefusalReason, ReleaseReason
 
@@ -41,6 +43,7 @@ class Ended:
     outcome: Outcome
     queue_wait: float
     at: float
+    caller: str = DEFAULT_CALLER  # the subscriber's own caller
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +52,7 @@ class Refusal:
     reason: RefusalReason
     retry_after: float
     at: float
+    caller: str = DEFAULT_CALLER
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,17 @@ Three signals feed one state:
 * **gpu** - the lowest free VRAM over the engine's devices (tensor parallel
   fails when *any* card runs out). vLLM reserves its KV cache up front, so this
   mostly tracks *other* processes on the workstation.
-* **kv** - the engine's KV-cache usage (0..1) and its preemption counter. This
-  tracks our own load.
+* **kv** - a preemption storm: the engine evicting running requests (to recompute
+  them later) over and over while its KV cache is full. A full KV cache alone is
+  not pressure: vLLM reserves the cache up front and never runs out of memory
+  because of it; it is a busy engine, and the backlog (batching/backlog.py) holds
+  the work that does not fit. Only preemptions counted while KV use is at least
+  ``kv_storm_usage``, and at least ``preempt_shed`` of them within
+  ``preempt_window`` seconds, make a storm. That threshold is also how the policy
+  tells a storm from the preemptions vLLM's priority scheduler makes on purpose
+  (``--scheduling-policy priority``: one running request per urgent arrival that
+  finds no room): set ``preempt_shed`` above the number of urgent arrivals a window
+  can bring.
 * **host** - available host RAM (MemAvailable), for the OOM killer's sake.
 
 Each signal keeps its own level with hysteresis (enter below one level, leave
@@ -31,6 +40,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections import deque
 from dataclasses import dataclass
 
 MIB = 1024 * 1024
@@ -124,12 +134,17 @@ class PressureConfig:
       from an OOM. The 1 GiB gap between enter and leave is wider than the
       jitter of a desktop compositor (a few hundred MiB) so the state does not
       flap. A card is watched only if it is one the engine uses.
-    * KV-cache usage: shed at >= 0.90, leave at <= 0.75, critical at >= 0.98
-      *and* preemptions rising. A full KV cache alone is normal for a busy
-      engine (the scheduler just waits); it is the preemptions (requests
-      evicted and recomputed) that waste GPU time. Shedding at 0.90 keeps new
-      work out before that; 0.75 is far enough below to absorb the burst of
-      queued requests that arrives when shedding stops.
+    * Preemption storm: preemptions count only in polls where KV use is
+      >= 0.90 (``kv_storm_usage``: below that vLLM has free blocks and does not
+      preempt for memory). Shed at >= 20 within 5 s (``preempt_window``),
+      stay shedding while >= 5, critical at >= 100 within 5 s with KV use
+      >= 0.98, and stay critical while the count is >= 20 and KV use >= 0.90.
+      Why: a preemption throws away a request's KV and recomputes it later;
+      a few per second is a busy engine (and, with priority scheduling, one per
+      urgent arrival is by design), 4 per second sustained for 5 s means the
+      same requests are evicted again and again, and 20 per second with a
+      full cache is a collapse where aborting the newest request is cheaper.
+      These are judgments, not measurements; the flags exist to tune them.
     * Host MemAvailable: shed below 1024 MiB, leave above 2048 MiB, critical
       below 512 MiB - the same reasoning as VRAM, for the kernel's OOM killer.
     * ``min_dwell`` 2 s: 8 polls at 250 ms; longer than a client's typical
@@ -147,9 +162,12 @@ class PressureConfig:
     gpu_leave_free_mib: int = 2048
     gpu_critical_free_mib: int = 512
 
-    kv_shed_usage: float = 0.90
-    kv_leave_usage: float = 0.75
+    kv_storm_usage: float = 0.90
     kv_critical_usage: float = 0.98
+    preempt_window: float = 5.0  # seconds
+    preempt_shed: int = 20
+    preempt_leave: int = 5
+    preempt_critical: int = 100
 
     host_shed_available_mib: int = 1024
     host_leave_available_mib: int = 2048
@@ -174,8 +192,12 @@ class PressureConfig:
             < self.host_leave_available_mib
         ):
             raise ValueError("need 0 <= host critical < host shed < host leave (available MiB)")
-        if not 0.0 <= self.kv_leave_usage < self.kv_shed_usage <= self.kv_critical_usage <= 1.0:
-            raise ValueError("need 0 <= kv leave < kv shed <= kv critical <= 1 (usage)")
+        if not 0.0 <= self.kv_storm_usage <= self.kv_critical_usage <= 1.0:
+            raise ValueError("need 0 <= kv storm <= kv critical <= 1 (usage)")
+        if not (self.preempt_window > 0 and math.isfinite(self.preempt_window)):
+            raise ValueError("preempt_window must be a finite number of seconds > 0")
+        if not 1 <= self.preempt_leave <= self.preempt_shed <= self.preempt_critical:
+            raise ValueError("need 1 <= preempt leave <= preempt shed <= preempt critical")
         if not (self.min_dwell >= 0.0 and math.isfinite(self.min_dwell)):
             raise ValueError("min_dwell must be a finite number of seconds >= 0")
         if self.unknown_shed_after is not None and self.unknown_shed_after < 1:
@@ -271,6 +293,9 @@ class PressurePolicy:
         self._kv = _Signal("kv")
         self._host = _Signal("host")
         self._last_preemptions: int | None = None
+        # (time, preemptions) of polls that counted towards a storm, oldest first.
+        self._storm: deque[tuple[float, int]] = deque()
+        self._storm_count = 0
 
     @property
     def state(self) -> State:
@@ -279,7 +304,7 @@ class PressurePolicy:
     def update(self, readings: Readings, now: float) -> Decision:
         cfg = self.config
         worsening = self._update_gpu(readings.gpus)
-        worsening |= self._update_kv(readings.engine)
+        worsening |= self._update_kv(readings.engine, now)
         worsening |= self._update_host(readings.host)
         signals = (self._gpu, self._kv, self._host)
 
@@ -398,7 +423,7 @@ class PressurePolicy:
         )
         return self._falling(sig, reading.available, True)
 
-    def _update_kv(self, reading: EngineReading) -> bool:
+    def _update_kv(self, reading: EngineReading, now: float) -> bool:
         sig, cfg = self._kv, self.config
         if isinstance(reading, Unknown):
             self._unknown(sig, reading)
@@ -409,19 +434,29 @@ class PressurePolicy:
         new_preemptions = 0 if last is None else max(0, reading.preemptions_total - last)
         self._last_preemptions = reading.preemptions_total
         usage, prev = reading.kv_cache_usage, sig.level
-        if usage >= cfg.kv_critical_usage and (new_preemptions > 0 or prev is State.CRITICAL):
+        storm = self._storm
+        if new_preemptions and usage >= cfg.kv_storm_usage:
+            storm.append((now, new_preemptions))
+            self._storm_count += new_preemptions
+        while storm and storm[0][0] <= now - cfg.preempt_window:
+            self._storm_count -= storm.popleft()[1]
+        count = self._storm_count
+        # Enter CRITICAL on a big storm with a full cache; stay while it goes on.
+        critical = count >= cfg.preempt_critical and usage >= cfg.kv_critical_usage
+        critical |= prev is State.CRITICAL and count >= cfg.preempt_shed
+        critical &= usage >= cfg.kv_storm_usage
+        if critical:
             sig.level = State.CRITICAL
-        elif usage >= cfg.kv_shed_usage:
-            sig.level = State.CRITICAL if prev is State.CRITICAL else State.SHEDDING
-        elif usage > cfg.kv_leave_usage:
-            sig.level = min(prev, State.SHEDDING)
+        elif count >= (cfg.preempt_leave if prev is not State.OK else cfg.preempt_shed):
+            sig.level = State.SHEDDING
         else:
             sig.level = State.OK
         sig.detail = (
-            f"kv cache {usage:.1%} used, {new_preemptions} new preemptions, "
-            f"{reading.running} running, {reading.waiting} waiting "
-            f"(shed >= {cfg.kv_shed_usage:.0%}, leave <= {cfg.kv_leave_usage:.0%}, "
-            f"critical >= {cfg.kv_critical_usage:.0%} with preemptions)"
+            f"kv cache {usage:.1%} used, {count} preemptions in {cfg.preempt_window:g} s "
+            f"at >= {cfg.kv_storm_usage:.0%} use, {reading.running} running, "
+            f"{reading.waiting} waiting (storm: shed >= {cfg.preempt_shed}, leave < "
+            f"{cfg.preempt_leave}, critical >= {cfg.preempt_critical} at >= "
+            f"{cfg.kv_critical_usage:.0%} use)"
         )
         # vLLM still evicting running requests: aborting the newest frees blocks.
         return sig.level is State.CRITICAL and new_preemptions > 0

@@ -10,7 +10,9 @@ Rules:
 * Time is always a float in seconds on the driver's monotonic clock (`loop.time()`);
   the core never reads a clock.
 * `Request.priority` follows vLLM: a LOWER value is more urgent. It is passed through
-  to vLLM's priority scheduler unchanged and also orders requests inside a batch.
+  to vLLM's priority scheduler unchanged and orders each caller's backlog.
+* `Request.caller` names who sent it (callers.py); it decides the request's fair
+  share and limits. Requests without a name belong to `DEFAULT_CALLER`.
 * `Request.tokens` (prompt + max_new_tokens) is the admission cost of a generation;
   the batch token cap counts prompt tokens only (the engine's per-step prefill budget).
 * `Request.fingerprint` is set by the server only when sampling is deterministic
@@ -24,6 +26,7 @@ import enum
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from .callers import DEFAULT_CALLER
 from .keys import GroupKey
 
 __all__ = [
@@ -52,6 +55,7 @@ class Request:
     priority: int = 0  # vLLM convention: lower = more urgent
     deadline: float | None = None  # absolute; expires if not dispatched by then
     fingerprint: Hashable | None = None  # deterministic sampling digest, else None
+    caller: str = DEFAULT_CALLER  # who sent it (fair share and limits)
 
     @property
     def tokens(self) -> int:
@@ -75,6 +79,7 @@ class RefusalReason(enum.Enum):
     MEMORY = "memory"
     DRAINING = "draining"
     DUPLICATE_ID = "duplicate_id"
+    CALLER_LIMIT = "caller_limit"  # over the caller's own limit (429; see callers.py)
 
 
 class Outcome(enum.Enum):
@@ -94,6 +99,7 @@ class ReleaseReason(enum.Enum):
     LONE = "lone"  # adaptive: arrived after a quiet spell longer than the window
     IMMEDIATE = "immediate"  # window == 0
     PREFIX_FOLLOW = "prefix_follow"  # followers held back behind a shared-prefix leader
+    BACKLOG = "backlog"  # eligible earlier, held in the backlog until the engine had room
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +141,8 @@ class Batch:
 
 @dataclass(frozen=True, slots=True)
 class EngineLoad:
-    """A snapshot of the engine's scheduler, taken by the driver."""
+    """A snapshot of the engine's scheduler, taken by the driver from its stats."""
 
-    running: int
-    waiting: int
+    running: int  # requests the engine is running
+    waiting: int  # requests in the engine's own waiting queue (preempted ones included)
+    kv_usage: float = 0.0  # 0..1, fraction of KV-cache blocks in use

@@ -49,6 +49,7 @@ def _flag(flags: Sequence[str], name: str) -> str | None:
 
 
 def _demo_flags() -> tuple[list[str], str]:
+    from server.cli import DEFAULT_REASONING_PARSER, DEMO_STRUCTURED_OUTPUTS
     from server.demo_model import build_demo_model, default_cache_root, default_demo_dir
 
     env = dict(os.environ)
@@ -67,6 +68,12 @@ def _demo_flags() -> tuple[list[str], str]:
         str(kw["max_model_len"]),
         "--kv-cache-memory-bytes",
         str(kw["kv_cache_memory_bytes"]),
+        # What `sluice serve` sets for the demo model by default (server/cli.py),
+        # spelt out so vLLM's server runs the same engine configuration.
+        "--reasoning-parser",
+        DEFAULT_REASONING_PARSER,
+        "--structured-outputs-config",
+        json.dumps(DEMO_STRUCTURED_OUTPUTS),
     ]
     return flags, str(model_dir)
 

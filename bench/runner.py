@@ -56,6 +56,7 @@ from bench.scenarios import (
     POISSON,
     PREFIX,
     SCENARIO_TITLES,
+    STRUCTURED,
     WIDE_POINT,
     WINDOW,
     EngineProfile,
@@ -187,9 +188,9 @@ def client_argv(
     without a key, ignores it)."""
     return [
         "--backend",
-        "openai",
+        "openai-chat" if job.chat else "openai",
         "--endpoint",
-        "/v1/completions",
+        "/v1/chat/completions" if job.chat else "/v1/completions",
         "--base-url",
         base_url,
         "--model",
@@ -197,7 +198,7 @@ def client_argv(
         "--tokenizer",
         cfg.tokenizer,
         *job.args,
-        "--ignore-eos",
+        *(("--ignore-eos",) if job.ignore_eos else ()),
         "--seed",
         str(seed),
         "--percentile-metrics",
@@ -605,6 +606,7 @@ SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
     ),
     PREFIX: BURST_METRICS,
     IDENTICAL: BURST_METRICS,
+    STRUCTURED: ("req_s", "out_tok_s", "ttft_p50", "ttft_p99", "tpot_p50", "e2el_p99", "failed"),
 }
 SCENARIO_METRICS[PAST_CAPACITY] = (
     "short_ttft_p50",
@@ -713,7 +715,7 @@ def render_markdown(
         out += ["## Targets", "", "No target could be evaluated from this run's scenarios.", ""]
     if notes:
         out += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
-    for sc in (CONCURRENCY, POISSON, MIXED, PREFIX, IDENTICAL, NOISY, PAST_CAPACITY):
+    for sc in (CONCURRENCY, POISSON, MIXED, PREFIX, IDENTICAL, STRUCTURED, NOISY, PAST_CAPACITY):
         table = rp.aggregate(records, sc)
         if not table.points:
             continue
@@ -742,6 +744,16 @@ def render_markdown(
                 "Short = 1/128 of the context in (64 tokens at 8,192), 64 out; medium = "
                 "1/16 in, 128 out; long = 1/2 in, 128 out. Three client processes at once, "
                 "Poisson arrivals at 70/20/10% of the total rate.",
+                "",
+            ]
+        if sc == STRUCTURED:
+            out += [
+                "The same random prompts (128 in, at most 64 out, EOS honoured) as chat "
+                "turns with thinking off, plain and under a JSON-schema constraint "
+                "(`structured_outputs.json`: an enum, a boolean, an integer range). "
+                "Constrained answers end when their JSON closes, so compare TPOT and TTFT "
+                "for the constraint's cost per token, and the Sluice/vLLM ratio for the "
+                "servers.",
                 "",
             ]
         if sc == NOISY:

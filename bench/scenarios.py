@@ -19,6 +19,7 @@ bearer key (and Sluice a callers file naming them).
 
 from __future__ import annotations
 
+import json
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ IDENTICAL = "identical_burst"
 NOISY = "noisy_neighbour"
 PAST_CAPACITY = "mixed_past_capacity"
 WINDOW = "window"
+STRUCTURED = "structured"
 RAW_CEILING = "raw"  # not a scenario of its own: raw points live in CONCURRENCY
 SCENARIOS: tuple[str, ...] = (
     CONCURRENCY,
@@ -41,6 +43,7 @@ SCENARIOS: tuple[str, ...] = (
     MIXED,
     PREFIX,
     IDENTICAL,
+    STRUCTURED,
     NOISY,
     PAST_CAPACITY,
     WINDOW,
@@ -56,6 +59,20 @@ SCENARIO_TITLES: dict[str, str] = {
     NOISY: "Noisy neighbour on a KV-bound engine (a chat caller, alone and beside a flood)",
     PAST_CAPACITY: "Mixed 70/20/10 load past capacity on a KV-bound engine (Poisson)",
     WINDOW: "Coalescing-window sweep (Sluice only)",
+    STRUCTURED: "JSON-schema constraint vs plain at c=32 (random prompts, EOS honoured)",
+}
+STRUCTURED_CONCURRENCY = 32
+# Bounded (enums, a boolean, a small integer range): a random-weight model
+# loops inside a free string or number until max_tokens.
+STRUCTURED_SCHEMA: dict[str, object] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Oslo", "Rome", "Lima", "Pune"]},
+        "rain": {"type": "boolean"},
+        "level": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["city", "rain", "level"],
+    "additionalProperties": False,
 }
 
 
@@ -74,10 +91,17 @@ class EngineProfile:
 class Job:
     """One client process of a point: its role, its dataset/load flags and, when
     it stands for one caller of several, that caller's name (its bearer key is
-    the runner's business)."""
+    the runner's business).
+
+    ``ignore_eos`` False lets a request end when the model (or a constraint)
+    says so, instead of running to its output length; ``chat`` sends it to
+    /v1/chat/completions instead of /v1/completions.
+    """
 
     role: str
     args: tuple[str, ...]
+    ignore_eos: bool = True
+    chat: bool = False
     caller: str | None = None
 
 
@@ -114,6 +138,7 @@ class Sizes:
     identical_prompts: int
     window_low: tuple[int, int]  # (concurrency, prompts)
     window_high: tuple[int, int]
+    structured_prompts: int
     wide_prompts: int  # the c=512 point of the sweep
     chat_seconds: float  # the noisy neighbour's chat job: CHAT_RATE for this long
     flood_prompts: int  # the flood's prompts: enough to outlast the chat job
@@ -132,6 +157,7 @@ FULL = Sizes(
     identical_prompts=64,
     window_low=(1, 12),
     window_high=(128, 256),
+    structured_prompts=256,
     wide_prompts=1536,
     # vLLM's server served the flood at 6.9 req/s beside the chat job and the
     # mixed load at 22-23 req/s at most (a pilot run, demo model, 2 cores): 420
@@ -151,6 +177,7 @@ QUICK = Sizes(
     identical_prompts=16,
     window_low=(1, 3),
     window_high=(128, 128),
+    structured_prompts=32,
     wide_prompts=512,
     chat_seconds=6.0,
     flood_prompts=48,
@@ -412,6 +439,23 @@ def build_plan(
         points.append(
             Point(IDENTICAL, f"{sizes.identical_prompts} x 1 prompt", (job,), prefix_metrics=True)
         )
+    if STRUCTURED in sel:
+        # The same prompts with and without the constraint, EOS honoured in
+        # both: the constrained answers end when their JSON closes. Chat with
+        # thinking off: with the engine's reasoning parser, vLLM's server holds
+        # a constraint on /v1/completions until a </think> that never comes.
+        # The client sends ignore_eos with random prompts whatever its flags
+        # (seen on the wire); the extra body overrides it.
+        no_think = {"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": False}
+        c, n = STRUCTURED_CONCURRENCY, sizes.structured_prompts
+        for name, extra in (
+            ("plain", no_think),
+            ("json schema", {**no_think, "structured_outputs": {"json": STRUCTURED_SCHEMA}}),
+        ):
+            job = _closed_loop(input_len, output_len, n, c)
+            args = (*job.args, "--extra-body", json.dumps(extra))
+            job = Job(job.role, args, ignore_eos=False, chat=True)
+            points.append(Point(STRUCTURED, f"{name} c={c}", (job,), concurrency=c))
     if sel & KV_BOUND_SCENARIOS:
         if kv_bytes_per_token is None or kv_bytes_per_token <= 0:
             raise ValueError("the KV-bound scenarios need the model's KV bytes per token")

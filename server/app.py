@@ -19,13 +19,14 @@ the group; the engine shutdown and the "stopped" line run in a `finally`,
 whatever happened. `serve()` owns the signal-driven drain in a task group of
 its own: the first SIGTERM/SIGINT drains (new requests get 503, queued and
 running ones finish up to --drain-timeout, then the rest get a 503), a second
-one stops at once.
+one stops at once. SIGHUP reloads the callers file (`reload_callers`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import signal
@@ -37,7 +38,8 @@ from aiohttp import web
 
 from batching import AdmissionState, Coalescer, ResultCache
 from batching.pressure import Decision, State, Transition
-from server.driver import Driver
+from server.callers import CallerDirectory, CallersError, load_callers, world_readable
+from server.driver import Driver, order_priority, request_priority
 from server.engine_api import Engine
 from server.errors import SluiceError
 from server.metrics import Metrics
@@ -47,6 +49,7 @@ from server.routes import add_routes
 from server.sdnotify import SdNotify
 from server.settings import Settings
 from server.state import (
+    CALLERS,
     DRIVER,
     ENGINE,
     METRICS,
@@ -64,7 +67,7 @@ from server.watchdog import EngineReader, HostMemoryReader, NvmlReader, Watchdog
 
 log = logging.getLogger("sluice")
 
-__all__ = ["build_app", "drain", "serve", "warmup", "watchdog_factory"]
+__all__ = ["build_app", "drain", "reload_callers", "serve", "warmup", "watchdog_factory"]
 
 WatchdogFactory = Callable[[web.Application], Watchdog]
 
@@ -98,9 +101,11 @@ async def _boot(app: web.Application) -> None:
     gc.collect()
     gc.freeze()
     info = engine.info
-    # The batch caps follow the engine's resolved limits unless given; nothing
-    # was admitted yet (the phase is STARTING), so the core takes it as is.
-    app[DRIVER].core.config = settings.core_for(info)
+    # The batch caps and the backlog's engine capacity follow the engine's
+    # resolved limits; nothing was admitted yet (the phase is STARTING), so the
+    # core takes it as is, keeping the callers a SIGHUP may have loaded since.
+    core = app[DRIVER].core
+    core.config = dataclasses.replace(settings.core_for(info), callers=core.config.callers)
     rt.limits = Limits(
         max_n=settings.max_n,
         max_logprobs=settings.max_logprobs,
@@ -207,7 +212,14 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     engine = app[ENGINE]
     try:
         async with asyncio.TaskGroup() as tg:
-            driver = Driver(Coalescer(settings.core), engine, on_events=metrics.on_core_events)
+            driver = Driver(
+                Coalescer(settings.core),
+                engine,
+                on_events=metrics.on_core_events,
+                engine_priority=(
+                    order_priority if settings.engine_priority == "order" else request_priority
+                ),
+            )
             app[DRIVER] = driver
             metrics.watch(lambda: _live(app))
             jobs: dict[str, Coroutine[Any, Any, None]] = {
@@ -245,6 +257,9 @@ def _live(app: web.Application) -> dict[str, Any]:
         "prefix_queries": stats.prefix_cache_queries_total,
         "prefix_hits": stats.prefix_cache_hits_total,
         "ready": 1 if app[RUNTIME].ready else 0,
+        "backlog": driver.core.backlog_generations,
+        "unstarted": driver.core.engine_waiting,
+        "callers": driver.core.callers(),
     }
 
 
@@ -323,6 +338,7 @@ def build_app(
         max_entries=1024 if settings.result_cache_ttl > 0 else 0,
     )
     app[NOTIFIER] = notifier or SdNotify(None)
+    app[CALLERS] = CallerDirectory(settings.caller_table, settings.api_key)
     if watchdog_factory is not None:
         app[WATCHDOG] = watchdog_factory(app)
     app[STATUS] = make_sampler(app)
@@ -358,6 +374,31 @@ async def drain(app: web.Application, timeout: float) -> None:
         log.warning("drain deadline reached", extra={"fields": {"aborted": n}})
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(driver.idle.wait(), 2.0)
+
+
+async def reload_callers(app: web.Application) -> bool:
+    """SIGHUP: read the callers file again. A bad file keeps the old callers and
+    logs why; queued work keeps going under the new limits (batching/callers.py)."""
+    path = app[SETTINGS].callers_file
+    if path is None:
+        log.info("SIGHUP: no --callers file to reload")
+        return False
+    try:
+        table = await asyncio.to_thread(load_callers, path)
+    except CallersError as exc:
+        log.error(
+            "callers reload failed; keeping the old callers", extra={"fields": {"why": str(exc)}}
+        )
+        return False
+    if await asyncio.to_thread(world_readable, path):
+        log.warning(
+            "the callers file is readable by other users; it holds API keys",
+            extra={"fields": {"path": str(path)}},
+        )
+    app[CALLERS].table = table
+    app[DRIVER].core.set_callers(table.policies)
+    log.info("callers reloaded", extra={"fields": {"callers": list(table.names)}})
+    return True
 
 
 async def serve(
@@ -412,13 +453,17 @@ async def serve(
                 app[DRIVER].fail_running(err)
                 rt.stop.set()
 
+            def on_hangup() -> None:
+                tg.create_task(reload_callers(app), name="reload-callers")
+
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, on_signal, sig)
+            loop.add_signal_handler(signal.SIGHUP, on_hangup)
             await rt.stop.wait()
             for task in drains:
                 task.cancel()  # a second signal or engine death ends the drain
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         await runner.cleanup()
     return rt.exit_code

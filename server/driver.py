@@ -8,6 +8,15 @@ wake-ups and the engine. Its one task, started in the app's task group:
            to every subscriber  ->  sleep until core.next_deadline() or a
            new request wakes it.
 
+The core holds its backlog until the engine has room (batching/room.py), so
+the driver reports what frees room: a generation's first output
+(`core.started`, the engine has taken it out of its waiting queue) and its end
+(`core.finished`), each followed by a wake-up, and it passes the engine's
+latest per-step stats (running, waiting, KV-cache use) to every `due()`.
+Those stats change every engine step without an event of their own, so while
+the backlog holds work the driver also looks again every `BACKLOG_RECHECK`
+seconds.
+
 A caller's life: `submit()` admits it to the core (or raises the refusal as a
 SluiceError with Retry-After), the caller awaits its `Ticket`, streams from
 the `Generation` it receives, and leaves through `Ticket.leave()` whatever
@@ -46,7 +55,30 @@ log = logging.getLogger("sluice.driver")
 _REFUSAL_STATUS = {
     RefusalReason.TOO_LARGE: 400,
     RefusalReason.DUPLICATE_ID: 400,
+    RefusalReason.CALLER_LIMIT: 429,
 }
+
+# Prompt lengths below this fit in the low bits of an "order" engine priority.
+_PROMPT_SPAN = 1 << 20
+
+
+def request_priority(req: Request) -> int:
+    """The engine priority of a request: its own `priority`, as vLLM takes it."""
+    return req.priority
+
+
+def order_priority(req: Request) -> int:
+    """Sluice's order within a caller as one engine priority: `priority` first, then
+    the shorter prompt. For vLLM's `--scheduling-policy priority`, which orders its
+    waiting queue by it and preempts running requests with a larger value for an
+    arrival with a smaller one (--engine-priority order)."""
+    return req.priority * _PROMPT_SPAN + min(len(req.prompt_tokens), _PROMPT_SPAN - 1)
+
+
+# While the backlog holds work: how often to re-read the engine's stats. An
+# engine step takes 10-50 ms on a GPU (tens of ms on the CPU demo), so 20 ms
+# sees each step's KV use about once.
+BACKLOG_RECHECK = 0.02
 
 
 class Generation:
@@ -77,6 +109,7 @@ class Generation:
         self._error: BaseException | None = None
         self._changed: asyncio.Event | None = None
         self._pump_task: asyncio.Task[None] | None = None
+        self._first = True  # no output seen yet
         self.completion_tokens = 0
 
     def start_pump(self, tg: asyncio.TaskGroup) -> None:
@@ -135,6 +168,9 @@ class Generation:
             await changed.wait()
 
     def _count(self, out: EngineOutput) -> None:
+        if self._first:
+            self._first = False
+            self.driver.generation_started(self)
         for c in out.outputs:
             self.completion_tokens += len(c.token_ids)
 
@@ -206,9 +242,11 @@ class Driver:
         engine: Engine,
         on_events: Callable[[Sequence[Event]], None] | None = None,
         clock: Callable[[], float] | None = None,
+        engine_priority: Callable[[Request], int] = request_priority,
     ) -> None:
         self.core = core
         self.engine = engine
+        self._engine_priority = engine_priority
         self._on_events = on_events or (lambda _evs: None)
         self._loop = asyncio.get_running_loop()
         self._clock = clock or self._loop.time
@@ -286,8 +324,14 @@ class Driver:
         self._check_idle()
         self._wake()
 
+    def generation_started(self, gen: Generation) -> None:
+        """Its first output: it left the engine's waiting queue (room for more)."""
+        if self.core.started(gen.engine_id, self.now()) and self.core.backlog_generations:
+            self._wake()
+
     def load(self) -> EngineLoad:
-        return EngineLoad(running=len(self._running), waiting=0)
+        s = self.engine.stats()
+        return EngineLoad(running=s.running, waiting=s.waiting, kv_usage=s.kv_cache_usage)
 
     def set_state(self, state: AdmissionState) -> None:
         if self.core.state is AdmissionState.DRAINING and state is not AdmissionState.DRAINING:
@@ -368,6 +412,10 @@ class Driver:
 
     def _arm_timer(self) -> None:
         deadline = self.core.next_deadline()
+        if self.core.backlog_generations:
+            recheck = self.now() + BACKLOG_RECHECK
+            if deadline is None or recheck < deadline:
+                deadline = recheck
         if deadline == self._timer_at and self._timer is not None:
             return  # already armed for that moment
         if self._timer is not None:
@@ -432,7 +480,9 @@ class Driver:
                 continue
             now = self.now()
             try:
-                collector = await self.engine.add(req.id, req.prompt_tokens, params, req.priority)
+                collector = await self.engine.add(
+                    req.id, req.prompt_tokens, params, self._engine_priority(req)
+                )
             except SluiceError as exc:
                 self._fail_entry(req.id, subscribers, exc)
                 continue
@@ -478,4 +528,4 @@ class Driver:
         self._check_idle()
 
 
-__all__ = ["Driver", "Generation", "Outcome", "Ticket"]
+__all__ = ["Driver", "Generation", "Outcome", "Ticket", "order_priority", "request_priority"]

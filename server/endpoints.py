@@ -2,19 +2,21 @@
 
 Why this module exists: the pipeline (server/pipeline.py) runs every
 generation the same way; an endpoint only says how its body becomes token ids
-(`prepare_*`: parse, tokenize, context check) and how choices go back on the
-wire (its `Encoder`: whole bodies, stream frames, the reasoning split).
+(`prepare_*`: parse, check a structured-output constraint, tokenize, context
+check) and how choices go back on the wire (its `Encoder`: whole bodies,
+stream frames, the reasoning split, tool calls).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Final
 
 from aiohttp import web
 
-from server.engine_api import CompletionDelta
+from server.engine_api import ChatParser, ChoiceParser, CompletionDelta
 from server.errors import SluiceError
 from server.pipeline import Encoder, Job, Trace, logprobs
 from server.protocol import (
@@ -79,33 +81,63 @@ async def prepare_chat(request: web.Request, tr: Trace) -> tuple[Job, Encoder[Ch
     req = parse_chat(await read_body(request), request.app[RUNTIME].limits)
     check_model(request, req.model)
     engine = request.app[ENGINE]
+    # With tools, vLLM's parsers read the output (calls and the thinking
+    # split); without, server/reasoning.py splits it (a hundredth of the cost
+    # per delta, measured: 0.1 us against 10 us).
+    parser = engine.chat_parser(req) if req.tools else None
+    sampling = req.sampling
+    if parser is not None and parser.constraint is not None:
+        # A forced call: its schema replaces any response_format, as in vLLM.
+        sampling = dataclasses.replace(sampling, constraint=parser.constraint)
+    if sampling.constraint is not None:
+        await engine.check_constraint(sampling.constraint)
     ids = (await engine.tokenize_chat([(req.messages, req.template_kwargs())]))[0]
-    max_tokens = check_context(len(ids), req.sampling.max_tokens, engine.info.max_model_len)
+    max_tokens = check_context(len(ids), sampling.max_tokens, engine.info.max_model_len)
     job = Job(
         model=req.model,
         prompts=(tuple(ids),),
         max_tokens=(max_tokens,),
-        sampling=req.sampling,
+        sampling=sampling,
         priority=req.priority,
         stream=req.stream,
         include_usage=req.include_usage,
-        variant=req.enable_thinking,
+        user=req.user,
+        variant=req.variant(),
         # Thinking output is not kept by the result cache (--result-cache-ttl).
         cacheable=not req.enable_thinking,
     )
-    return job, ChatEncoder(req, tr.rid, engine.detokenize)
+    return job, ChatEncoder(req, tr.rid, engine.detokenize, parser, ids)
 
 
 class ChatEncoder:
-    """chat.completion bodies and chat.completion.chunk frames for one request."""
+    """chat.completion bodies and chat.completion.chunk frames for one request.
 
-    def __init__(self, req: ChatRequest, rid: str, detokenize: Detokenize) -> None:
+    With a ``parser`` (a request with tools), each choice's text goes through
+    vLLM's parsers: reasoning, content and tool calls; the prompt's token ids
+    tell them where thinking stands when generation starts.
+    """
+
+    def __init__(
+        self,
+        req: ChatRequest,
+        rid: str,
+        detokenize: Detokenize,
+        parser: ChatParser | None = None,
+        prompt_ids: Sequence[int] = (),
+    ) -> None:
         self._req = req
         self._rid = rid
         self._created = int(time.time())
         self._detokenize = detokenize
+        self._parser = parser
+        self._prompt_ids = prompt_ids
+        self._streams: dict[int, ChoiceParser] = {}
         n = req.sampling.n
-        self._splitters = [ReasoningSplitter() for _ in range(n)] if req.enable_thinking else None
+        self._splitters = (
+            [ReasoningSplitter() for _ in range(n)]
+            if req.enable_thinking and parser is None
+            else None
+        )
         self._enc = ChatStream(
             request_id=rid,
             created=self._created,
@@ -123,6 +155,21 @@ class ChatEncoder:
         req = self._req
         out = []
         for i, text in enumerate(texts):
+            if self._parser is not None:
+                parsed = self._parser.parse(text)
+                out.append(
+                    ChatChoice(
+                        index=i,
+                        content=parsed.content,
+                        reasoning=parsed.reasoning,
+                        finish_reason=self._parser.finish_reason(
+                            reasons[i], bool(parsed.tool_calls)
+                        ),
+                        logprobs=tuple(logprobs[i]) if req.logprobs else None,
+                        tool_calls=parsed.tool_calls,
+                    )
+                )
+                continue
             reasoning, content = split_reasoning(text) if req.enable_thinking else (None, text)
             out.append(
                 ChatChoice(
@@ -149,6 +196,8 @@ class ChatEncoder:
         return b"".join(self._enc.first(i) for i in range(self._req.sampling.n))
 
     def stream_delta(self, choice: int, delta: CompletionDelta) -> bytes:
+        if self._parser is not None:
+            return self._parsed_delta(self._parser, choice, delta)
         enc = self._enc
         splitter = self._splitters[choice] if self._splitters is not None else None
         parts: list[bytes] = []
@@ -172,6 +221,31 @@ class ChatEncoder:
             parts.append(enc.finish(choice, _finish_reason(delta.finish_reason)))
         return b"".join(parts)
 
+    def _parsed_delta(self, parser: ChatParser, choice: int, delta: CompletionDelta) -> bytes:
+        """Frames of one delta through vLLM's parsers: reasoning, content, calls."""
+        enc = self._enc
+        stream = self._streams.get(choice)
+        if stream is None:
+            stream = self._streams[choice] = parser.stream()
+            stream.start(self._prompt_ids)
+        done = delta.finish_reason is not None
+        d = stream.feed(delta.text, delta.token_ids, finished=done)
+        parts: list[bytes] = []
+        if d.reasoning:
+            parts.append(enc.reasoning(choice, d.reasoning))
+        if self._req.logprobs:
+            lps = logprobs(self._detokenize, delta, self._req.top_logprobs)
+            parts.append(enc.chunk(choice, content=d.content, logprobs=lps))
+        elif d.content:
+            parts.append(enc.content(choice, d.content))
+        if d.tool_calls:
+            parts.append(enc.tool_calls(choice, d.tool_calls))
+        if done:
+            parts.append(
+                enc.finish(choice, parser.finish_reason(delta.finish_reason, stream.called))
+            )
+        return b"".join(parts)
+
     def stream_usage(self, usage: Usage) -> bytes:
         return self._enc.usage(usage)
 
@@ -186,6 +260,8 @@ async def prepare_completion(
     req = parse_completion(await read_body(request), request.app[RUNTIME].limits)
     check_model(request, req.model)
     engine = request.app[ENGINE]
+    if req.sampling.constraint is not None:
+        await engine.check_constraint(req.sampling.constraint)
     texts = [p for p in req.prompts if isinstance(p, str)]
     encoded = iter(await engine.tokenize_prompts(texts)) if texts else iter(())
     prompts = tuple(tuple(next(encoded)) if isinstance(p, str) else p for p in req.prompts)
@@ -201,6 +277,7 @@ async def prepare_completion(
         priority=req.priority,
         stream=req.stream,
         include_usage=req.include_usage,
+        user=req.user,
         variant=req.echo,
     )
     return job, CompletionEncoder(req, prompts, tr.rid, engine.detokenize)

@@ -17,9 +17,19 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from batching.pressure import EngineStats
-from server.protocol import Message, Sampling
+from server.protocol import (
+    ChatRequest,
+    Constraint,
+    FinishReason,
+    Message,
+    Parsed,
+    ParsedDelta,
+    Sampling,
+)
 
 __all__ = [
+    "ChatParser",
+    "ChoiceParser",
     "CompletionDelta",
     "Engine",
     "EngineOutput",
@@ -89,6 +99,28 @@ class SamplingParamsLike(Protocol):
     def n(self) -> int: ...
 
 
+class ChoiceParser(Protocol):
+    """One streamed chat choice's parsing state (server/vllm_parsers.StreamParser)."""
+
+    @property
+    def called(self) -> bool: ...
+    def start(self, prompt_token_ids: Sequence[int]) -> None: ...
+    def feed(
+        self, text: str, token_ids: Sequence[int] = (), *, finished: bool = False
+    ) -> ParsedDelta: ...
+
+
+class ChatParser(Protocol):
+    """One chat request's output parsing with the engine's parsers: tool calls
+    and the reasoning split (server/vllm_parsers.RequestParsing)."""
+
+    @property
+    def constraint(self) -> Constraint | None: ...  # what holds a forced call
+    def parse(self, text: str, token_ids: Sequence[int] = ()) -> Parsed: ...
+    def stream(self) -> ChoiceParser: ...
+    def finish_reason(self, engine_reason: str | None, called: bool) -> FinishReason: ...
+
+
 class Engine(Protocol):
     """The engine, as Sluice uses it."""
 
@@ -108,6 +140,8 @@ class Engine(Protocol):
     async def tokenize_prompts(self, texts: Sequence[str]) -> list[list[int]]: ...
     def detokenize(self, ids: Sequence[int]) -> str: ...
 
+    def chat_parser(self, req: ChatRequest) -> ChatParser: ...
+    async def check_constraint(self, constraint: Constraint) -> None: ...
     def sampling_params(self, s: Sampling, max_tokens: int) -> SamplingParamsLike: ...
     async def add(
         self,

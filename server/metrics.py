@@ -3,7 +3,16 @@
 Counters and histograms are updated where things happen (handlers, the
 driver's core events). Gauges that mirror live state (queue depth, engine
 running/waiting, KV-cache use) are read at scrape time by a collector, so
-they are never stale and cost nothing between scrapes.
+they are never stale and cost nothing between scrapes; so are the per-caller
+token and service totals, which the core keeps anyway (batching.CallerStats).
+
+Per caller (label `caller`, bounded: server/callers.py): requests by status
+(429 included), queue wait, queued / backlogged / in-flight work, prompt and
+generated tokens, service (prompt + 2 x generated, the fair-share unit) and
+the fair-share counter itself. Share of service per caller, in PromQL:
+
+    sum by (caller) (rate(sluice_caller_service_total[5m]))
+      / ignoring(caller) group_left sum(rate(sluice_caller_service_total[5m]))
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from batching import DedupeHit, Ended, Outcome, PrefixLeader, Refusal, Released
+from batching import CallerStats, DedupeHit, Ended, Outcome, PrefixLeader, Refusal, Released
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -89,6 +98,45 @@ class _LiveCollector(Collector):
             value=v["prefix_hits"],
         )
         yield GaugeMetricFamily("sluice_ready", "1 when /ready answers 200", value=v["ready"])
+        yield GaugeMetricFamily(
+            "sluice_backlog_generations",
+            "Eligible generations Sluice holds until the engine has room",
+            value=v["backlog"],
+        )
+        yield GaugeMetricFamily(
+            "sluice_engine_unstarted",
+            "Generations released to the engine without a first output yet",
+            value=v["unstarted"],
+        )
+        yield from _caller_families(v.get("callers") or ())
+
+
+def _caller_families(callers: Iterable[CallerStats]) -> Iterable[Metric]:
+    """Per-caller series from the core's snapshot (read at scrape time)."""
+    gauges = {
+        "queued": ("sluice_caller_queued", "Requests waiting in Sluice (window and backlog)"),
+        "backlog": ("sluice_caller_backlog", "Generations held in the backlog"),
+        "in_flight": ("sluice_caller_in_flight", "Generations released and not finished"),
+        "counter": ("sluice_caller_fair_share_counter", "Fair-share (virtual token) counter"),
+    }
+    counters = {
+        "prompt_tokens": ("sluice_caller_prompt_tokens", "Prompt tokens released to the engine"),
+        "generated_tokens": ("sluice_caller_generated_tokens", "Tokens generated"),
+        "service": ("sluice_caller_service", "Service received: prompt + 2 x generated tokens"),
+    }
+    families: list[tuple[str, GaugeMetricFamily | CounterMetricFamily]] = [
+        (attr, GaugeMetricFamily(name, doc, labels=["caller"]))
+        for attr, (name, doc) in gauges.items()
+    ]
+    families += [
+        (attr, CounterMetricFamily(name, doc, labels=["caller"]))
+        for attr, (name, doc) in counters.items()
+    ]
+    for c in callers:
+        for attr, fam in families:
+            fam.add_metric([c.name], getattr(c, attr))
+    for _, fam in families:
+        yield fam
 
 
 class Metrics:
@@ -125,8 +173,15 @@ class Metrics:
         )
         self.queue_wait = Histogram(
             "sluice_queue_wait_seconds",
-            "Time from admission to dispatch",
+            "Time from admission to release to the engine, by caller",
+            ["caller"],
             buckets=_WAIT,
+            registry=r,
+        )
+        self.caller_requests = Counter(
+            "sluice_caller_requests",
+            "HTTP generation requests by caller and status (429: over its own limit)",
+            ["caller", "status"],
             registry=r,
         )
         self.ttft = Histogram(
@@ -173,7 +228,7 @@ class Metrics:
             elif isinstance(e, Ended):
                 self.ended.labels(e.outcome.name.lower()).inc()
                 if e.outcome is Outcome.DISPATCHED:
-                    self.queue_wait.observe(e.queue_wait)
+                    self.queue_wait.labels(e.caller).observe(e.queue_wait)
             elif isinstance(e, Refusal):
                 self.rejections.labels(e.reason.value).inc()
             elif isinstance(e, DedupeHit):

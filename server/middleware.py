@@ -9,7 +9,6 @@ handler remembering to.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -18,7 +17,7 @@ from aiohttp import web
 
 from server import logs
 from server.errors import SluiceError
-from server.state import METRICS, SETTINGS
+from server.state import CALLER, CALLERS, METRICS
 
 __all__ = ["PROTECTED_PREFIXES", "auth_middleware", "error_middleware"]
 
@@ -68,16 +67,19 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """401 for a protected path without the right bearer key.
+    """401 for a protected path without a known bearer key; else name its caller.
 
-    The compare is constant-time and the key never reaches a log line; a
-    refusal is counted and logged (path and status only) like any request.
+    The compare is constant-time and keys never reach a log line (see
+    server/callers.py); a refusal is counted and logged (path and status only)
+    like any request. Without any keys everything is open and the pipeline
+    names the caller from the `user` field.
     """
-    key = request.app[SETTINGS].api_key
-    if key is None or not request.path.startswith(PROTECTED_PREFIXES):
+    directory = request.app[CALLERS]
+    if directory.open or not request.path.startswith(PROTECTED_PREFIXES):
         return await handler(request)
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
+    caller = directory.authenticate(request.headers.get("Authorization", ""))
+    if caller is not None:
+        request[CALLER] = caller
         return await handler(request)
     request.app[METRICS].rejections.labels("auth").inc()
     logs.access({"endpoint": request.path, "status": 401, "error": "invalid_api_key"})

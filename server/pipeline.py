@@ -32,14 +32,24 @@ from typing import Any, Protocol, TypeVar
 import orjson
 from aiohttp import web
 
+from batching import DEFAULT_CALLER, group_key
 from batching import Request as CoreRequest
-from batching import group_key
 from server import logs
 from server.driver import Generation, Ticket
 from server.engine_api import CompletionDelta, EngineOutput
 from server.errors import SluiceError
 from server.protocol import DONE, Sampling, TokenLogprob, Usage
-from server.state import DRIVER, ENGINE, METRICS, RESULTS, RUNTIME, SETTINGS, Phase
+from server.state import (
+    CALLER,
+    CALLERS,
+    DRIVER,
+    ENGINE,
+    METRICS,
+    RESULTS,
+    RUNTIME,
+    SETTINGS,
+    Phase,
+)
 
 __all__ = [
     "Encoder",
@@ -88,6 +98,7 @@ class Trace:
     tickets: list[Ticket] = field(default_factory=list)
     stream: bool = False
     error: str | None = None
+    caller: str | None = None  # None until known (from the key, or after parsing)
 
     def first_token(self) -> None:
         if self.ttft is None:
@@ -112,6 +123,7 @@ class Job:
     priority: int = 0
     stream: bool = False
     include_usage: bool = False
+    user: str | None = None  # the OpenAI `user` field: names the caller without keys
     variant: Hashable = None
     cacheable: bool = True
 
@@ -184,10 +196,12 @@ def generation_endpoint(
     """An aiohttp handler running `prepare` and then the pipeline, traced."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
-        tr = Trace(request_id(request), endpoint, time.monotonic())
+        tr = Trace(request_id(request), endpoint, time.monotonic(), caller=request.get(CALLER))
         try:
             check_accepting(request)
             job, enc = await prepare(request, tr)
+            if tr.caller is None:
+                tr.caller = request.app[CALLERS].from_user(job.user)
             tr.stream = job.stream
             tr.prompt_tokens = sum(map(len, job.prompts))
             return await _run(request, tr, job, enc)
@@ -258,6 +272,7 @@ def _submit(request: web.Request, tr: Trace, job: Job) -> list[Ticket]:
                 priority=job.priority,
                 deadline=now + settings.queue_timeout,
                 fingerprint=fp,
+                caller=tr.caller or DEFAULT_CALLER,
             )
             params = engine.sampling_params(sampling, job.max_tokens[i])
             tickets.append(driver.submit(core_req, params))
@@ -360,6 +375,8 @@ def _finish_trace(request: web.Request, tr: Trace) -> None:
     metrics = request.app[METRICS]
     now = time.monotonic()
     metrics.requests.labels(tr.endpoint, str(tr.status)).inc()
+    if tr.caller is not None:
+        metrics.caller_requests.labels(tr.caller, str(tr.status)).inc()
     metrics.duration.observe(now - tr.t0)
     if tr.ttft is not None:
         metrics.observe_ttft(tr.ttft)
@@ -370,6 +387,7 @@ def _finish_trace(request: web.Request, tr: Trace) -> None:
     t = tr.tickets[0] if tr.tickets else None
     fields: dict[str, Any] = {
         "request_id": tr.rid,
+        "caller": tr.caller,
         "endpoint": tr.endpoint,
         "status": tr.status,
         "stream": tr.stream,

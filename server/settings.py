@@ -12,8 +12,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from batching import CoalescerConfig
+from batching import CoalescerConfig, EngineCapacity
 from batching.pressure import PressureConfig
+from server.callers import CallerTable
 from server.demo_model import default_cache_root
 from server.engine_api import ModelInfo
 
@@ -56,15 +57,24 @@ class Settings:
 
     # The coalescer (batching/): its whole config. The batch caps below, when
     # not given, become the engine's resolved max_num_seqs and
-    # max_num_batched_tokens at start (see `core_for`).
+    # max_num_batched_tokens at start, and so does the engine capacity the
+    # backlog is held against, unless `hold_backlog` is off (see `core_for`).
     core: CoalescerConfig = field(default_factory=CoalescerConfig)
     max_batch_seqs: int | None = None
     max_batch_tokens: int | None = None
+    hold_backlog: bool = True
+    # What the engine gets as a request's priority: "request" (its own field) or
+    # "order" (priority, then the shorter prompt: server/driver.py order_priority).
+    engine_priority: str = "request"
     queue_timeout: float = 60.0
     result_cache_ttl: float = 0.0
 
     # The HTTP front.
     api_key: str | None = field(default=None, repr=False)  # never printed
+    # --callers FILE and what it held at start (its policies are also in
+    # core.callers); SIGHUP reloads the file.
+    callers_file: Path | None = None
+    caller_table: CallerTable | None = field(default=None, repr=False)
     max_body_bytes: int = 4 * 1024 * 1024
     max_n: int = 8
     max_logprobs: int = 20
@@ -83,10 +93,16 @@ class Settings:
 
     def core_for(self, info: ModelInfo) -> CoalescerConfig:
         """The coalescer's config once the engine has resolved its limits."""
+        engine = EngineCapacity(
+            max_seqs=info.max_num_seqs,
+            step_tokens=info.max_num_batched_tokens,
+            kv_tokens=info.kv_cache_tokens,
+        )
         return replace(
             self.core,
             max_batch_seqs=self.max_batch_seqs or info.max_num_seqs or self.core.max_batch_seqs,
             max_batch_tokens=(
                 self.max_batch_tokens or info.max_num_batched_tokens or self.core.max_batch_tokens
             ),
+            engine=engine if self.hold_backlog else EngineCapacity(),
         )

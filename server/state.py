@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from batching import AdmissionState, ResultCache
+from server.callers import CallerDirectory
 from server.driver import Driver
 from server.engine_api import Engine
 from server.metrics import Metrics
@@ -25,6 +26,8 @@ from server.status import StatusSampler
 from server.watchdog import Watchdog
 
 __all__ = [
+    "CALLER",
+    "CALLERS",
     "DRIVER",
     "ENGINE",
     "METRICS",
@@ -79,3 +82,5 @@ NOTIFIER = web.AppKey("notifier", SdNotify)
 WATCHDOG = web.AppKey("watchdog", Watchdog)
 RESULTS = web.AppKey[ResultCache[CachedResult]]("results")  # --result-cache-ttl
 STATUS = web.AppKey("status", StatusSampler)  # the status page's ring buffer
+CALLERS = web.AppKey("callers", CallerDirectory)  # who is asking (server/callers.py)
+CALLER = web.RequestKey("caller", str)  # set by the auth middleware when keys name callers

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from server.engine_api import ModelInfo
 from server.errors import SluiceError
-from server.protocol import Message, Sampling
+from server.protocol import ChatRequest, Constraint, Message, Sampling
 from server.watchdog import ENGINE_IDLE, EngineStats
 
 if TYPE_CHECKING:
@@ -67,11 +67,23 @@ class FakeEngine:
     step: float = 0.002  # seconds per generated token
     start_delay: float = 0.0
     fail_start: bool = False
+    max_num_seqs: int = 64  # reported in ModelInfo: the core's engine slots
     added: list[str] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     _producers: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     _dead: bool = False
     stats_value: EngineStats = ENGINE_IDLE
+    peak_running: int = 0  # most requests producing at once
+    priorities: dict[str, int] = field(default_factory=dict)  # engine priority per request
+    # Set: every choice says these pieces, one per step, then stops (else the
+    # fake repeats a thinking pattern until max_tokens).
+    script: tuple[str, ...] | None = None
+    # A real tokenizer (the demo model's) for tests of tool calls: the script's
+    # token ids come from it, and chat_parser gives vLLM's real parsers on it
+    # (they read the tags by token id). None: chat_parser refuses.
+    tokenizer: Any = None
+    _parsers: Any = None
+    constraints: list[Constraint] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.info = ModelInfo(
@@ -79,7 +91,7 @@ class FakeEngine:
             max_model_len=self.max_model_len,
             eos_token_id=0,
             created=0,
-            max_num_seqs=64,
+            max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=2048,
         )
         self.started = False
@@ -128,6 +140,20 @@ class FakeEngine:
     def detokenize(self, ids: Sequence[int]) -> str:
         return "".join(chr(96 + i % 26) for i in ids)
 
+    def chat_parser(self, req: ChatRequest) -> Any:
+        if self.tokenizer is None:
+            raise SluiceError("no parsers in this fake", param="tools", code="unsupported")
+        if self._parsers is None:
+            from server.vllm_parsers import OutputParsers
+
+            self._parsers = OutputParsers(self.tokenizer)
+        return self._parsers.for_request(req)
+
+    async def check_constraint(self, constraint: Constraint) -> None:
+        if constraint.kind == "regex" and constraint.value == "(":
+            raise SluiceError("bad regex", param=constraint.param, code="invalid_value")
+        self.constraints.append(constraint)
+
     @staticmethod
     def sampling_params(s: Sampling, max_tokens: int) -> Any:
         return SimpleNamespace(sampling=s, n=s.n, max_tokens=max_tokens)
@@ -139,27 +165,36 @@ class FakeEngine:
             raise SluiceError("the engine died; retry shortly", status=503, retry_after=5)
         collector = FakeCollector()
         self.added.append(request_id)
+        self.priorities[request_id] = priority
         self._producers[request_id] = asyncio.create_task(
             self._produce(request_id, params, collector)
         )
+        self.peak_running = max(self.peak_running, len(self._producers))
         return collector
 
     async def _produce(self, rid: str, params: Any, collector: FakeCollector) -> None:
         s = params.sampling
-        words = ["<think>", "hmm", "</think>", "Hello", " world"]
+        words = self.script or ("<think>", "hmm", "</think>", "Hello", " world")
+        steps = params.max_tokens if self.script is None else min(len(words), params.max_tokens)
         try:
-            for i in range(params.max_tokens):
+            for i in range(steps):
                 await asyncio.sleep(self.step)
-                last = i == params.max_tokens - 1
+                last = i == steps - 1
+                reason = "length" if steps == params.max_tokens else "stop"
                 outs = []
                 for j in range(params.n):
                     text = words[i % len(words)] if not s.stop or i < 3 else ""
+                    ids = (
+                        [i + 1]
+                        if self.tokenizer is None
+                        else self.tokenizer.encode(text, add_special_tokens=False)
+                    )
                     outs.append(
                         FakeCompletion(
                             index=j,
                             text=text,
-                            token_ids=[i + 1],
-                            finish_reason="length" if last else None,
+                            token_ids=ids,
+                            finish_reason=reason if last else None,
                         )
                     )
                 collector.put(FakeOutput(rid, outs, last))

@@ -22,7 +22,10 @@ from server.protocol.responses import (
     ChatChoice,
     CompletionChoice,
     FinishReason,
+    Parsed,
+    ParsedDelta,
     TokenLogprob,
+    ToolCallDelta,
     Usage,
     chat_completion_body,
     chat_logprobs,
@@ -31,6 +34,7 @@ from server.protocol.responses import (
     models_body,
 )
 from server.protocol.sse import DONE, ChatStream, CompletionStream, sse
+from server.protocol.types import Constraint, Tool, ToolCall, ToolChoice
 
 __all__ = [
     "COMPLETION_DEFAULT_MAX_TOKENS",
@@ -42,11 +46,18 @@ __all__ = [
     "CompletionChoice",
     "CompletionRequest",
     "CompletionStream",
+    "Constraint",
     "FinishReason",
     "Limits",
     "Message",
+    "Parsed",
+    "ParsedDelta",
     "Sampling",
     "TokenLogprob",
+    "Tool",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolChoice",
     "Usage",
     "chat_completion_body",
     "chat_logprobs",

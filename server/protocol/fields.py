@@ -159,28 +159,7 @@ def unsupported(param: str, what: str) -> SluiceError:
 
 
 def refuse_unsupported(obj: dict[str, Any], n: int) -> None:
-    tools = obj.get("tools")
-    tool_choice = obj.get("tool_choice")
-    if tools and tool_choice != "none":
-        raise unsupported("tools", "'tools' (function calling)")
-    if obj.get("functions"):
-        raise unsupported("functions", "'functions' (function calling)")
-    if tool_choice not in (None, "none", "auto"):
-        raise unsupported("tool_choice", f"'tool_choice' {show(tool_choice)}")
-    response_format = obj.get("response_format")
-    if response_format is not None and not (
-        isinstance(response_format, dict) and response_format.get("type") in (None, "text")
-    ):
-        raise unsupported("response_format", "'response_format' other than text")
-    for key in (
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
-        "structured_outputs",
-        "prompt_logprobs",
-        "audio",
-    ):
+    for key in ("prompt_logprobs", "audio"):
         if obj.get(key) is not None:
             raise unsupported(key, f"'{key}'")
     if obj.get("logit_bias"):

@@ -8,20 +8,22 @@ this module re-checks a field, so ranges follow vLLM 0.32's own
 OpenAI's documented limits where the two agree.
 
 Unknown fields are ignored: OpenAI clients send fields we have no use for
-(``store``, ``metadata``, ``service_tier``, ``parallel_tool_calls``,
-``tools: []``). Fields whose *meaning* we cannot honour are refused with a
-clear 400 instead of being silently dropped, because dropping them changes the
-answer (see ``fields.refuse_unsupported``): tools and function calling, structured
-output (``response_format`` other than text, ``guided_*``,
-``structured_outputs``), ``logit_bias``, ``suffix``, ``best_of`` beyond ``n``,
-``prompt_logprobs``, non-text content parts and audio, and the chat-template
-switches ``continue_final_message`` / ``add_generation_prompt: false``.
+(``store``, ``metadata``, ``service_tier``). Fields whose *meaning* we
+cannot honour are refused with a clear 400 instead of being silently
+dropped, because dropping them changes the answer (see
+``fields.refuse_unsupported``): ``logit_bias``, ``suffix``, ``best_of``
+beyond ``n``, ``prompt_logprobs``, non-text content parts and audio, the
+chat-template switches ``continue_final_message`` /
+``add_generation_prompt: false``, and tools on /v1/completions. Function
+calling (``server/protocol/tools.py``) and structured output
+(``server/protocol/structured.py``) have their own modules.
 
 Pure code: no aiohttp, no vLLM, no I/O.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Final
 
@@ -43,6 +45,8 @@ from server.protocol.fields import (
     type_name,
     unsupported,
 )
+from server.protocol.structured import parse_constraint
+from server.protocol.tools import parse_tool_calls, parse_tools, tool_call_id
 from server.protocol.types import (
     DEFAULTABLE,
     ChatRequest,
@@ -159,6 +163,7 @@ def _sampling(
         min_tokens=min_tokens,
         skip_special_tokens=get_bool(obj, "skip_special_tokens", True),
         include_stop_str_in_output=get_bool(obj, "include_stop_str_in_output", False),
+        constraint=parse_constraint(obj),
     )
 
 
@@ -219,8 +224,9 @@ def _messages(obj: dict[str, Any]) -> tuple[Message, ...]:
                 f"'{where}.role' must be one of system, user, assistant, tool, developer;"
                 f" got {show(role)}",
             )
-        if role == "assistant" and msg.get("tool_calls"):
-            raise unsupported(f"{where}.tool_calls", "'tool_calls' in message history")
+        calls = get(msg, "tool_calls")
+        if calls is not MISSING and role != "assistant":
+            raise bad(f"{where}.tool_calls", f"'{where}.tool_calls' is only allowed for assistant")
         raw = msg.get("content")
         if raw is None:
             if role != "assistant":
@@ -229,7 +235,17 @@ def _messages(obj: dict[str, Any]) -> tuple[Message, ...]:
         else:
             content = _content(raw, f"{where}.content")
         name = get_str(msg, "name", param=f"{where}.name")
-        out.append(Message(role=role, content=content, name=name))
+        out.append(
+            Message(
+                role=role,
+                content=content,
+                name=name,
+                tool_calls=()
+                if calls is MISSING
+                else parse_tool_calls(calls, f"{where}.tool_calls"),
+                tool_call_id=tool_call_id(msg, where) if role == "tool" else None,
+            )
+        )
     return tuple(out)
 
 
@@ -261,6 +277,7 @@ def parse_chat(body: bytes, limits: Limits) -> ChatRequest:
     messages = _messages(obj)
     n = int(get_int(obj, "n", 1, lo=1, hi=limits.max_n))
     refuse_unsupported(obj, n)
+    tools, tool_choice, parallel = parse_tools(obj)
 
     # max_completion_tokens is OpenAI's newer name; like vLLM, it wins.
     max_tokens = _max_tokens(obj, "max_tokens", limits.default_max_tokens, limits)
@@ -284,6 +301,9 @@ def parse_chat(body: bytes, limits: Limits) -> ChatRequest:
         user=get_str(obj, "user"),
         enable_thinking=thinking,
         chat_template_kwargs=kwargs,
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel,
     )
 
 
@@ -340,6 +360,9 @@ def parse_completion(body: bytes, limits: Limits) -> CompletionRequest:
     prompts = _prompts(obj, limits)
     n = int(get_int(obj, "n", 1, lo=1, hi=limits.max_n))
     refuse_unsupported(obj, n)
+    for key in ("tools", "functions", "tool_choice"):
+        if get(obj, key) is not MISSING and obj[key] not in ([], "none"):
+            raise unsupported(key, f"'{key}' on /v1/completions (use /v1/chat/completions)")
 
     # Absent: OpenAI's 16. Explicit null: vLLM's "rest of the context".
     if obj.get("max_tokens", MISSING) is None:
@@ -356,10 +379,15 @@ def parse_completion(body: bytes, limits: Limits) -> CompletionRequest:
         raise unsupported("echo", "'echo' together with 'logprobs'")
 
     stream, include_usage = _stream(obj)
+    sampling = _sampling(obj, limits, max_tokens, logprobs)
+    if sampling.constraint is not None:
+        # A raw prompt has no chat template opening a thought: constrain at once.
+        constraint = dataclasses.replace(sampling.constraint, from_start=True)
+        sampling = dataclasses.replace(sampling, constraint=constraint)
     return CompletionRequest(
         model=model,
         prompts=prompts,
-        sampling=_sampling(obj, limits, max_tokens, logprobs),
+        sampling=sampling,
         stream=stream,
         include_usage=include_usage,
         priority=_priority(obj),

@@ -20,12 +20,17 @@ from typing import Any, Final, Literal
 
 import orjson
 
+from server.protocol.types import ToolCall
+
 __all__ = [
     "REASONING_FIELD",
     "ChatChoice",
     "CompletionChoice",
     "FinishReason",
+    "Parsed",
+    "ParsedDelta",
     "TokenLogprob",
+    "ToolCallDelta",
     "Usage",
     "chat_completion_body",
     "chat_logprobs",
@@ -39,7 +44,7 @@ REASONING_FIELD: Final = "reasoning"
 # vLLM's stand-in for -inf: JSON has no infinity, and orjson would write null.
 _LOGPROB_FLOOR: Final = -9999.0
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +54,47 @@ class TokenLogprob:
     token: str
     logprob: float
     top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """One streamed piece of a tool call: the first carries ``id`` and ``name``
+    (and ``type: function`` on the wire), later ones argument fragments."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        function: dict[str, Any] = {}
+        if self.name is not None:
+            function["name"] = self.name
+        function["arguments"] = self.arguments
+        out: dict[str, Any] = {"index": self.index}
+        if self.id is not None:
+            out["id"] = self.id
+            out["type"] = "function"
+        out["function"] = function
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """A finished chat choice's text, split: reasoning, answer, tool calls."""
+
+    reasoning: str | None
+    content: str | None
+    tool_calls: tuple[ToolCall, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedDelta:
+    """What one text delta of a streamed chat choice releases ("" / (): nothing)."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,13 +112,15 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class ChatChoice:
-    """One finished chat choice. ``reasoning`` None: no thinking output (key omitted)."""
+    """One finished chat choice. ``reasoning`` None: no thinking output (key omitted);
+    ``tool_calls`` empty: no calls (key omitted)."""
 
     index: int
     content: str | None
     finish_reason: FinishReason
     reasoning: str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +136,14 @@ class CompletionChoice:
     finish_reason: FinishReason
     logprobs: tuple[TokenLogprob, ...] | None = None
     text_offset: int = 0
+
+
+def tool_call_dict(call: ToolCall) -> dict[str, Any]:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
 
 
 def _lp(value: float) -> float:
@@ -145,6 +201,8 @@ def chat_completion_body(
         message: dict[str, Any] = {"role": "assistant", "content": c.content}
         if c.reasoning is not None:
             message[reasoning_field] = c.reasoning
+        if c.tool_calls:
+            message["tool_calls"] = [tool_call_dict(t) for t in c.tool_calls]
         out.append(
             {
                 "index": c.index,

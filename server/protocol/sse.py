@@ -26,6 +26,7 @@ from server.protocol.responses import (
     REASONING_FIELD,
     FinishReason,
     TokenLogprob,
+    ToolCallDelta,
     Usage,
     chat_logprobs,
     completion_logprobs,
@@ -80,8 +81,9 @@ class ChatStream(_Stream):
     """Frames of one streamed ``chat.completion.chunk`` response.
 
     Per choice: ``first(i)`` (role), then ``content(i, text)`` /
-    ``reasoning(i, text)`` per delta, then ``finish(i, reason)``; after all
-    choices, ``usage(...)`` if asked for, then ``DONE``.
+    ``reasoning(i, text)`` / ``tool_calls(i, deltas)`` per delta, then
+    ``finish(i, reason)``; after all choices, ``usage(...)`` if asked for,
+    then ``DONE``.
     """
 
     __slots__ = ("_reasoning_field",)
@@ -119,6 +121,7 @@ class ChatStream(_Stream):
         reasoning: str | None = None,
         logprobs: Sequence[TokenLogprob] | None = None,
         finish_reason: FinishReason | None = None,
+        tool_calls: Sequence[ToolCallDelta] = (),
     ) -> dict[str, Any]:
         """The chunk as a dict: the reference every fast frame must equal."""
         delta: dict[str, Any] = {}
@@ -128,6 +131,8 @@ class ChatStream(_Stream):
             delta["content"] = content
         if reasoning is not None:
             delta[self._reasoning_field] = reasoning
+        if tool_calls:
+            delta["tool_calls"] = [t.as_dict() for t in tool_calls]
         choice = {
             "index": index,
             "delta": delta,
@@ -145,6 +150,7 @@ class ChatStream(_Stream):
         reasoning: str | None = None,
         logprobs: Sequence[TokenLogprob] | None = None,
         finish_reason: FinishReason | None = None,
+        tool_calls: Sequence[ToolCallDelta] = (),
     ) -> bytes:
         """General (slow) path: any combination of delta fields, logprobs, finish."""
         return sse(
@@ -155,8 +161,13 @@ class ChatStream(_Stream):
                 reasoning=reasoning,
                 logprobs=logprobs,
                 finish_reason=finish_reason,
+                tool_calls=tool_calls,
             )
         )
+
+    def tool_calls(self, index: int, deltas: Sequence[ToolCallDelta]) -> bytes:
+        """A frame with ``delta: {"tool_calls": [...]}`` (not per token: calls are rare)."""
+        return self.chunk(index, tool_calls=deltas)
 
     def first(self, index: int) -> bytes:
         """The opening frame of a choice: ``delta: {"role": "assistant", "content": ""}``."""

@@ -1,7 +1,8 @@
 """Frozen value types of a validated request, and the server's parsing limits.
 
 Everything downstream (batching, the engine adapter, dedupe) sees these and
-never the client's JSON; they are built only by ``server/protocol/requests.py``.
+never the client's JSON; they are built only by ``server/protocol/requests.py``
+and its helpers (``server/protocol/tools.py``, ``server/protocol/structured.py``).
 """
 
 from __future__ import annotations
@@ -9,14 +10,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
+import orjson
+
 __all__ = [
     "DEFAULTABLE",
     "ChatRequest",
     "CompletionRequest",
+    "Constraint",
     "Limits",
     "Message",
     "Role",
     "Sampling",
+    "Tool",
+    "ToolCall",
+    "ToolChoice",
 ]
 
 # Fields a model's generation_config may default (vLLM's --generation-config),
@@ -63,6 +70,28 @@ class Limits:
 
 
 @dataclass(frozen=True, slots=True)
+class Constraint:
+    """A structured-output constraint on the generated text: exactly one kind.
+
+    The engine's ``StructuredOutputsParams`` in Sluice's terms. ``kind``
+    ``json``: ``value`` is a JSON schema as JSON text; ``json_object``: any
+    JSON object; ``regex`` / ``grammar``: ``value`` is the pattern or the
+    grammar (EBNF or Lark); ``choice``: one of ``choices``, verbatim. Text,
+    not dicts, so the value is hashable and frozen for dedupe. ``param`` names
+    the request field it came from, for errors; it is not part of the value.
+    ``from_start``: the constraint holds from the first generated token (a raw
+    completion); otherwise, with the engine's reasoning parser, it starts
+    after the thinking ends (chat).
+    """
+
+    kind: Literal["json", "json_object", "regex", "grammar", "choice"]
+    value: str = ""
+    choices: tuple[str, ...] = ()
+    param: str = field(default="response_format", compare=False)
+    from_start: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Sampling:
     """Everything that shapes the generated tokens of one request.
 
@@ -90,6 +119,7 @@ class Sampling:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    constraint: Constraint | None = None
 
     @property
     def deterministic(self) -> bool:
@@ -116,16 +146,97 @@ class Sampling:
             self.min_tokens,
             self.skip_special_tokens,
             self.include_stop_str_in_output,
+            self.constraint,
         )
 
 
 @dataclass(frozen=True, slots=True)
+class Tool:
+    """One function the model may call (an OpenAI ``tools[i]`` of type function).
+
+    ``parameters`` is the JSON schema of the arguments as JSON text, in the
+    client's key order (the chat template renders it as given); ``None``
+    when the client gave none.
+    """
+
+    name: str
+    parameters: str | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The OpenAI tool object as vLLM's server hands it to the chat template
+        (its ``model_dump``: ``description`` and ``parameters`` always present,
+        null when not given), so the prompt is the one vLLM's server renders."""
+        function: dict[str, Any] = {
+            "name": self.name,
+            "description": self.description,
+            "parameters": None if self.parameters is None else orjson.loads(self.parameters),
+        }
+        if self.strict is not None:
+            function["strict"] = self.strict
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    """``tool_choice``: ``none``, ``auto``, ``required``, or ``function`` naming one tool."""
+
+    mode: Literal["none", "auto", "required", "function"] = "none"
+    name: str | None = None
+
+    @property
+    def forced(self) -> bool:
+        """The model must call a tool (``required`` or a named function)."""
+        return self.mode in ("required", "function")
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One call of a function: in an assistant message of the history, or generated.
+
+    ``arguments`` is JSON text, as OpenAI carries it.
+    """
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
 class Message:
-    """One chat message, text only; list-of-parts content is joined with newlines."""
+    """One chat message, text only; list-of-parts content is joined with newlines.
+
+    An assistant message may carry ``tool_calls``; a ``tool`` message answers
+    the call ``tool_call_id``.
+    """
 
     role: Role
     content: str
     name: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message in OpenAI's shape, as vLLM's renderer parses it for the
+        chat template (it turns tool-call arguments into objects, and text that
+        is no JSON object into ``{}``, so that a bad call in the history does
+        not fail every later turn)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +257,9 @@ class ChatRequest:
     user: str | None = None
     enable_thinking: bool = True
     chat_template_kwargs: tuple[tuple[str, Any], ...] = field(default=())
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = ToolChoice()
+    parallel_tool_calls: bool = True
 
     @property
     def logprobs(self) -> bool:
@@ -156,7 +270,18 @@ class ChatRequest:
         return self.sampling.logprobs or 0
 
     def template_kwargs(self) -> dict[str, Any]:
-        return dict(self.chat_template_kwargs)
+        """Keyword arguments of the chat template, ``tools`` included when given."""
+        kwargs = dict(self.chat_template_kwargs)
+        if self.tools:
+            kwargs["tools"] = [t.as_dict() for t in self.tools]
+        return kwargs
+
+    def variant(self) -> tuple[Any, ...]:
+        """Besides the prompt tokens and ``sampling.fingerprint()`` (which holds
+        the output constraint), everything that shapes the answer, for dedupe
+        and the result cache: the thinking split, and the tools, which decide
+        a forced call's constraint and how the output is read into calls."""
+        return (self.enable_thinking, self.tools, self.tool_choice, self.parallel_tool_calls)
 
 
 @dataclass(frozen=True, slots=True)

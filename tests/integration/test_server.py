@@ -149,28 +149,41 @@ def test_request_id_echo(sluice_server: SluiceProcess) -> None:
     assert r.json()["id"] == "chatcmpl-abc-123"
 
 
-def _wait_engine_idle(base: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if metric(base, "sluice_pending_requests") == 0:
-            return
-        time.sleep(0.2)
-    raise AssertionError("requests still pending after the client left")
+def _wait_engine_idle(base: str, timeout: float) -> float:
+    """Seconds until the engine's own running count (vLLM's scheduler stats,
+    not Sluice's queue) and Sluice's pending count are both 0."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if metric(base, "sluice_engine_requests_running") == 0 and (
+            metric(base, "sluice_pending_requests") == 0
+        ):
+            return time.monotonic() - t0
+        time.sleep(0.05)
+    raise AssertionError(f"the engine still runs a generation {timeout}s after the client left")
 
 
 async def test_disconnect_mid_stream_aborts(sluice_server: SluiceProcess) -> None:
-    body = {**_chat(max_tokens=4000, ignore_eos=True, stream=True)}
+    """A client that leaves mid-stream has its generation aborted in the engine.
+
+    Left alone, each generation would run 8,000 tokens (over 10 s here); the
+    engine itself must report none running within 3 s of the client leaving.
+    """
+    body = {**_chat(max_tokens=8000, ignore_eos=True, stream=True)}
+    base = sluice_server.base
     async with httpx.AsyncClient(timeout=60) as c:
         for _ in range(3):
-            async with c.stream(
-                "POST", sluice_server.base + "/v1/chat/completions", json=body
-            ) as r:
+            async with c.stream("POST", base + "/v1/chat/completions", json=body) as r:
                 n = 0
                 async for _line in r.aiter_lines():
                     n += 1
+                    if n == 6:  # mid-stream, the engine runs it
+                        running = await asyncio.to_thread(
+                            metric, base, "sluice_engine_requests_running"
+                        )
+                        assert running == 1
                     if n > 6:
-                        break  # leave mid-stream: the connection closes
-    await asyncio.to_thread(_wait_engine_idle, sluice_server.base)
+                        break  # leaving the line iterator closes the connection (httpx)
+            await asyncio.to_thread(_wait_engine_idle, base, 3.0)
 
 
 BAD: list[tuple[str, Any, int, str | None]] = [

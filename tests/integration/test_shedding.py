@@ -1,10 +1,12 @@
-"""The memory watchdog on the real CPU engine: flood a small KV cache.
+"""The memory watchdog on the real CPU engine: a preemption storm in a small KV cache.
 
 A Sluice with an 8 MiB KV cache (8,192 tokens at 1 KiB/token for the demo
-model) and a low shedding threshold is flooded with long requests. While KV
-use is above the threshold, new requests get 503 with Retry-After and /ready
-is 503; every admitted request still completes; after the flood Sluice is
-ready again by itself. Nothing hangs, nothing is lost.
+model) is flooded with long generations that together outgrow the cache, so
+vLLM preempts running requests to make room. With a storm threshold of one
+preemption, new requests get 503 with Retry-After and /ready is 503 while it
+lasts; every admitted request still completes; afterwards Sluice is ready
+again by itself. Nothing hangs, nothing is lost. (A full cache without
+preemptions does not shed: tests/unit/test_pressure.py.)
 """
 
 from __future__ import annotations
@@ -32,12 +34,18 @@ def small_kv_server(
             str(8 * 2**20),
             "--max-model-len",
             "2048",
-            "--kv-shed-usage",
-            "0.25",
-            "--kv-leave-usage",
-            "0.1",
+            "--kv-storm-usage",
+            "0.5",
             "--kv-critical-usage",
             "1.0",
+            "--preempt-window",
+            "10",
+            "--preempt-leave",
+            "1",
+            "--preempt-shed",
+            "1",
+            "--preempt-critical",
+            "1000000",
             "--min-dwell",
             "3",
             "--watchdog-interval-ms",
@@ -53,11 +61,13 @@ def small_kv_server(
         proc.stop()
 
 
+FLOOD = 6
+
+
 def _long(i: int) -> dict[str, object]:
     # A token-id prompt: 100 tokens, 1,900 to generate: 2,000 KV slots each,
-    # so three of them grow to about 73% of the 8,192-token cache: past the
-    # 25% shedding level after ~600 tokens each and for seconds after that,
-    # short of the preemptions that would make the state critical.
+    # so six of them would need 12,000 of the 8,192-token cache: after about
+    # 1,250 tokens each the cache is full and vLLM preempts to go on.
     return {
         "model": "sluice-demo",
         "prompt": [(7 * i + k) % 1000 + 10 for k in range(100)],
@@ -74,7 +84,7 @@ async def test_flood_sheds_and_recovers(small_kv_server: SluiceProcess) -> None:
     async with httpx.AsyncClient(timeout=120) as client:
         flood = [
             asyncio.create_task(client.post(base + "/v1/completions", json=_long(i)))
-            for i in range(3)
+            for i in range(FLOOD)
         ]
         refused: list[httpx.Response] = []
         not_ready = False
@@ -97,7 +107,7 @@ async def test_flood_sheds_and_recovers(small_kv_server: SluiceProcess) -> None:
                 break
         results = await asyncio.wait_for(asyncio.gather(*flood), 120)
 
-        assert refused, "KV use never crossed the shedding threshold"
+        assert refused, "the preemptions never shed"
         assert not_ready, "/ready stayed 200 while shedding"
         for r in refused:
             assert int(r.headers["Retry-After"]) >= 1

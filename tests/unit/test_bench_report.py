@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from bench.scenarios import (
     PAST_CAPACITY,
     QUICK,
     SCENARIOS,
+    STRUCTURED,
+    STRUCTURED_SCHEMA,
     WIDE_POINT,
     EngineProfile,
     build_plan,
@@ -237,6 +240,20 @@ def test_plan_all_scenarios() -> None:
     assert "--temperature" in args and identical.prefix_metrics
     assert args[args.index("--prefix-repetition-num-prefixes") + 1] == "1"
     assert args[args.index("--prefix-repetition-suffix-len") + 1] == "0"
+
+
+def test_plan_structured_pair() -> None:
+    """Plain and JSON-schema points differ only in the constraint; EOS ends both."""
+    plain, schema = build_plan([STRUCTURED], QUICK, max_model_len=8192).points
+    assert (plain.name, schema.name) == ("plain c=32", "json schema c=32")
+    (pj,), (sj,) = plain.jobs, schema.jobs
+    assert not pj.ignore_eos and not sj.ignore_eos and pj.chat and sj.chat
+    assert sj.args[:-1] == pj.args[:-1] and sj.args[-2] == "--extra-body"
+    no_think = {"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": False}
+    assert json.loads(pj.args[-1]) == no_think
+    constrained = {**no_think, "structured_outputs": {"json": STRUCTURED_SCHEMA}}
+    assert json.loads(sj.args[-1]) == constrained
+    assert pj.args[pj.args.index("--max-concurrency") + 1] == "32"
 
 
 def test_plan_subset_and_quick() -> None:

@@ -72,7 +72,9 @@ def test_fast_constructors_match_the_dataclasses() -> None:
     req = Request("r", key, (1,), 1, 0.0)
     e = _fast.entry(req, ("r",))
     assert e == Entry(req, ("r",)) and type(e) is Entry
-    assert _fast.ended("r", Outcome.EXPIRED, 0.5, 1.0) == Ended("r", Outcome.EXPIRED, 0.5, 1.0)
+    assert _fast.ended("r", Outcome.EXPIRED, 0.5, 1.0, "c") == Ended(
+        "r", Outcome.EXPIRED, 0.5, 1.0, "c"
+    )
     assert _fast.admitted("r", "j") == Admitted("r", "j")
     assert hash(_fast.admitted("r", None)) == hash(Admitted("r"))
     b = _fast.batch(1, key, (e,), ReleaseReason.DEADLINE, 2.0, 2)

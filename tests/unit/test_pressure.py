@@ -47,7 +47,8 @@ def host(avail_mib: float) -> Readings:
 def test_defaults_are_the_documented_ones() -> None:
     c = PressureConfig()
     assert (c.gpu_critical_free_mib, c.gpu_shed_free_mib, c.gpu_leave_free_mib) == (512, 1024, 2048)
-    assert (c.kv_leave_usage, c.kv_shed_usage, c.kv_critical_usage) == (0.75, 0.90, 0.98)
+    assert (c.kv_storm_usage, c.kv_critical_usage, c.preempt_window) == (0.90, 0.98, 5.0)
+    assert (c.preempt_leave, c.preempt_shed, c.preempt_critical) == (5, 20, 100)
     assert c.min_dwell == 2.0 and c.unknown_shed_after == 4
 
 
@@ -56,8 +57,12 @@ def test_defaults_are_the_documented_ones() -> None:
     [
         {"gpu_shed_free_mib": 4096},  # leave must be above shed
         {"gpu_critical_free_mib": 1024},  # critical must be below shed
-        {"kv_leave_usage": 0.95},
+        {"kv_storm_usage": 0.99},  # storm counting must start at or below critical
         {"kv_critical_usage": 1.5},
+        {"preempt_window": 0.0},
+        {"preempt_leave": 0},
+        {"preempt_leave": 30},  # leave above shed
+        {"preempt_critical": 10},  # critical below shed
         {"host_leave_available_mib": 100},
         {"min_dwell": -1.0},
         {"unknown_shed_after": 0},
@@ -121,28 +126,77 @@ def test_worst_device_decides() -> None:
     assert d.state is State.SHEDDING and "device 1" in d.reason.detail
 
 
-def test_kv_usage_sheds_and_needs_preemptions_for_critical() -> None:
+def test_a_full_kv_cache_alone_is_not_pressure() -> None:
+    # A busy engine: the backlog holds what does not fit; nothing to shed.
     p = PressurePolicy(PressureConfig(min_dwell=0.0))
-    assert p.update(kv(0.89), 0.0).state is State.OK
-    assert p.update(kv(0.90), 1.0).state is State.SHEDDING
-    # Full but not preempting: a busy engine, not an emergency.
-    assert p.update(kv(0.99, preemptions=0), 2.0).state is State.SHEDDING
-    d = p.update(kv(0.99, preemptions=3), 3.0)
-    assert d.state is State.CRITICAL and d.reason.signal == "kv"
-    # Still preempting: abort one per poll.
-    assert p.update(kv(0.99, preemptions=5), 4.0).abort_newest == 1
-    assert p.update(kv(0.99, preemptions=5), 5.0).abort_newest == 0
-    # Hysteresis: CRITICAL until below the shed level, then SHEDDING until <= 0.75.
-    assert p.update(kv(0.91, preemptions=5), 6.0).state is State.CRITICAL
-    assert p.update(kv(0.80, preemptions=5), 7.0).state is State.SHEDDING
-    assert p.update(kv(0.76, preemptions=5), 8.0).state is State.SHEDDING
-    assert p.update(kv(0.75, preemptions=5), 9.0).state is State.OK
+    for i in range(40):
+        d = p.update(kv(1.0), 0.25 * i)
+        assert d.state is State.OK and d.abort_newest == 0
+
+
+def test_preemption_storm_sheds_then_goes_critical_and_aborts() -> None:
+    p = PressurePolicy(PressureConfig(min_dwell=0.0))
+    total = 0
+
+    def poll(t: float, usage: float, new: int) -> object:
+        nonlocal total
+        total += new
+        return p.update(kv(usage, total), t)
+
+    assert poll(0.0, 0.95, 0).state is State.OK  # first reading: the counter's base
+    assert poll(0.5, 0.95, 19).state is State.OK  # 19 in 5 s: not a storm yet
+    d = poll(1.0, 0.95, 1)
+    assert d.state is State.SHEDDING and d.reason.signal == "kv"
+    assert "20 preemptions in 5 s" in d.reason.detail
+    # 100 within the window but the cache is not full to the critical level.
+    assert poll(1.5, 0.95, 80).state is State.SHEDDING
+    d = poll(2.0, 0.99, 1)
+    assert d.state is State.CRITICAL and d.abort_newest == 0  # entering aborts nothing
+    assert poll(2.5, 0.99, 3).abort_newest == 1  # still preempting: one per poll
+    assert poll(2.8, 0.99, 0).abort_newest == 0
+    assert poll(3.0, 0.99, 10).abort_newest == 1
+    # The window forgets what is older than 5 s.
+    assert poll(6.2, 0.95, 0).state is State.CRITICAL  # 94 since 1.5: still a storm
+    assert poll(6.6, 0.95, 0).state is State.SHEDDING  # 14 since 2.0: below shed
+    assert poll(8.1, 0.95, 0).state is State.OK  # nothing left in the window
+
+
+def test_storm_hysteresis_leaves_shedding_below_preempt_leave() -> None:
+    cfg = PressureConfig(min_dwell=0.0, preempt_shed=10, preempt_leave=4, preempt_window=10.0)
+    p = PressurePolicy(cfg)
+    p.update(kv(0.95, 0), 0.0)
+    assert p.update(kv(0.95, 10), 1.0).state is State.SHEDDING
+    # Ten left the window at 11.0; six more since: above leave, below shed.
+    p.update(kv(0.95, 16), 2.0)
+    assert p.update(kv(0.95, 16), 11.5).state is State.SHEDDING
+    assert p.update(kv(0.95, 16), 12.5).state is State.OK
+    # From OK, the same six do not shed.
+    p.update(kv(0.95, 22), 13.0)
+    assert p.update(kv(0.95, 22), 13.5).state is State.OK
+
+
+def test_preemptions_with_room_in_the_cache_do_not_count() -> None:
+    # Below kv_storm_usage vLLM is not short of blocks: these preemptions are its
+    # priority scheduler making room for urgent requests on purpose.
+    p = PressurePolicy(PressureConfig(min_dwell=0.0))
+    p.update(kv(0.5, 0), 0.0)
+    for i in range(1, 20):
+        assert p.update(kv(0.85, 50 * i), 0.25 * i).state is State.OK
+
+
+def test_a_few_deliberate_preemptions_per_window_do_not_shed() -> None:
+    # A full cache and one priority preemption per urgent arrival, 3 per second.
+    p = PressurePolicy(PressureConfig(min_dwell=0.0))
+    p.update(kv(0.97, 0), 0.0)
+    for i in range(1, 60):
+        assert p.update(kv(0.97, 3 * i), float(i)).state is State.OK
 
 
 def test_preemption_counter_reset_is_not_rising() -> None:
-    p = PressurePolicy()
+    p = PressurePolicy(PressureConfig(min_dwell=0.0))
     p.update(kv(0.99, preemptions=100), 0.0)
-    assert p.update(kv(0.99, preemptions=0), 1.0).state is State.SHEDDING
+    assert p.update(kv(0.99, preemptions=0), 1.0).state is State.OK
+    assert p.update(kv(0.99, preemptions=5), 2.0).state is State.OK
 
 
 def test_host_memory_signal() -> None:
@@ -228,19 +282,25 @@ def test_highest_signal_wins_and_reports_itself() -> None:
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.integers(0, 6000), st.floats(0.0, 1.0), st.floats(0.0, 1.0)),
+        st.tuples(
+            st.integers(0, 6000), st.floats(0.0, 1.0), st.floats(0.0, 1.0), st.integers(0, 60)
+        ),
         min_size=1,
         max_size=60,
     )
 )
-def test_invariants_on_random_sequences(steps: list[tuple[int, float, float]]) -> None:
-    """Never relaxes before min_dwell; aborts only in CRITICAL; CRITICAL only with cause."""
+def test_invariants_on_random_sequences(steps: list[tuple[int, float, float, int]]) -> None:
+    """Never relaxes before min_dwell; aborts only in CRITICAL; KV never sheds alone."""
     cfg = PressureConfig()
     p = PressurePolicy(cfg)
     now, entered = 0.0, 0.0
-    for free_mib, dt, usage in steps:
+    preemptions = 0
+    for free_mib, dt, usage, new in steps:
         now += dt
-        d = p.update(gpu(free_mib) if usage < 0.5 else kv(usage), now)
+        preemptions += new
+        d = p.update(gpu(free_mib) if usage < 0.5 else kv(usage, preemptions), now)
+        if d.reason.signal == "kv":
+            assert preemptions >= cfg.preempt_leave
         t = d.transition
         if t is not None:
             if t.new < t.old:

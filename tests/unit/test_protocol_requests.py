@@ -108,13 +108,14 @@ def test_full_chat() -> None:
         skip_special_tokens=False,
         include_stop_str_in_output=True,
         min_tokens=5,
-        # Ignored extras an OpenAI client may send.
+        # No tools, plain text: as if absent.
         tools=[],
         tool_choice="auto",
         response_format={"type": "text"},
+        parallel_tool_calls=True,
+        # Ignored extras an OpenAI client may send.
         store=False,
         metadata={"k": "v"},
-        parallel_tool_calls=True,
         logit_bias={},
         modalities=["text"],
         best_of=3,
@@ -124,7 +125,7 @@ def test_full_chat() -> None:
         Message("developer", "dev", "d"),
         Message("user", "a\nb"),
         Message("assistant", ""),
-        Message("tool", "out"),
+        Message("tool", "out", tool_call_id="x"),
     )
     assert req.sampling == Sampling(
         max_tokens=50,
@@ -301,12 +302,8 @@ COMMON_BAD: list[tuple[dict[str, Any], str]] = [
     ({"stream": True, "stream_options": []}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
     # Recognised but not honoured.
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"guided_json": {"type": "object"}}, "guided_json"),
-    ({"structured_outputs": {"regex": "a"}}, "structured_outputs"),
     ({"logit_bias": {"1": 5}}, "logit_bias"),
     ({"prompt_logprobs": 1}, "prompt_logprobs"),
     ({"best_of": 2}, "best_of"),
@@ -347,7 +344,7 @@ CHAT_BAD: list[tuple[dict[str, Any], str]] = [
     ({"messages": [{"role": "user", "content": "x", "name": 3}]}, "messages[0].name"),
     (
         {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
-        "messages[0].tool_calls",
+        "messages[0].tool_calls[0].function",
     ),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"logprobs": 1}, "logprobs"),

@@ -83,6 +83,11 @@ def test_stop_timeout_exceeds_drain_timeout(unit: dict[tuple[str, str], list[str
     assert stop.endswith("s") and int(stop[:-1]) > drain_default
 
 
+def test_reload_sends_sighup_to_the_main_process(unit: dict[tuple[str, str], list[str]]) -> None:
+    # SIGHUP re-reads the callers file (server/app.py reload_callers).
+    assert unit[("Service", "ExecReload")] == ["/bin/kill -HUP $MAINPID"]
+
+
 def test_exec_start_and_caches(unit: dict[tuple[str, str], list[str]]) -> None:
     (exec_start,) = unit[("Service", "ExecStart")]
     assert exec_start.startswith(EXEC + " serve ")

@@ -1,0 +1,122 @@
+"""Engine room: may one more generation go to the engine now?
+
+Why this module exists: Sluice holds the backlog itself, so that ordering, dedupe,
+cancel and expiry still act on it, and gives the engine only what it can schedule
+soon. vLLM's scheduler takes waiting requests, in its own order, while it has a
+running slot (`max_num_seqs`), token budget in the step (`max_num_batched_tokens`)
+and KV blocks; whatever waits beyond that waits in vLLM's queue, where Sluice can no
+longer reorder it. This module is that test, on numbers the driver reports.
+
+Rules (a generation's size here is its prompt tokens; 0 means "unknown" for each
+engine number, and an unknown number never holds anything back):
+
+1. Work-conserving: with nothing of ours in flight, anything fits.
+2. Slots: in flight (released, not finished) < `max_seqs` plus `slot_spare` of it
+   (rounded down). The driver learns that a slot freed one engine step late (the
+   engine has scheduled its next step by then); a few spare requests in the
+   engine's own queue fill a freed slot at once instead of a step later.
+3. Step budget: prompt tokens released but not yet started (no first output yet)
+   plus this one <= `step_lookahead` x `step_tokens`, unless nothing is unstarted
+   (a prompt larger than that then goes alone: chunked prefill takes it in
+   pieces). Two steps by default: the one the engine is running and the next,
+   which it schedules before the driver hears that the first one's prompts have
+   started. Together with rule 2 this keeps the engine's own waiting queue at
+   about one step of prefill; the number of unstarted requests needs no bound of
+   its own, since the engine admits them in its next steps when both hold.
+4. KV room: estimated KV tokens in use (`kv_usage` x `kv_tokens`, from the engine's
+   latest stats, plus every unstarted prompt, which the stats may not show yet) plus
+   this prompt <= `kv_tokens`. Decode growth of running requests is in `kv_usage`
+   as it happens; vLLM preempts when it runs out, as it would without Sluice.
+5. Headroom for short requests (optional, `reserve` > 0): a prompt longer than
+   `short_prompt` tokens may only use (1 - reserve) of the KV cache, so a short chat
+   turn finds room at the next step instead of waiting for a long request to end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["EngineCapacity", "Room"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCapacity:
+    """The engine's resolved scheduler and cache sizes (0 = unknown)."""
+
+    max_seqs: int = 0  # vLLM max_num_seqs
+    step_tokens: int = 0  # vLLM max_num_batched_tokens
+    kv_tokens: int = 0  # KV cache size in tokens: num_gpu_blocks x block_size
+
+    def __post_init__(self) -> None:
+        if min(self.max_seqs, self.step_tokens, self.kv_tokens) < 0:
+            raise ValueError("engine capacity numbers must be >= 0 (0 = unknown)")
+
+    @property
+    def known(self) -> bool:
+        return bool(self.max_seqs or self.step_tokens or self.kv_tokens)
+
+
+class Room:
+    """One release round's view of the engine; `take()` books each release."""
+
+    __slots__ = (
+        "in_flight",
+        "kv_long",
+        "kv_tokens",
+        "kv_used",
+        "limited",
+        "seq_limit",
+        "short_prompt",
+        "step_tokens",
+        "unstarted_n",
+        "unstarted_tokens",
+    )
+
+    def __init__(
+        self,
+        capacity: EngineCapacity,
+        in_flight: int,
+        unstarted_n: int,
+        unstarted_tokens: int,
+        kv_usage: float,
+        reserve: float,
+        short_prompt: int,
+        step_lookahead: float,
+        slot_spare: float,
+    ) -> None:
+        self.limited = capacity.known
+        seqs = capacity.max_seqs
+        self.seq_limit = seqs + int(seqs * slot_spare) if seqs else 0
+        self.step_tokens = capacity.step_tokens * step_lookahead
+        self.kv_tokens = kv = capacity.kv_tokens
+        self.kv_long = kv * (1.0 - reserve)
+        self.kv_used = kv_usage * kv
+        self.short_prompt = short_prompt
+        self.in_flight = in_flight
+        self.unstarted_n = unstarted_n
+        self.unstarted_tokens = unstarted_tokens
+
+    @property
+    def full(self) -> bool:
+        """No slot left: nothing fits, whatever its size."""
+        return 0 < self.seq_limit <= self.in_flight
+
+    def fits(self, ptok: int) -> bool:
+        if not self.limited or not self.in_flight:
+            return True
+        if self.seq_limit and self.in_flight >= self.seq_limit:
+            return False
+        step = self.step_tokens
+        if step and self.unstarted_n and self.unstarted_tokens + ptok > step:
+            return False
+        kv = self.kv_tokens
+        if kv:
+            limit = kv if ptok <= self.short_prompt else self.kv_long
+            if self.kv_used + self.unstarted_tokens + ptok > limit:
+                return False
+        return True
+
+    def take(self, ptok: int) -> None:
+        self.in_flight += 1
+        self.unstarted_n += 1
+        self.unstarted_tokens += ptok

@@ -1,0 +1,463 @@
+"""The backlog by example: engine room (room.py), fair release order (backlog.py) and
+the coalescer rules around them (rules 5-7). A fake clock is just floats."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from batching import (
+    AdmissionState,
+    Batch,
+    CallerPolicy,
+    Callers,
+    Coalescer,
+    CoalescerConfig,
+    Ended,
+    EngineCapacity,
+    EngineLoad,
+    Outcome,
+    Refused,
+    Released,
+    ReleaseReason,
+    Request,
+    group_key,
+)
+
+M = group_key("m")
+
+
+def req(
+    rid: str,
+    now: float = 0.0,
+    prompt: int = 4,
+    new: int = 4,
+    caller: str = "a",
+    priority: int = 0,
+    deadline: float | None = None,
+    fp: str | None = None,
+) -> Request:
+    return Request(
+        rid,
+        M,
+        tuple(range(100, 100 + prompt)),
+        new,
+        now,
+        priority=priority,
+        deadline=deadline,
+        fingerprint=fp,
+        caller=caller,
+    )
+
+
+def co_(
+    seqs: int = 0,
+    step: int = 0,
+    kv: int = 0,
+    callers: tuple[CallerPolicy, ...] = (),
+    **kw: object,
+) -> Coalescer:
+    kw.setdefault("window", 0.0)
+    kw.setdefault("prefix_block", 0)
+    kw.setdefault("release_lone", False)
+    cfg = CoalescerConfig(
+        engine=EngineCapacity(max_seqs=seqs, step_tokens=step, kv_tokens=kv),
+        callers=Callers(callers),
+        **kw,  # type: ignore[arg-type]
+    )
+    return Coalescer(cfg)
+
+
+def ids(batches: list[Batch]) -> list[str]:
+    return [e.request.id for b in batches for e in b.entries]
+
+
+def release_all(co: Coalescer, now: float, load: EngineLoad | None = None) -> list[str]:
+    """One due() call; every released generation is reported started at once."""
+    got = ids(co.due(now, load))
+    for rid in got:
+        co.started(rid, now)
+    return got
+
+
+# -- room (rule 5, room.py) -----------------------------------------------------
+
+
+def test_slots_hold_the_backlog_until_a_generation_finishes() -> None:
+    co = co_(seqs=2)
+    for r in "abc":
+        co.add(req(r), 0.0)
+    got = co.due(0.0)
+    assert ids(got) == ["a", "b"] and got[0].reason is ReleaseReason.IMMEDIATE
+    assert (co.backlog_generations, co.queued_requests, co.in_flight) == (1, 1, 2)
+    co.pop_events()
+    assert co.due(0.5) == []  # still no slot
+    assert co.next_deadline() is None  # the backlog is not time-driven
+    co.finished("a", 1.0)
+    [b] = co.due(1.0)
+    assert ids([b]) == ["c"] and b.reason is ReleaseReason.BACKLOG
+    evs = co.pop_events()
+    assert Ended("c", Outcome.DISPATCHED, 1.0, 1.0, "a") in evs
+    assert Released(b.id, M, ReleaseReason.BACKLOG, 1, 8, 1.0) in evs
+    assert co.backlog_generations == 0
+
+
+def test_step_budget_counts_unstarted_prompts_until_their_first_output() -> None:
+    co = co_(step=100, step_lookahead=1.0)
+    co.add(req("a", prompt=60), 0.0)
+    co.add(req("b", prompt=60), 0.0)
+    assert ids(co.due(0.0)) == ["a"]
+    assert co.engine_waiting == 1
+    assert co.due(0.1) == []  # a has not started: 60 + 60 > 100
+    assert co.started("a", 0.2) is True
+    assert co.started("a", 0.2) is False  # once
+    assert co.engine_waiting == 0
+    assert ids(co.due(0.2)) == ["b"]
+    # A prompt larger than one step goes alone once nothing is unstarted.
+    co.add(req("big", prompt=500), 0.3)
+    assert co.due(0.3) == []
+    co.started("b", 0.4)
+    assert ids(co.due(0.4)) == ["big"]
+    co.finished("big", 0.5)  # finished without started(): leaves the engine queue too
+    assert co.engine_waiting == 0
+
+
+def test_the_engine_gets_two_steps_of_prompts_and_a_few_spare_requests() -> None:
+    # By default: unstarted prompts up to two step budgets (the step the engine
+    # runs and the next), and 1/16 more requests than it has slots.
+    co = co_(step=100)
+    for r in "abcd":
+        co.add(req(r, prompt=60), 0.0)
+    assert ids(co.due(0.0)) == ["a", "b", "c"]  # 180 <= 200; 240 is not
+    co = co_(seqs=32)
+    for i in range(40):
+        co.add(req(f"r{i}"), 0.0)
+    assert len(ids(co.due(0.0))) == 34
+    co = co_(seqs=32, slot_spare=0.0)
+    for i in range(40):
+        co.add(req(f"r{i}"), 0.0)
+    assert len(ids(co.due(0.0))) == 32
+
+
+def test_kv_room_counts_engine_usage_and_unstarted_prompts() -> None:
+    co = co_(kv=1000)
+    co.add(req("x", prompt=10), 0.0)
+    assert release_all(co, 0.0) == ["x"]
+    co.add(req("a", prompt=200), 0.1)
+    co.add(req("b", prompt=400), 0.1)
+    half = EngineLoad(running=1, waiting=0, kv_usage=0.5)
+    # 500 in use + 200 = 700 fits; then + 200 unstarted + 400 does not.
+    assert ids(co.due(0.1, half)) == ["a"]
+    assert co.due(0.2, half) == []
+    co.started("a", 0.3)  # a's prompt now shows in the engine's usage instead
+    assert co.due(0.3, EngineLoad(2, 0, 0.7)) == []
+    assert ids(co.due(0.4, EngineLoad(2, 0, 0.6))) == ["b"]  # 600 + 400 <= 1000
+
+
+def test_work_conserving_a_too_large_head_goes_when_nothing_is_in_flight() -> None:
+    co = co_(seqs=4, step=100, kv=1000)
+    co.add(req("huge", prompt=5000), 0.0)
+    assert ids(co.due(0.0, EngineLoad(0, 0, 0.99))) == ["huge"]
+
+
+def test_kv_headroom_keeps_room_for_short_prompts() -> None:
+    co = co_(kv=1000, kv_reserve_short=0.4, short_prompt_tokens=50)
+    co.add(req("x", prompt=10), 0.0)
+    release_all(co, 0.0)
+    load = EngineLoad(1, 0, 0.3)  # 300 in use
+    co.add(req("long1", prompt=250), 0.1)
+    co.add(req("long2", prompt=250), 0.1)
+    co.add(req("chat", prompt=40), 0.1)
+    # Shorter first: chat (340 of 1000), long1 (590 <= 600), long2 (840 > 600) held.
+    assert release_all(co, 0.1, load) == ["chat", "long1"]
+    co.add(req("chat2", prompt=40), 0.2)
+    assert release_all(co, 0.2, EngineLoad(3, 0, 0.59)) == ["chat2"]  # 630 <= 1000
+    without = co_(kv=1000)
+    without.add(req("x", prompt=10), 0.0)
+    release_all(without, 0.0)
+    for r in ("long1", "long2"):
+        without.add(req(r, prompt=250), 0.1)
+    assert release_all(without, 0.1, load) == ["long1", "long2"]  # 800 <= 1000
+
+
+# -- order (rule 6, backlog.py) --------------------------------------------------
+
+
+def test_priority_then_shorter_prompt_then_arrival_across_the_whole_backlog() -> None:
+    co = co_(seqs=1)
+    co.add(req("first"), 0.0)
+    co.due(0.0)  # the one slot is taken; what follows waits in the backlog
+    co.add(req("p1-short", 0.1, prompt=2, priority=1), 0.1)
+    co.due(0.1)
+    co.add(req("p0-long", 0.2, prompt=9), 0.2)
+    co.due(0.2)
+    co.add(req("p0-short-1", 0.3, prompt=3), 0.3)
+    co.add(req("p0-short-2", 0.3, prompt=3), 0.3)
+    co.add(req("urgent", 0.4, prompt=50, priority=-1), 0.4)
+    co.due(0.4)
+    order = []
+    done = "first"
+    for i in range(5):
+        co.finished(done, 1.0 + i)
+        [done] = ids(co.due(1.0 + i))
+        order.append(done)
+    assert order == ["urgent", "p0-short-1", "p0-short-2", "p0-long", "p1-short"]
+
+
+def test_fair_share_alternates_between_equal_callers() -> None:
+    co = co_(seqs=1)
+    co.add(req("a0", caller="a"), 0.0)
+    release_all(co, 0.0)
+    for i in range(1, 4):
+        co.add(req(f"a{i}", caller="a"), 0.1)
+    co.due(0.1)
+    for i in range(3):
+        co.add(req(f"b{i}", caller="b"), 0.2)
+    co.due(0.2)
+    order = []
+    done = "a0"
+    for i in range(6):
+        co.finished(done, 1.0 + i, tokens=4)
+        [done] = release_all(co, 1.0 + i)
+        order.append(done)
+    # b arrived when a was ahead by a0 (4 + 2 x 4): b catches up first, then turns.
+    assert order == ["b0", "a1", "b1", "a2", "b2", "a3"]
+
+
+def test_weights_divide_service() -> None:
+    heavy = CallerPolicy("heavy", weight=2.0)
+    co = co_(seqs=1, callers=(heavy,))
+    co.add(req("x", caller="light"), 0.0)
+    release_all(co, 0.0)
+    for i in range(30):
+        co.add(req(f"h{i}", caller="heavy"), 0.1)
+        co.add(req(f"l{i}", caller="light"), 0.1)
+    co.due(0.1)
+    order = []
+    done = "x"
+    for i in range(30):
+        co.finished(done, 1.0 + i, tokens=0)
+        [done] = release_all(co, 1.0 + i)
+        order.append(done[0])
+    assert order.count("h") in (19, 20, 21)  # 2 : 1, give or take one request
+    h, light = co.caller("heavy"), co.caller("light")
+    assert h is not None and light is not None
+    assert abs(h.counter - light.counter) <= 4  # within one request's cost
+
+
+def test_a_caller_back_from_idle_cannot_bank_credit() -> None:
+    co = co_(seqs=1)
+    co.add(req("a0", caller="a"), 0.0)
+    release_all(co, 0.0)
+    for i in range(1, 6):
+        co.add(req(f"a{i}", caller="a"), 0.0)
+    done = "a0"
+    for i in range(5):  # a is served alone for a while: its counter grows
+        co.finished(done, 1.0 + i, tokens=4)
+        [done] = release_all(co, 1.0 + i)
+    a = co.caller("a")
+    assert a is not None and a.counter == pytest.approx(5 * 12 + 4)
+    for i in range(2):
+        co.add(req(f"b{i}", caller="b"), 7.0)
+    co.due(7.0)  # into the backlog: nobody else is backlogged, so b starts where
+    b = co.caller("b")  # the last served caller was before its charge (a5's release)
+    assert b is not None and b.counter == a.counter - 4
+    co.add(req("a9", caller="a"), 7.0)
+    co.due(7.0)  # a is back too: it keeps its own, higher counter
+    a = co.caller("a")
+    assert a is not None and a.counter == 64
+    co.finished(done, 8.0, tokens=4)
+    assert release_all(co, 8.0) == ["b0"]
+    co.finished("b0", 9.0, tokens=4)  # b: 60 + 4 + 8 = 72, a: 64 + 8 = 72: a tie,
+    assert release_all(co, 9.0) == ["b1"]  # and b1 arrived before a9
+
+
+def test_generated_tokens_are_charged_at_finish_twice() -> None:
+    co = co_()
+    co.add(req("a", prompt=10, new=100), 0.0)
+    release_all(co, 0.0)
+    st = co.caller("a")
+    assert st is not None and (st.counter, st.prompt_tokens, st.service) == (10.0, 10, 10)
+    co.finished("a", 1.0, tokens=7)
+    st = co.caller("a")
+    assert st is not None and (st.counter, st.generated_tokens, st.service) == (24.0, 7, 24)
+
+
+def test_no_head_of_line_blocking_within_a_caller() -> None:
+    co = co_(kv=1000)
+    co.add(req("x", prompt=10), 0.0)
+    release_all(co, 0.0)
+    co.add(req("long", 0.1, prompt=600, priority=-1), 0.1)
+    co.add(req("short", 0.1, prompt=10, priority=5), 0.1)
+    # long is first by priority but 500 + 600 > 1000; the short one behind it goes.
+    assert release_all(co, 0.1, EngineLoad(1, 0, 0.5)) == ["short"]
+    assert release_all(co, 0.2, EngineLoad(2, 0, 0.3)) == ["long"]
+
+
+def test_a_blocked_caller_is_skipped_by_at_most_one_request_worth() -> None:
+    # Long prompts (> 100 tokens) may use half of the 2000-token cache, short ones all.
+    co = co_(kv=2000, kv_reserve_short=0.5, short_prompt_tokens=100)
+    co.add(req("x", prompt=10, caller="c"), 0.0)
+    release_all(co, 0.0)
+    co.add(req("big", 0.1, prompt=600, new=0, caller="a"), 0.1)  # costs 600
+    for i in range(10):
+        co.add(req(f"b{i}", 0.1, prompt=100, new=0, caller="b"), 0.1)
+    busy = EngineLoad(1, 0, 0.4)  # 800 in use: big does not fit, a dozen b's would
+    # a and b start at 0 (the counter c had before its charge). b0 is shorter; then a
+    # is the least but blocked, and b may pass it only while b's counter < 0 + 600.
+    assert release_all(co, 0.1, busy) == [f"b{i}" for i in range(6)]
+    assert release_all(co, 0.2, busy) == []  # room for b, but it is a's turn
+    a = co.caller("a")
+    assert a is not None and a.backlog == 1
+    assert release_all(co, 0.3, EngineLoad(7, 0, 0.1)) == ["big", "b6", "b7", "b8", "b9"]
+
+
+def test_age_bound_puts_an_old_request_first_and_waits_for_its_room() -> None:
+    co = co_(kv=1000, age_bound=5.0)
+    co.add(req("x", prompt=10), 0.0)
+    release_all(co, 0.0)
+    co.add(req("old", 0.0, prompt=300), 0.0)
+    t = 0.0
+    # Shorter requests keep arriving and keep filling what room there is.
+    while t < 4.5:
+        t += 0.5
+        co.add(req(f"s{t}", t, prompt=50), t)
+        assert "old" not in release_all(co, t, EngineLoad(1, 0, 0.75))  # 250 free
+    co.add(req("late", 5.0, prompt=50), 5.0)
+    # Overdue: it goes first; it does not fit, so nothing of its caller goes instead.
+    assert release_all(co, 5.0, EngineLoad(1, 0, 0.75)) == []
+    assert release_all(co, 5.1, EngineLoad(1, 0, 0.6)) == ["old", "late"]
+
+
+def test_capped_caller_waits_without_blocking_others() -> None:
+    capped = CallerPolicy("a", max_concurrency=1)
+    co = co_(callers=(capped,))
+    co.add(req("a1", caller="a"), 0.0)
+    co.add(req("a2", caller="a"), 0.0)
+    co.add(req("b1", caller="b"), 0.0)
+    assert sorted(ids(co.due(0.0))) == ["a1", "b1"]
+    st = co.caller("a")
+    assert st is not None and (st.in_flight, st.backlog, st.queued) == (1, 1, 1)
+    co.finished("a1", 1.0)
+    assert ids(co.due(1.0)) == ["a2"]
+
+
+# -- the coalescer's rules around the backlog ---------------------------------------
+
+
+def test_window_still_decides_eligibility() -> None:
+    co = co_(seqs=8, window=0.010)
+    co.add(req("a", 0.0), 0.0)
+    assert co.due(0.005) == [] and co.backlog_generations == 0
+    [b] = co.due(0.010)
+    assert ids([b]) == ["a"] and b.reason is ReleaseReason.DEADLINE
+
+
+def test_critical_releases_nothing_from_the_backlog_draining_does() -> None:
+    co = co_(seqs=1)
+    co.add(req("a"), 0.0)
+    co.add(req("b"), 0.0)
+    co.due(0.0)
+    co.finished("a", 0.1)
+    co.state = AdmissionState.CRITICAL
+    assert co.due(0.1) == []
+    co.state = AdmissionState.DRAINING
+    assert ids(co.due(0.2)) == ["b"]
+
+
+def test_cancel_expiry_and_dedupe_act_on_backlogged_work() -> None:
+    co = co_(seqs=1)
+    co.add(req("run"), 0.0)
+    co.due(0.0)
+    co.add(req("c", prompt=5), 0.0)
+    co.add(req("x", prompt=6, deadline=0.5), 0.0)
+    co.add(req("d", prompt=7, fp="greedy"), 0.0)
+    co.due(0.0)
+    assert co.backlog_generations == 3
+    co.pop_events()
+    assert co.cancel("c", 0.1)
+    co.due(0.6)  # x expires in the backlog
+    assert co.add(req("d2", 0.7, prompt=7, fp="greedy", caller="b"), 0.7).joined == "d"
+    evs = co.pop_events()
+    outcomes = {e.request_id: e.outcome for e in evs if isinstance(e, Ended)}
+    assert outcomes == {"c": Outcome.CANCELLED, "x": Outcome.EXPIRED}
+    assert co.backlog_generations == 1
+    co.finished("run", 1.0)
+    [b] = co.due(1.0)
+    assert [e.subscribers for e in b.entries] == [("d", "d2")]
+    ends = [e for e in co.pop_events() if isinstance(e, Ended)]
+    assert [(e.request_id, e.caller) for e in ends] == [("d", "a"), ("d2", "b")]
+    b_stats = co.caller("b")
+    assert b_stats is not None and b_stats.queued == 0 and b_stats.in_flight == 0
+
+
+def test_reject_queued_empties_the_backlog() -> None:
+    co = co_(seqs=1)
+    for r in "abc":
+        co.add(req(r), 0.0)
+    co.due(0.0)
+    assert sorted(co.reject_queued(0.1)) == ["b", "c"]
+    assert co.backlog_generations == 0
+    st = co.caller("a")
+    assert st is not None and (st.queued, st.backlog) == (0, 0)
+    co.finished("a", 0.2)
+    assert co.due(0.2) == []
+
+
+def test_prefix_followers_wait_in_the_backlog_behind_their_leader() -> None:
+    co = co_(seqs=8, prefix_block=4, prefix_follow_delay=0.005)
+    sys_prompt = (1, 2, 3, 4, 5)
+    co.add(Request("lead", M, sys_prompt, 4, 0.0, caller="a"), 0.0)
+    co.add(Request("f", M, (*sys_prompt, 6), 4, 0.0, caller="a"), 0.0)
+    assert ids(co.due(0.0)) == ["lead"]
+    assert co.next_deadline() == pytest.approx(0.005)
+    [b] = co.due(0.005)
+    assert ids([b]) == ["f"] and b.reason is ReleaseReason.PREFIX_FOLLOW
+
+
+def test_batches_group_one_round_by_key_and_reason_and_respect_the_caps() -> None:
+    lora = group_key("m", "lora")
+    co = co_(seqs=2, max_batch_seqs=2)
+    co.add(req("a"), 0.0)
+    co.add(req("b"), 0.0)
+    co.add(Request("l", lora, (1, 2), 4, 0.0), 0.0)
+    co.add(req("c"), 0.0)
+    first = co.due(0.0)
+    # Two callers ("a", and "default" for l): l is shorter, then a by counter.
+    assert [(b.key, ids([b])) for b in first] == [(lora, ["l"]), (M, ["a"])]
+    for r in ids(first):
+        co.finished(r, 0.1)
+    later = co.due(0.1)
+    assert [(b.key, b.reason, ids([b])) for b in later] == [(M, ReleaseReason.BACKLOG, ["b", "c"])]
+
+
+def test_capacity_and_age_bound_validation() -> None:
+    with pytest.raises(ValueError):
+        EngineCapacity(max_seqs=-1)
+    with pytest.raises(ValueError):
+        CoalescerConfig(age_bound=0.0)
+    with pytest.raises(ValueError):
+        CoalescerConfig(kv_reserve_short=1.0)
+    assert CoalescerConfig(age_bound=math.inf).age_bound == math.inf
+    co = co_()
+    co.capacity = EngineCapacity(max_seqs=1)
+    co.add(req("a"), 0.0)
+    co.add(req("b"), 0.0)
+    assert ids(co.due(0.0)) == ["a"]
+
+
+def test_replacing_the_config_applies_to_queued_work() -> None:
+    # The server builds the core first and gives it the engine's numbers at boot.
+    co = co_()
+    co.add(req("a"), 0.0)
+    co.add(req("b"), 0.0)
+    co.config = dataclasses.replace(
+        co.config,
+        engine=EngineCapacity(max_seqs=1),
+        callers=Callers((CallerPolicy("a", max_queued=1),)),
+    )
+    assert co.capacity == EngineCapacity(max_seqs=1)
+    assert ids(co.due(0.0)) == ["a"]
+    assert isinstance(co.add(req("c"), 0.0), Refused)  # b waits: max_queued reached

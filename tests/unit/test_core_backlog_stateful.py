@@ -1,0 +1,540 @@
+"""Stateful property tests of the backlog: callers, engine room, fair release.
+
+Hypothesis drives random sequences of add / cancel / due (with random engine KV use) /
+started / finished / state changes / caller reloads against a coalescer with window 0
+(so after a due() every admitted generation is eligible) and a small engine, and checks
+after every step:
+
+* exactly once: every admitted subscriber ends exactly once, DISPATCHED exactly when
+  it is in a returned batch; caller refusals exactly when the model says;
+* gauges (backlog, engine waiting, per-caller queued / backlog / in flight) match;
+* max_concurrency: a caller never gets a release that takes it past its cap;
+* work conservation: after due(), nothing that could go is left behind: either the
+  engine has no slot, or every backlogged caller that is not capped and has work that
+  fits the room is held back only by the fairness floor (a blocked caller's counter
+  plus its head's cost, backlog.py rule 4); with nothing in flight, the backlog is empty;
+* age bound: if a caller's oldest backlogged request is past the age bound after a
+  due(), nothing younger of that caller was released by it (the old one goes first);
+* no starvation: a drain (finish everything, call due()) empties the backlog in at most
+  one round per backlogged generation.
+
+A second machine keeps two equal-weight callers backlogged the whole time and checks
+the fairness bound of backlog.py: their counters never differ by more than
+(2 + S) x U, S the engine's slots (a bound on either caller's generations in flight)
+and U the largest request's cost, prompt + 2 x max_new.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from batching import (
+    AdmissionState,
+    Admitted,
+    CallerPolicy,
+    Callers,
+    Coalescer,
+    CoalescerConfig,
+    DedupeHit,
+    Ended,
+    EngineCapacity,
+    EngineLoad,
+    Outcome,
+    RefusalReason,
+    Refused,
+    ReleaseReason,
+    Request,
+    group_key,
+)
+from batching.room import Room
+
+M = group_key("m")
+NAMES = ("a", "b", "c")
+
+
+@dataclass
+class Gen:
+    request: Request
+    seq: int
+    subs: list[str] = field(default_factory=list)
+
+    @property
+    def caller(self) -> str:
+        return self.request.caller
+
+    @property
+    def ptok(self) -> int:
+        return len(self.request.prompt_tokens)
+
+
+@dataclass
+class Flying:
+    caller: str
+    ptok: int
+    subs: int
+    started: bool = False
+
+
+POLICY = st.builds(
+    CallerPolicy,
+    name=st.just("x"),
+    weight=st.sampled_from([1.0, 1.0, 2.0]),
+    max_concurrency=st.none() | st.integers(1, 2),
+    max_queued=st.none() | st.integers(2, 6),
+)
+
+
+def table(policies: list[CallerPolicy]) -> Callers:
+    return Callers(
+        tuple(
+            CallerPolicy(n, p.weight, p.max_concurrency, p.max_queued)
+            for n, p in zip(NAMES, policies, strict=True)
+        )
+    )
+
+
+class BacklogMachine(RuleBasedStateMachine):
+    @initialize(
+        seqs=st.integers(1, 4),
+        step=st.sampled_from([0, 12, 40]),
+        kv=st.sampled_from([0, 60, 150]),
+        reserve=st.sampled_from([0.0, 0.0, 0.4]),
+        age=st.sampled_from([0.02, 0.05, math.inf]),
+        policies=st.lists(POLICY, min_size=3, max_size=3),
+        dedupe=st.booleans(),
+        lookahead=st.sampled_from([1.0, 2.0]),
+        spare=st.sampled_from([0.0, 0.5]),
+    )
+    def setup(
+        self,
+        seqs: int,
+        step: int,
+        kv: int,
+        reserve: float,
+        age: float,
+        policies: list[CallerPolicy],
+        dedupe: bool,
+        lookahead: float,
+        spare: float,
+    ) -> None:
+        self.callers = table(policies)
+        self.cfg = CoalescerConfig(
+            window=0.0,
+            prefix_block=0,
+            dedupe=dedupe,
+            release_lone=False,
+            callers=self.callers,
+            engine=EngineCapacity(max_seqs=seqs, step_tokens=step, kv_tokens=kv),
+            age_bound=age,
+            kv_reserve_short=reserve,
+            short_prompt_tokens=8,
+            step_lookahead=lookahead,
+            slot_spare=spare,
+        )
+        self.co = Coalescer(self.cfg)
+        self.now = 0.0
+        self.kv_usage = 0.0
+        self.n = 0
+        self.seq = 0
+        self.queued: dict[str, Gen] = {}  # generation id -> Gen (queued or backlogged)
+        self.sub_gen: dict[str, str] = {}  # queued subscriber -> generation id
+        self.sub_req: dict[str, Request] = {}
+        self.flying: dict[str, Flying] = {}
+        self.ended: set[str] = set()
+        self.dispatched_now: set[str] = set()
+        self.eligible = False  # a due() ran outside CRITICAL since the last add
+
+    # -- model helpers ---------------------------------------------------------
+
+    def _policy(self, name: str) -> CallerPolicy:
+        return self.callers.get(name)
+
+    def _queued_of(self, name: str) -> int:
+        return sum(1 for r in self.sub_req.values() if r.caller == name)
+
+    def _flying_of(self, name: str) -> int:
+        return sum(1 for f in self.flying.values() if f.caller == name)
+
+    def _backlog_of(self, name: str) -> list[Gen]:
+        return [g for g in self.queued.values() if g.caller == name]
+
+    def _capped(self, name: str) -> bool:
+        mc = self._policy(name).max_concurrency
+        return mc is not None and self._flying_of(name) >= mc
+
+    def _room(self) -> Room:
+        unstarted = [f for f in self.flying.values() if not f.started]
+        return Room(
+            self.cfg.engine,
+            len(self.flying),
+            len(unstarted),
+            sum(f.ptok for f in unstarted),
+            self.kv_usage,
+            self.cfg.kv_reserve_short,
+            self.cfg.short_prompt_tokens,
+            self.cfg.step_lookahead,
+            self.cfg.slot_spare,
+        )
+
+    def _counter(self, name: str) -> float:
+        st_ = self.co.caller(name)
+        return 0.0 if st_ is None else st_.counter
+
+    def _absorb(self, events: list[object]) -> None:
+        for ev in events:
+            if isinstance(ev, Ended):
+                sid = ev.request_id
+                assert sid in self.sub_gen and sid not in self.ended, sid
+                assert ev.caller == self.sub_req[sid].caller
+                self.ended.add(sid)
+                event(f"ended: {ev.outcome.value}")
+                if ev.outcome is Outcome.DISPATCHED:
+                    assert sid in self.dispatched_now
+                    self.dispatched_now.discard(sid)
+                gid = self.sub_gen.pop(sid)
+                del self.sub_req[sid]
+                g = self.queued[gid]
+                g.subs.remove(sid)
+                if not g.subs:
+                    del self.queued[gid]
+            elif isinstance(ev, DedupeHit):
+                assert self.cfg.dedupe
+        assert not self.dispatched_now
+
+    # -- rules -------------------------------------------------------------------
+
+    @rule(
+        caller=st.sampled_from(NAMES),
+        plen=st.integers(0, 30),
+        new=st.integers(0, 10),
+        priority=st.integers(-1, 1),
+        ttl=st.none() | st.sampled_from([0.01, 0.05]),
+        fp=st.sampled_from([None, None, "g"]),
+    )
+    def add(
+        self, caller: str, plen: int, new: int, priority: int, ttl: float | None, fp: str | None
+    ) -> None:
+        self.n += 1
+        rid = f"r{self.n}"
+        prompt = (1,) * plen  # few distinct prompts: duplicates happen
+        r = Request(
+            rid,
+            M,
+            prompt,
+            new,
+            self.now,
+            priority=priority,
+            deadline=None if ttl is None else self.now + ttl,
+            fingerprint=fp,
+            caller=caller,
+        )
+        got = self.co.add(r, self.now)
+        p = self._policy(caller)
+        expect: RefusalReason | None = None
+        if self.co.state is AdmissionState.DRAINING:
+            expect = RefusalReason.DRAINING
+        elif self.co.state is not AdmissionState.OK:
+            expect = RefusalReason.MEMORY
+        elif p.max_queued is not None:
+            mc = p.max_concurrency or 0
+            used = min(self._flying_of(caller), mc)
+            if self._queued_of(caller) + used >= p.max_queued + mc:
+                expect = RefusalReason.CALLER_LIMIT
+        if expect is not None:
+            assert isinstance(got, Refused) and got.reason is expect, (got, expect)
+            event(f"refused: {expect.value}")
+            self.co.pop_events()
+            return
+        assert isinstance(got, Admitted), got
+        join = None
+        if fp is not None and self.cfg.dedupe:
+            for gid, g in self.queued.items():
+                if (g.request.prompt_tokens, g.request.fingerprint) == (prompt, fp):
+                    join = gid
+        assert got.joined == join
+        if join is None:
+            self.seq += 1
+            self.queued[rid] = Gen(r, self.seq)
+            self.eligible = False
+        gid = join or rid
+        self.queued[gid].subs.append(rid)
+        self.sub_gen[rid] = gid
+        self.sub_req[rid] = r
+        self._absorb(self.co.pop_events())
+
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from([*sorted(self.sub_gen), "nope"]))
+        assert self.co.cancel(rid, self.now) is (rid in self.sub_gen)
+        self._absorb(self.co.pop_events())
+
+    @rule(
+        dt=st.sampled_from([0.0, 0.005, 0.01, 0.03]),
+        kv=st.sampled_from([0.0, 0.3, 0.6, 0.9, 1.0]),
+    )
+    def due(self, dt: float, kv: float) -> None:
+        self.now += dt
+        self.kv_usage = kv
+        before = {n: self._flying_of(n) for n in NAMES}
+        batches = self.co.due(self.now, EngineLoad(len(self.flying), 0, kv))
+        events = self.co.pop_events()
+        expired = {
+            e.request_id for e in events if isinstance(e, Ended) and e.outcome is Outcome.EXPIRED
+        }
+        if self.co.state is AdmissionState.CRITICAL:
+            assert batches == []
+            self._absorb(events)
+            return
+        released: list[Gen] = []
+        for b in batches:
+            event(f"batch: {b.reason.value}")
+            assert b.reason in (ReleaseReason.IMMEDIATE, ReleaseReason.BACKLOG)
+            for e in b.entries:
+                g = self.queued[e.request.id]
+                assert list(e.subscribers) == [s for s in g.subs if s not in expired]
+                self.dispatched_now.update(e.subscribers)
+                released.append(g)
+        self._absorb(events)
+        for g in released:
+            self.flying[g.request.id] = Flying(g.caller, g.ptok, len(g.subs))
+        self.eligible = True
+        if released and self.queued:
+            event("released some, held some")
+        # max_concurrency: no release took a caller past its cap.
+        for name in NAMES:
+            got = sum(1 for g in released if g.caller == name)
+            mc = self._policy(name).max_concurrency
+            if got and mc is not None:
+                assert before[name] + got <= mc, (name, before[name], got, mc)
+        # Age bound: an overdue oldest request goes before anything younger of its caller.
+        for name in NAMES:
+            mine = self._backlog_of(name)
+            if not mine:
+                continue
+            oldest = min(mine, key=lambda g: g.seq)
+            if oldest.request.arrival + self.cfg.age_bound <= self.now:
+                event("overdue request held")
+                assert all(g.seq < oldest.seq for g in released if g.caller == name)
+        self._check_work_conserving()
+
+    def _check_work_conserving(self) -> None:
+        if not self.queued:
+            return
+        assert self.flying, "the engine is idle while the backlog holds work"
+        room = self._room()
+        if room.full:
+            event("held: no slot")
+            return
+        floor = math.inf
+        unblocked: list[str] = []
+        for name in NAMES:
+            mine = self._backlog_of(name)
+            if not mine or self._capped(name):
+                continue
+            oldest = min(mine, key=lambda g: g.seq)
+            overdue = oldest.request.arrival + self.cfg.age_bound <= self.now
+            head = (
+                oldest if overdue else min(mine, key=lambda g: (g.request.priority, g.ptok, g.seq))
+            )
+            if overdue:
+                blocked = not room.fits(head.ptok)
+            else:
+                blocked = not any(room.fits(g.ptok) for g in mine)
+            if blocked:
+                w = self._policy(name).weight
+                cost = (head.ptok + 2 * head.request.max_new_tokens) / w
+                floor = min(floor, self._counter(name) + max(cost, 1.0 / w))
+            else:
+                unblocked.append(name)
+        for name in unblocked:
+            event("held: fairness floor")
+            assert self._counter(name) >= floor, (name, self._counter(name), floor)
+
+    @precondition(lambda self: any(not f.started for f in self.flying.values()))
+    @rule(data=st.data())
+    def started(self, data: st.DataObject) -> None:
+        gid = data.draw(st.sampled_from(sorted(g for g, f in self.flying.items() if not f.started)))
+        assert self.co.started(gid, self.now) is True
+        self.flying[gid].started = True
+
+    @precondition(lambda self: bool(self.flying))
+    @rule(data=st.data(), every=st.booleans(), tokens=st.integers(0, 10))
+    def finished(self, data: st.DataObject, every: bool, tokens: int) -> None:
+        done = sorted(self.flying) if every else [data.draw(st.sampled_from(sorted(self.flying)))]
+        for gid in done:
+            assert self.co.finished(gid, self.now, tokens) is True
+            del self.flying[gid]
+        assert self.co.finished("nope", self.now) is False
+
+    @rule(state=st.sampled_from([AdmissionState.OK] * 6 + list(AdmissionState)))
+    def set_state(self, state: AdmissionState) -> None:
+        self.co.state = state
+
+    @rule(policies=st.lists(POLICY, min_size=3, max_size=3))
+    def reload(self, policies: list[CallerPolicy]) -> None:
+        self.callers = table(policies)
+        self.co.set_callers(self.callers)
+
+    @rule()
+    def drain(self) -> None:
+        """No starvation: with the engine finishing everything, the backlog empties."""
+        self.co.state = AdmissionState.OK
+        for _ in range(len(self.queued) + 2):
+            for gid in list(self.flying):
+                self.co.started(gid, self.now)
+                self.co.finished(gid, self.now, 1)
+            self.flying.clear()
+            self.due(0.01, 0.0)
+            if not self.queued:
+                break
+        assert not self.queued, "the backlog did not drain"
+
+    # -- invariants ----------------------------------------------------------------
+
+    @invariant()
+    def gauges_match_the_model(self) -> None:
+        if not hasattr(self, "co"):
+            return
+        co = self.co
+        assert co.queued_requests == len(self.sub_gen)
+        assert co.queued_generations == len(self.queued)
+        assert co.in_flight == len(self.flying)
+        assert co.engine_waiting == sum(1 for f in self.flying.values() if not f.started)
+        if self.eligible:
+            assert co.backlog_generations == len(self.queued)
+        for name in NAMES:
+            s = co.caller(name)
+            if s is None:
+                continue
+            assert s.queued == self._queued_of(name)
+            assert s.in_flight == self._flying_of(name)
+            if self.eligible:
+                assert s.backlog == len(self._backlog_of(name))
+        c = co.counters
+        assert c.dispatched + c.cancelled + c.expired + c.rejected == len(self.ended)
+        assert c.admitted == len(self.ended) + len(self.sub_gen)
+
+
+TestBacklogMachine = BacklogMachine.TestCase
+TestBacklogMachine.settings = settings(
+    max_examples=300,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+class FairnessMachine(RuleBasedStateMachine):
+    """Two equal-weight callers that never run out of backlogged work."""
+
+    MAX_PROMPT = 30
+    MAX_NEW = 10
+
+    @initialize(
+        seqs=st.integers(1, 4),
+        step=st.sampled_from([0, 20, 60]),
+        kv=st.sampled_from([0, 80, 200]),
+        age=st.sampled_from([0.05, math.inf]),
+    )
+    def setup(self, seqs: int, step: int, kv: int, age: float) -> None:
+        self.slots = seqs
+        self.co = Coalescer(
+            CoalescerConfig(
+                window=0.0,
+                prefix_block=0,
+                release_lone=False,
+                engine=EngineCapacity(max_seqs=seqs, step_tokens=step, kv_tokens=kv),
+                age_bound=age,
+            )
+        )
+        self.now = 0.0
+        self.n = 0
+        self.backlog = {"a": 0, "b": 0}
+        self.owner: dict[str, str] = {}
+        self.flying: dict[str, int] = {}  # id -> max_new
+        self.unstarted: set[str] = set()
+
+    @rule(
+        dt=st.sampled_from([0.0, 0.01, 0.03]),
+        kv=st.sampled_from([0.0, 0.5, 0.9]),
+        sizes=st.lists(
+            st.tuples(st.integers(0, MAX_PROMPT), st.integers(0, MAX_NEW)), min_size=10, max_size=10
+        ),
+    )
+    def due(self, dt: float, kv: float, sizes: list[tuple[int, int]]) -> None:
+        # Top up: at most `slots` generations leave per due(), so 5 + slots waiting
+        # means neither caller's backlog ever empties (no return from idle).
+        sizes_left = iter(sizes * 4)
+        for name in ("a", "b"):
+            while self.backlog[name] < 5 + self.slots:
+                plen, new = next(sizes_left)
+                if name == "b":  # b's prompts are short, a's long: a is the one
+                    plen //= 3  # that finds no room while b still fits
+                self.n += 1
+                rid = f"{name}{self.n}"
+                r = Request(rid, M, (self.n,) * plen, new, self.now, caller=name)
+                assert isinstance(self.co.add(r, self.now), Admitted)
+                self.owner[rid] = name
+                self.backlog[name] += 1
+        self.now += dt
+        largest_prompt = {"a": -1, "b": -1}  # per caller, among this round's releases
+        for b in self.co.due(self.now, EngineLoad(len(self.flying), 0, kv)):
+            for e in b.entries:
+                rid = e.request.id
+                name = self.owner[rid]
+                self.backlog[name] -= 1
+                self.flying[rid] = e.request.max_new_tokens
+                self.unstarted.add(rid)
+                largest_prompt[name] = max(largest_prompt[name], len(e.request.prompt_tokens))
+        self.co.pop_events()
+        assert min(self.backlog.values()) > 0
+        # Each release went to a caller whose counter was below the other's plus one
+        # request's cost (backlog.py rule 4); counters only grow within a round, so
+        # for its last release: counter now - its prompt < the other's now + U.
+        largest = self.MAX_PROMPT + 2 * self.MAX_NEW
+        for name, other in (("a", "b"), ("b", "a")):
+            if largest_prompt[name] >= 0:
+                mine, theirs = self.co.caller(name), self.co.caller(other)
+                assert mine is not None and theirs is not None
+                assert mine.counter - largest_prompt[name] < theirs.counter + largest
+
+    @precondition(lambda self: bool(self.unstarted))
+    @rule(data=st.data())
+    def started(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.unstarted)))
+        self.co.started(rid, self.now)
+        self.unstarted.discard(rid)
+
+    @precondition(lambda self: bool(self.flying))
+    @rule(data=st.data(), share=st.floats(0.0, 1.0))
+    def finished(self, data: st.DataObject, share: float) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.flying)))
+        self.co.finished(rid, self.now, int(self.flying.pop(rid) * share))
+        self.unstarted.discard(rid)
+
+    @invariant()
+    def counters_stay_within_the_bound(self) -> None:
+        if not hasattr(self, "co"):
+            return
+        a, b = self.co.caller("a"), self.co.caller("b")
+        if a is None or b is None:
+            return
+        largest = self.MAX_PROMPT + 2 * self.MAX_NEW
+        gap = abs(a.counter - b.counter)
+        event(f"gap in units of the largest request: {math.ceil(gap / largest)}")
+        assert gap <= (2 + self.slots) * largest, (a, b)
+        assert a.counter == a.service and b.counter == b.service  # never lifted
+
+
+TestFairnessMachine = FairnessMachine.TestCase
+TestFairnessMachine.settings = settings(
+    max_examples=200,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
