@@ -230,6 +230,7 @@ class RequestLog:
 
     starts: tuple[float, ...]
     latencies: tuple[float, ...]
+    ttfts: tuple[float, ...]  # seconds
     output_lens: tuple[int, ...]
     errors: tuple[str, ...]
 
@@ -241,13 +242,15 @@ class RequestLog:
             return None
         n = len(starts)
         lat = list(data.get("latencies") or [0.0] * n)
+        ttfts = list(data.get("ttfts") or [0.0] * n)
         outs = list(data.get("output_lens") or [0] * n)
         errs = list(data.get("errors") or [""] * n)
-        if not len(lat) == len(outs) == len(errs) == n:
+        if not len(lat) == len(ttfts) == len(outs) == len(errs) == n:
             raise ValueError("client result: per-request lists of different lengths")
         return cls(
             tuple(float(x) for x in starts),
             tuple(float(x or 0.0) for x in lat),
+            tuple(float(x or 0.0) for x in ttfts),
             tuple(int(x or 0) for x in outs),
             tuple(str(e or "") for e in errs),
         )
@@ -273,18 +276,32 @@ class RequestLog:
         return out
 
 
+def percentile(values: Sequence[float], p: float) -> float:
+    """The p-th percentile with linear interpolation (numpy's default, which the
+    client uses for its own percentiles)."""
+    if not values:
+        return math.nan
+    v = sorted(values)
+    k = (len(v) - 1) * p / 100
+    lo = math.floor(k)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
 def noisy_metrics(
     results: Mapping[str, Mapping[str, float]], logs: Mapping[str, RequestLog]
 ) -> dict[str, float]:
     """One record of a noisy-neighbour point from its `chat` and `flood` jobs.
 
     The chat caller's TTFT percentiles, completions and refusals (the client's
-    own numbers, prefixed `chat_`). With a flood beside it: the flood's requests
-    that completed inside the chat job's span (first chat request sent to last
-    chat request done) and their rate, which does not depend on how long the
-    flood runs on after the chat job ends; the flood's own totals; and the share
-    of chat requests sent while the flood still ran (below 1, the flood ended
-    early and some chat requests were measured without it).
+    own numbers, prefixed `chat_`). With a flood beside it: the chat caller's
+    TTFT percentiles again, over only its answered requests sent while the flood
+    ran (the flood's client starts a few seconds after the chat client: it
+    builds 2,000-token prompts first; and it may end before it); the share of
+    chat requests sent while the flood ran; the flood's requests that completed
+    inside the chat job's span (first chat request sent to last chat request
+    done) and their rate, which does not depend on how long the flood runs on
+    after the chat job ends; and the flood's own totals.
     """
     out: dict[str, float] = {}
     chat = results.get("chat", {})
@@ -310,8 +327,13 @@ def noisy_metrics(
         out["flood_span_req_s"] = len(done) / (hi - lo)
         out["flood_span_tok_s"] = sum(flood_log.output_lens[i] for i in done) / (hi - lo)
     f_lo, f_hi = flood_span
-    beside = sum(1 for s in chat_log.starts if f_lo <= s <= f_hi)
-    out["chat_beside_flood"] = beside / len(chat_log.starts)
+    beside = [i for i, s in enumerate(chat_log.starts) if f_lo <= s <= f_hi]
+    out["chat_beside_flood"] = len(beside) / len(chat_log.starts)
+    answered = set(chat_log.ok())
+    ttfts = [chat_log.ttfts[i] * 1000 for i in beside if i in answered]
+    if ttfts:
+        for p in (50, 95, 99):
+            out[f"chat_ttft_p{p}"] = percentile(ttfts, p)
     return out
 
 

@@ -638,9 +638,9 @@ PANELS: tuple[rp.Panel, ...] = (
     ),
     rp.BarPanel(
         CONCURRENCY,
-        (("req/s", "req_s"),),
-        f"Backlog beyond max_num_seqs: {WIDE_POINT}",
-        "req/s",
+        (("p50", "ttft_p50"), ("p99", "ttft_p99")),
+        f"Backlog beyond max_num_seqs: {WIDE_POINT}, TTFT",
+        "TTFT (ms)",
         only=(WIDE_POINT,),
     ),
     rp.LinePanel(POISSON, "ttft_p99", "Poisson sweep: TTFT p99", _RATE_X, log_y=True),
@@ -765,10 +765,11 @@ def render_markdown(
                 f"{FLOOD_LEN[0]:,} in / {FLOOD_LEN[1]} out in flight (closed loop). Each "
                 "job sends its own bearer key; Sluice gets a callers file naming both "
                 "(weight 1 each) when it has `--callers`, vLLM's server gets no key. "
-                "`chat + flood`: both at once; the flood's figures count its requests that "
-                "completed between the chat job's first request and its last answer. "
-                "TTFT percentiles are over the chat requests that were answered; refused "
-                "ones are counted as failed.",
+                "`chat + flood`: both at once; the chat caller's TTFT percentiles count its "
+                "answered requests sent while the flood ran (per-request detail: the flood's "
+                "client starts a few seconds late, building its long prompts), refused ones "
+                "are counted as failed; the flood's figures count its requests that "
+                "completed between the chat job's first request and its last answer.",
                 "",
             ]
         if sc == PAST_CAPACITY:

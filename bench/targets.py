@@ -177,9 +177,10 @@ def issue11(records: Sequence[rp.Record]) -> list[Row]:
     if shares:
         rows.append(
             (
-                "noisy neighbour (set-up check): every chat request sent while the flood ran",
+                "noisy neighbour (set-up check): chat requests sent while the flood ran "
+                "(the TTFT rows count only these)",
                 f"{min(shares):.0%} (lowest over systems and repetitions)",
-                "ok" if min(shares) >= 0.99 else "SET-UP: the flood ended early",
+                "ok" if min(shares) >= 0.8 else "SET-UP: the flood ran beside too few",
             )
         )
     past = rp.aggregate(records, PAST_CAPACITY)
@@ -221,15 +222,22 @@ def issue11(records: Sequence[rp.Record]) -> list[Row]:
     s, v = conc.get(WIDE_POINT, rp.SLUICE, "req_s"), conc.get(WIDE_POINT, rp.VLLM, "req_s")
     r = rp.ratio(s, v)
     if r is not None and s is not None and v is not None:
-        s99 = conc.get(WIDE_POINT, rp.SLUICE, "ttft_p99")
-        v99 = conc.get(WIDE_POINT, rp.VLLM, "ttft_p99")
-        p99 = f"; TTFT p99 {_ms(s99.median)} vs {_ms(v99.median)}" if s99 and v99 else ""
         verdict = "met" if r >= 1.0 else "parity within noise" if r >= NOISE else "MISSED"
         rows.append(
             (
-                f"{WIDE_POINT}: at least parity with vLLM",
-                f"{s.median:.1f} vs {v.median:.1f} req/s ({r:.2f}x{p99})",
+                f"{WIDE_POINT}: req/s at least parity with vLLM",
+                f"{s.median:.1f} vs {v.median:.1f} req/s ({r:.2f}x)",
                 verdict,
+            )
+        )
+    s, v = conc.get(WIDE_POINT, rp.SLUICE, "ttft_p99"), conc.get(WIDE_POINT, rp.VLLM, "ttft_p99")
+    r = rp.ratio(s, v)
+    if r is not None and s is not None and v is not None:
+        rows.append(
+            (
+                f"{WIDE_POINT}: TTFT p99 at least parity with vLLM",
+                f"{_ms(s.median)} vs {_ms(v.median)} ({r:.2f}x)",
+                "met" if r <= 1.0 else "within noise" if r <= 1 / NOISE else "MISSED",
             )
         )
     return rows
