@@ -7,7 +7,10 @@ Usage:
 With no --model on a machine without a GPU the offline demo model is built and
 served with its measured CPU flags (bfloat16, max_model_len 8192, 512 MiB KV
 cache); everything after `--` is passed unchanged to both servers and the raw
-engine. Results: bench/results/<name>.md and .png; raw logs and the records
+engine. The KV-bound scenarios (noisy_neighbour, mixed_past_capacity) append
+their own flags (a KV cache of 16,384 tokens, a 4,096 context), sized with the
+model's KV bytes per token (from its config.json, or --kv-bytes-per-token).
+Results: bench/results/<name>.md and .png; raw logs and the records
 (JSON) under bench/results/raw/<name>/ (git-ignored). `--report-only` re-renders
 the Markdown and plot from saved records; `--plot-from-md` only the plot, from
 the tables of a committed report (for a run whose raw/ is gone).
@@ -23,7 +26,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench import report as rp
-from bench.scenarios import FULL, QUICK, SCENARIOS, build_plan
+from bench.scenarios import (
+    FULL,
+    KV_BOUND_SCENARIOS,
+    QUICK,
+    SCENARIOS,
+    build_plan,
+    kv_bytes_per_token,
+)
 
 DEMO_NAME = "sluice-demo"
 
@@ -68,12 +78,19 @@ def _demo_flags() -> tuple[list[str], str]:
     return flags, str(model_dir)
 
 
-def _model_context(model: str) -> int | None:
+def _model_config(model: str) -> dict[str, object]:
+    """A local model's config.json (empty for a hub id: nothing is downloaded here)."""
     cfg = Path(model) / "config.json"
     if cfg.is_file():
-        v = json.loads(cfg.read_text()).get("max_position_embeddings")
-        return int(v) if v else None
-    return None
+        data = json.loads(cfg.read_text())
+        if isinstance(data, dict):
+            return data
+    return {}
+
+
+def _model_context(model: str) -> int | None:
+    v = _model_config(model).get("max_position_embeddings")
+    return int(v) if isinstance(v, int | str) and v else None
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -102,6 +119,18 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         "--max-model-len",
         type=int,
         help="context used to scale the mixed load (default: from the flags/model)",
+    )
+    ap.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        help="KV-cache bytes per token, to size the KV-bound scenarios "
+        "(default: from the model's config.json, bf16)",
+    )
+    ap.add_argument(
+        "--systems",
+        default=f"{rp.SLUICE},{rp.VLLM}",
+        help="servers to run, comma-separated (default: sluice,vllm; `sluice` alone "
+        "for an A/B of Sluice flags under --name)",
     )
     ap.add_argument(
         "--sluice-args",
@@ -137,6 +166,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = set(scenarios) - set(SCENARIOS)
     if unknown:
         print(f"unknown scenarios: {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    systems = tuple(s.strip() for s in ns.systems.split(",") if s.strip())
+    if not systems or set(systems) - {rp.SLUICE, rp.VLLM}:
+        print(f"--systems takes {rp.SLUICE} and/or {rp.VLLM}", file=sys.stderr)
         return 2
     demo = ns.model is None
     name = ns.name or ("demo-cpu" if demo else Path(ns.model.rstrip("/")).name.lower())
@@ -174,12 +207,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not max_model_len:
         max_model_len = 8192
         rn.log("context length unknown: scaling the mixed load for 8192 (set --max-model-len)")
+    bpt = ns.kv_bytes_per_token or kv_bytes_per_token(_model_config(tokenizer))
+    if bpt is None and KV_BOUND_SCENARIOS & set(scenarios):
+        print(
+            "the KV-bound scenarios need the model's KV bytes per token: no local "
+            "config.json gives it; pass --kv-bytes-per-token",
+            file=sys.stderr,
+        )
+        return 2
     plan = build_plan(
         scenarios,
         QUICK if ns.quick else FULL,
         max_model_len=max_model_len,
         input_len=ns.input_len,
         output_len=ns.output_len,
+        kv_bytes_per_token=bpt,
     )
     cfg = rn.RunConfig(
         name=name,
@@ -192,6 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         repeat=repeat,
         quick=ns.quick,
         sluice_flags=shlex.split(ns.sluice_args),
+        systems=systems,
         env=env,
         server_timeout=ns.server_timeout,
     )

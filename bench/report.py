@@ -65,6 +65,20 @@ METRIC_TITLES: dict[str, str] = {
     "medium_ttft_p95": "medium TTFT p95 (ms)",
     "long_ttft_p95": "long TTFT p95 (ms)",
     "short_failed": "short failed",
+    "chat_ttft_p50": "chat TTFT p50 (ms)",
+    "chat_ttft_p95": "chat TTFT p95 (ms)",
+    "chat_ttft_p99": "chat TTFT p99 (ms)",
+    "chat_completed": "chat completed",
+    "chat_failed": "chat failed (refused)",
+    "chat_beside_flood": "chat requests sent while the flood ran (share)",
+    "flood_span_completed": "flood completed during the chat span",
+    "flood_span_req_s": "flood req/s during the chat span",
+    "flood_span_tok_s": "flood output tok/s during the chat span",
+    "flood_completed": "flood completed (all)",
+    "flood_failed": "flood failed (refused)",
+    "flood_req_s": "flood req/s (its whole run)",
+    "medium_failed": "medium failed",
+    "long_failed": "long failed",
 }
 
 
@@ -197,6 +211,129 @@ def combine_mixed(results: Mapping[str, Mapping[str, float]]) -> dict[str, float
                 out[f"{role}_{p}"] = r[p]
         if "failed" in r:
             out[f"{role}_failed"] = r["failed"]
+    return out
+
+
+# ------------------------------------------------------- per-request detail
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLog:
+    """The per-request lists of a `--save-detailed` client result.
+
+    Times are the client's `time.perf_counter()` (CLOCK_MONOTONIC on Linux,
+    one clock for every process on the machine), so two concurrent client
+    processes' requests can be placed on one time line. A failed request has
+    latency 0 and its error text (the HTTP reason, such as "Service
+    Unavailable", or a traceback).
+    """
+
+    starts: tuple[float, ...]
+    latencies: tuple[float, ...]
+    ttfts: tuple[float, ...]  # seconds
+    output_lens: tuple[int, ...]
+    errors: tuple[str, ...]
+
+    @classmethod
+    def from_result(cls, data: Mapping[str, Any]) -> RequestLog | None:
+        """The lists of a client result, or None when it was saved without detail."""
+        starts = data.get("start_times")
+        if not isinstance(starts, list):
+            return None
+        n = len(starts)
+        lat = list(data.get("latencies") or [0.0] * n)
+        ttfts = list(data.get("ttfts") or [0.0] * n)
+        outs = list(data.get("output_lens") or [0] * n)
+        errs = list(data.get("errors") or [""] * n)
+        if not len(lat) == len(ttfts) == len(outs) == len(errs) == n:
+            raise ValueError("client result: per-request lists of different lengths")
+        return cls(
+            tuple(float(x) for x in starts),
+            tuple(float(x or 0.0) for x in lat),
+            tuple(float(x or 0.0) for x in ttfts),
+            tuple(int(x or 0) for x in outs),
+            tuple(str(e or "") for e in errs),
+        )
+
+    def ok(self) -> list[int]:
+        """Indices of the successful requests."""
+        return [i for i, e in enumerate(self.errors) if not e]
+
+    def span(self) -> tuple[float, float] | None:
+        """First start to last end over all requests (a refused one ends at its start)."""
+        if not self.starts:
+            return None
+        ends = [s + lat for s, lat in zip(self.starts, self.latencies, strict=True)]
+        return min(self.starts), max(ends)
+
+    def error_counts(self) -> dict[str, int]:
+        """Failed requests by the first line of their error (at most 80 characters)."""
+        out: dict[str, int] = {}
+        for e in self.errors:
+            if e:
+                key = e.strip().splitlines()[-1 if "Traceback" in e else 0][:80] or "(empty)"
+                out[key] = out.get(key, 0) + 1
+        return out
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """The p-th percentile with linear interpolation (numpy's default, which the
+    client uses for its own percentiles)."""
+    if not values:
+        return math.nan
+    v = sorted(values)
+    k = (len(v) - 1) * p / 100
+    lo = math.floor(k)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def noisy_metrics(
+    results: Mapping[str, Mapping[str, float]], logs: Mapping[str, RequestLog]
+) -> dict[str, float]:
+    """One record of a noisy-neighbour point from its `chat` and `flood` jobs.
+
+    The chat caller's TTFT percentiles, completions and refusals (the client's
+    own numbers, prefixed `chat_`). With a flood beside it: the chat caller's
+    TTFT percentiles again, over only its answered requests sent while the flood
+    ran (the flood's client starts a few seconds after the chat client: it
+    builds 2,000-token prompts first; and it may end before it); the share of
+    chat requests sent while the flood ran; the flood's requests that completed
+    inside the chat job's span (first chat request sent to last chat request
+    done) and their rate, which does not depend on how long the flood runs on
+    after the chat job ends; and the flood's own totals.
+    """
+    out: dict[str, float] = {}
+    chat = results.get("chat", {})
+    for k in ("ttft_p50", "ttft_p95", "ttft_p99", "completed", "failed"):
+        if k in chat:
+            out[f"chat_{k}"] = chat[k]
+    flood = results.get("flood")
+    if flood is None:
+        return out
+    for k in ("completed", "failed", "req_s"):
+        if k in flood:
+            out[f"flood_{k}"] = flood[k]
+    chat_log, flood_log = logs.get("chat"), logs.get("flood")
+    if chat_log is None or flood_log is None:
+        return out
+    chat_span, flood_span = chat_log.span(), flood_log.span()
+    if chat_span is None or flood_span is None:
+        return out
+    lo, hi = chat_span
+    done = [i for i in flood_log.ok() if lo <= flood_log.starts[i] + flood_log.latencies[i] <= hi]
+    out["flood_span_completed"] = float(len(done))
+    if hi > lo:
+        out["flood_span_req_s"] = len(done) / (hi - lo)
+        out["flood_span_tok_s"] = sum(flood_log.output_lens[i] for i in done) / (hi - lo)
+    f_lo, f_hi = flood_span
+    beside = [i for i, s in enumerate(chat_log.starts) if f_lo <= s <= f_hi]
+    out["chat_beside_flood"] = len(beside) / len(chat_log.starts)
+    answered = set(chat_log.ok())
+    ttfts = [chat_log.ttfts[i] * 1000 for i in beside if i in answered]
+    if ttfts:
+        for p in (50, 95, 99):
+            out[f"chat_ttft_p{p}"] = percentile(ttfts, p)
     return out
 
 
@@ -407,6 +544,7 @@ class LinePanel:
     title: str
     xlabel: str
     log_y: bool = False
+    skip: tuple[str, ...] = ()  # points left off the line (other prompt lengths)
 
 
 @dataclass(frozen=True, slots=True)
@@ -418,6 +556,8 @@ class BarPanel:
     bars: tuple[tuple[str, str], ...]  # (group label, metric)
     title: str
     ylabel: str
+    log_y: bool = False  # for values that differ by orders of magnitude
+    only: tuple[str, ...] = ()  # these points of the scenario (default: all)
 
 
 Panel = LinePanel | BarPanel
@@ -436,6 +576,8 @@ def line_series(table: Table, panel: LinePanel) -> dict[str, list[tuple[float, S
     for system in table.systems():
         pts = []
         for point in table.points:
+            if point in panel.skip:
+                continue
             x = point_number(point)
             value = table.get(point, system, panel.metric)
             if x is not None and value is not None:
@@ -453,11 +595,12 @@ def bar_groups(table: Table, panel: BarPanel) -> tuple[list[str], dict[str, list
     """
     labels: list[str] = []
     cells: list[dict[str, Spread]] = []
-    for point in table.points:
+    points = [p for p in table.points if not panel.only or p in panel.only]
+    for point in points:
         for label, metric in panel.bars:
             per = {s: v for s in table.systems() if (v := table.get(point, s, metric)) is not None}
             if per:
-                labels.append(label if len(table.points) == 1 else f"{label}\n{point}")
+                labels.append(label if len(points) == 1 else f"{label}\n{point}")
                 cells.append(per)
     systems = [s for s in table.systems() if any(s in c for c in cells)]
     return labels, {s: [c.get(s) for c in cells] for s in systems}
@@ -590,8 +733,11 @@ def _draw_bars(ax: Any, table: Table, panel: BarPanel) -> list[str]:
                 color=_colour(system),
             )
     ax.set_xticks(range(len(labels)), labels)
-    if len(table.points) == 1:
-        ax.set_xlabel(f"at {table.points[0]}")
+    points = [p for p in table.points if not panel.only or p in panel.only]
+    if len(points) == 1:
+        ax.set_xlabel(f"at {points[0]}")
+    if panel.log_y:
+        ax.set_yscale("log")
     ax.set_ylabel(panel.ylabel)
     return list(per_system)
 

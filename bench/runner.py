@@ -13,9 +13,11 @@ Order of a run (R = --repeat):
 A block is one server start (both get the same engine flags), one warm-up
 request, then every selected point once, then a full stop of the server's
 process group. Restarting a server per point would cost ~25 s each; a block per
-repetition costs 2R starts and still alternates the systems over the run. Seeds
-differ per point and repetition (and are equal across systems), so no point
-finds an earlier point's prompts in the prefix cache.
+repetition costs 2R starts and still alternates the systems over the run. Points
+that need other engine flags (the KV-bound scenarios) run in blocks of their
+own, one per engine profile, in the same ABBA order. Seeds differ per point, job
+and repetition (and are equal across systems), so no point finds an earlier
+point's prompts in the prefix cache.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import os
 import platform
 import re
+import secrets
 import shlex
 import signal
 import subprocess
@@ -38,20 +41,43 @@ from typing import IO, Any
 
 from bench import report as rp
 from bench.scenarios import (
+    ALL,
+    CHAT_LEN,
+    CHAT_RATE,
     CONCURRENCY,
+    FLOOD_CONCURRENCY,
+    FLOOD_LEN,
     IDENTICAL,
+    KV_BOUND_CONTEXT,
+    KV_BOUND_TOKENS,
     MIXED,
+    NOISY,
+    PAST_CAPACITY,
     POISSON,
     PREFIX,
     SCENARIO_TITLES,
     STRUCTURED,
+    WIDE_POINT,
     WINDOW,
+    EngineProfile,
     Job,
     Plan,
     Point,
+    by_engine,
+    callers_of,
     seed_for,
 )
-from bench.servers import HOST, Server, free_port, group_alive, kill_group, server_command
+from bench.servers import (
+    HOST,
+    Server,
+    callers_toml,
+    free_port,
+    group_alive,
+    kill_group,
+    server_command,
+    sluice_has_flag,
+)
+from bench.targets import TARGET_SETS
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
@@ -75,6 +101,7 @@ class RunConfig:
     repeat: int
     quick: bool
     sluice_flags: list[str] = field(default_factory=list)
+    systems: tuple[str, ...] = (rp.SLUICE, rp.VLLM)  # servers compared (an A/B: Sluice only)
     env: dict[str, str] = field(default_factory=dict)
     server_timeout: float = 600.0
 
@@ -153,8 +180,12 @@ class ClientPool:
 # ------------------------------------------------------------------- points
 
 
-def client_argv(cfg: RunConfig, base_url: str, job: Job, seed: int, result: Path) -> list[str]:
-    """The full `vllm bench serve` flags of one job."""
+def client_argv(
+    cfg: RunConfig, base_url: str, job: Job, seed: int, result: Path, key: str | None = None
+) -> list[str]:
+    """The full `vllm bench serve` flags of one job; `key` is its caller's bearer key
+    (sent as a header, which overrides the client's own; vLLM's server, started
+    without a key, ignores it)."""
     return [
         "--backend",
         "openai-chat" if job.chat else "openai",
@@ -182,7 +213,34 @@ def client_argv(cfg: RunConfig, base_url: str, job: Job, seed: int, result: Path
         str(result.parent),
         "--result-filename",
         result.name,
+        *(("--header", f"Authorization=Bearer {key}") if key else ()),
     ]
+
+
+# How a point's per-job results become one record: one job's metrics as they
+# are, several jobs' combined (mixed load), or the noisy neighbour's own view.
+def _combine(
+    point: Point, per_role: dict[str, dict[str, float]], logs: dict[str, rp.RequestLog]
+) -> dict[str, float]:
+    if point.scenario == NOISY:
+        return rp.noisy_metrics(per_role, logs)
+    if len(per_role) > 1:
+        return rp.combine_mixed(per_role)
+    return per_role[point.jobs[0].role]
+
+
+def _headline(m: dict[str, float]) -> str:
+    """The log line's numbers: throughput and the first TTFT the point has."""
+    rate = m.get("req_s", m.get("flood_span_req_s"))
+    head = "" if rate is None else f"{rate:.1f} req/s, "
+    for prefix in ("", "short_", "chat_"):
+        if f"{prefix}ttft_p50" in m:
+            return (
+                f"{head}{prefix}TTFT p50 {m[prefix + 'ttft_p50']:.0f} ms, "
+                f"p95 {m.get(prefix + 'ttft_p95', float('nan')):.0f} ms, "
+                f"p99 {m.get(prefix + 'ttft_p99', float('nan')):.0f} ms"
+            )
+    return f"{m.get('req_s', float('nan')):.1f} req/s"
 
 
 def _slug(s: str) -> str:
@@ -198,6 +256,21 @@ class Runner:
         self.notes: list[str] = []
         cfg.raw_dir.mkdir(parents=True, exist_ok=True)
         self.pool: ClientPool | None = None
+        # One bearer key per caller the plan names, fresh per run (loopback only;
+        # never written to the report: commands show `<name key>`).
+        self.keys = {c: "sk-bench-" + secrets.token_hex(16) for c in callers_of(cfg.plan.points)}
+        self._sluice_callers: bool | None = None
+
+    def _redact(self, text: str) -> str:
+        for name, key in self.keys.items():
+            text = text.replace(key, f"<{name} key>")
+        return text
+
+    def note(self, text: str) -> None:
+        """A line for the report's Notes (and the console)."""
+        log(f"  note: {text}")
+        if text not in self.notes:
+            self.notes.append(text)
 
     # -- records -----------------------------------------------------------
 
@@ -210,19 +283,21 @@ class Runner:
 
     def run_point(self, server: Server, point: Point, rep: int, system: str) -> None:
         cfg = self.cfg
-        seed = seed_for(point.scenario, point.seed_name or point.name, rep)
         tag = f"{_slug(point.scenario)}-{_slug(point.name)}-{system}-r{rep}"
         jobs: list[tuple[list[str], Path]] = []
         for job in point.jobs:
+            seed = seed_for(point.scenario, point.seed_name or point.name, rep, job.role)
             result = cfg.raw_dir / f"{tag}-{job.role}.json"
             result.unlink(missing_ok=True)
-            argv = client_argv(cfg, server.base_url, job, seed, result)
+            key = self.keys.get(job.caller) if job.caller else None
+            argv = client_argv(cfg, server.base_url, job, seed, result, key)
             jobs.append((argv, result))
-            key = f"{point.scenario} / {point.name} / {job.role}"
             self.commands.setdefault(
-                key,
-                "python bench/vllm_client.py "
-                + shlex.join(a.replace(server.base_url, "http://127.0.0.1:PORT") for a in argv),
+                f"{point.scenario} / {point.name} / {job.role}",
+                self._redact(
+                    "python bench/vllm_client.py "
+                    + shlex.join(a.replace(server.base_url, "http://127.0.0.1:PORT") for a in argv)
+                ),
             )
         before = rp.parse_prometheus(server.metrics()) if point.prefix_metrics else {}
         assert self.pool is not None
@@ -235,12 +310,31 @@ class Runner:
         )
         elapsed = time.monotonic() - t0
         per_role: dict[str, dict[str, float]] = {}
+        logs: dict[str, rp.RequestLog] = {}
         for (_, result), job, outcome in zip(jobs, point.jobs, outcomes, strict=True):
             if outcome.get("rc") != 0 or not result.exists():
                 log(f"  FAILED {tag} {job.role}: {outcome.get('error')} (log: {result})")
                 return
-            per_role[job.role] = rp.parse_client_result(json.loads(result.read_text()))
-        metrics = rp.combine_mixed(per_role) if len(per_role) > 1 else per_role[point.jobs[0].role]
+            data = json.loads(result.read_text())
+            per_role[job.role] = rp.parse_client_result(data)
+            detail = rp.RequestLog.from_result(data)
+            if detail is not None:
+                logs[job.role] = detail
+                errors = detail.error_counts()
+                if errors:
+                    who = "" if job.role == ALL else f" {job.role}"
+                    self.note(
+                        f"{rp.SYSTEM_TITLES[system]}, {point.scenario} / {point.name}, rep {rep},"
+                        f"{who}: {sum(errors.values())} of {len(detail.errors)} requests failed: "
+                        + "; ".join(f"{n} x {e!r}" for e, n in errors.items())
+                    )
+            elif per_role[job.role].get("failed", 0) > 0:
+                self.note(
+                    f"{rp.SYSTEM_TITLES[system]}, {point.scenario} / {point.name}, rep {rep}, "
+                    f"{job.role}: {per_role[job.role]['failed']:.0f} requests failed "
+                    f"(see {result.with_suffix('.log').name})"
+                )
+        metrics = _combine(point, per_role, logs)
         if point.prefix_metrics:
             time.sleep(1.0)  # let the engine's last step stats reach /metrics
             metrics = {
@@ -249,10 +343,7 @@ class Runner:
             }
         self.add(rp.Record(point.scenario, point.name, system, rep, metrics))
         log(
-            f"  {system:6} {point.scenario}/{point.name} rep {rep}: "
-            f"{metrics.get('req_s', float('nan')):.1f} req/s, TTFT p50 "
-            f"{metrics.get('ttft_p50', metrics.get('short_ttft_p50', float('nan'))):.0f} ms, p99 "
-            f"{metrics.get('ttft_p99', metrics.get('short_ttft_p99', float('nan'))):.0f} ms"
+            f"  {system:6} {point.scenario}/{point.name} rep {rep}: {_headline(metrics)}"
             + (
                 f", prefill {metrics['prefill_tokens']:.0f} tok"
                 if "prefill_tokens" in metrics
@@ -263,11 +354,45 @@ class Runner:
 
     # -- servers --------------------------------------------------------------
 
+    def _callers_flags(self, system: str, callers: Sequence[str]) -> list[str]:
+        """`--callers FILE` for Sluice when the block's jobs name callers and this
+        Sluice has the flag (issue 11); the file goes to the run's raw dir, 0600."""
+        if system != rp.SLUICE or not callers:
+            return []
+        if self._sluice_callers is None:
+            self._sluice_callers = sluice_has_flag("--callers", ROOT)
+            if not self._sluice_callers:
+                self.note(
+                    "this Sluice has no --callers flag: each job still sent its own bearer "
+                    "key, but Sluice started without keys and served every request as one "
+                    "caller (no per-caller fair share)"
+                )
+        if not self._sluice_callers:
+            return []
+        path = self.cfg.raw_dir / "callers.toml"
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(callers_toml({c: self.keys[c] for c in callers}))
+        self.commands.setdefault("Sluice callers file", self._redact(path.read_text()))
+        return ["--callers", str(path)]
+
     @contextlib.contextmanager
-    def server(self, system: str, label: str, sluice_flags: Sequence[str] = ()) -> Iterator[Server]:
+    def server(
+        self,
+        system: str,
+        label: str,
+        sluice_flags: Sequence[str] = (),
+        engine: EngineProfile | None = None,
+        callers: Sequence[str] = (),
+    ) -> Iterator[Server]:
         port = free_port()
+        engine_flags = [*self.cfg.engine_flags, *(engine.flags if engine else ())]
         cmd = server_command(
-            system, port, self.cfg.engine_flags, [*self.cfg.sluice_flags, *sluice_flags]
+            system,
+            port,
+            engine_flags,
+            [*self.cfg.sluice_flags, *sluice_flags, *self._callers_flags(system, callers)],
         )
         self.commands.setdefault(
             f"server: {label}",
@@ -281,21 +406,22 @@ class Runner:
             srv.start(self.cfg.env, timeout=self.cfg.server_timeout)
             self.start_times.append((label, srv.start_seconds))
             log(f"  ready in {srv.start_seconds:.1f} s")
-            self._warm_up(srv)
+            self._warm_up(srv, self.keys[callers[0]] if callers else None)
             yield srv
             if not srv.alive():
                 raise RuntimeError(f"{label} died during the block; see {srv.log_path}")
         log(f"  stopped {label}")
 
-    def _warm_up(self, srv: Server) -> None:
+    def _warm_up(self, srv: Server, key: str | None = None) -> None:
         """One short request, so neither server's first timed request pays for a cold path."""
         import urllib.request
 
         body = json.dumps({"model": self.cfg.served_name, "prompt": "warm up", "max_tokens": 4})
+        headers = {"Content-Type": "application/json"}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
         req = urllib.request.Request(
-            srv.base_url + "/v1/completions",
-            data=body.encode(),
-            headers={"Content-Type": "application/json"},
+            srv.base_url + "/v1/completions", data=body.encode(), headers=headers
         )
         with urllib.request.urlopen(req, timeout=120) as r:
             r.read()
@@ -374,12 +500,17 @@ class Runner:
         concurrent = max([len(p.jobs) for p in (*plan.points, *plan.window_points)] or [1])
         self.pool = ClientPool(concurrent, cfg.raw_dir, cfg.env)
         try:
+            groups = by_engine(plan.points)
             for rep in range(1, cfg.repeat + 1):
-                if plan.points:
-                    order = [rp.SLUICE, rp.VLLM] if rep % 2 else [rp.VLLM, rp.SLUICE]
+                order = [rp.SLUICE, rp.VLLM] if rep % 2 else [rp.VLLM, rp.SLUICE]
+                order = [system for system in order if system in cfg.systems]
+                for engine, points in groups:
                     for system in order:
-                        with self.server(system, f"{rp.SYSTEM_TITLES[system]}") as srv:
-                            for point in plan.points:
+                        label = rp.SYSTEM_TITLES[system] + (f", {engine.name}" if engine else "")
+                        with self.server(
+                            system, label, engine=engine, callers=callers_of(points)
+                        ) as srv:
+                            for point in points:
                                 self.run_point(srv, point, rep, system)
                 if plan.raw_points:
                     self.run_raw(rep)
@@ -450,6 +581,19 @@ BURST_METRICS = (
 )
 SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
     CONCURRENCY: ("req_s", "out_tok_s", "ttft_p50", "ttft_p99", "tpot_p50", "failed"),
+    NOISY: (
+        "chat_ttft_p50",
+        "chat_ttft_p95",
+        "chat_ttft_p99",
+        "chat_completed",
+        "chat_failed",
+        "flood_span_completed",
+        "flood_span_req_s",
+        "flood_span_tok_s",
+        "flood_completed",
+        "flood_failed",
+        "chat_beside_flood",
+    ),
     POISSON: ("req_s", "ttft_p50", "ttft_p99", "tpot_p50", "e2el_p99", "failed"),
     MIXED: (
         "short_ttft_p50",
@@ -464,97 +608,64 @@ SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
     IDENTICAL: BURST_METRICS,
     STRUCTURED: ("req_s", "out_tok_s", "ttft_p50", "ttft_p99", "tpot_p50", "e2el_p99", "failed"),
 }
+SCENARIO_METRICS[PAST_CAPACITY] = (
+    "short_ttft_p50",
+    "short_ttft_p95",
+    "short_ttft_p99",
+    "medium_ttft_p95",
+    "long_ttft_p95",
+    "req_s",
+    "short_failed",
+    "failed",
+)
 WINDOW_METRICS = ("req_s", "ttft_p50", "ttft_p99", "tpot_p50", "failed")
 
 # The plot: one panel per scenario view, each on the scenario's own x axis.
 _CONC_X = "concurrency (requests in flight)"
 _RATE_X = "offered rate (req/s)"
+_CLASSES = (("short", "short_ttft_p95"), ("medium", "medium_ttft_p95"), ("long", "long_ttft_p95"))
+# The c=512 point has other prompt lengths than the sweep: a panel of its own.
+_SWEEP_ONLY = (WIDE_POINT,)
 PANELS: tuple[rp.Panel, ...] = (
-    rp.LinePanel(CONCURRENCY, "req_s", "Concurrency sweep: throughput", _CONC_X),
-    rp.LinePanel(CONCURRENCY, "ttft_p99", "Concurrency sweep: TTFT p99", _CONC_X, log_y=True),
-    rp.LinePanel(POISSON, "ttft_p99", "Poisson sweep: TTFT p99", _RATE_X, log_y=True),
+    rp.LinePanel(CONCURRENCY, "req_s", "Concurrency sweep: throughput", _CONC_X, skip=_SWEEP_ONLY),
+    rp.LinePanel(
+        CONCURRENCY,
+        "ttft_p99",
+        "Concurrency sweep: TTFT p99",
+        _CONC_X,
+        log_y=True,
+        skip=_SWEEP_ONLY,
+    ),
     rp.BarPanel(
-        MIXED,
-        (("short", "short_ttft_p95"), ("medium", "medium_ttft_p95"), ("long", "long_ttft_p95")),
-        "Mixed 70/20/10 load: TTFT p95 by request class",
-        "TTFT p95 (ms)",
+        CONCURRENCY,
+        (("p50", "ttft_p50"), ("p99", "ttft_p99")),
+        f"Backlog beyond max_num_seqs: {WIDE_POINT}, TTFT",
+        "TTFT (ms)",
+        only=(WIDE_POINT,),
+    ),
+    rp.LinePanel(POISSON, "ttft_p99", "Poisson sweep: TTFT p99", _RATE_X, log_y=True),
+    rp.BarPanel(MIXED, _CLASSES, "Mixed 70/20/10 load: TTFT p95 by request class", "TTFT p95 (ms)"),
+    rp.BarPanel(
+        NOISY,
+        (("p50", "chat_ttft_p50"), ("p95", "chat_ttft_p95")),
+        "Noisy neighbour: the chat caller's TTFT",
+        "chat TTFT (ms, log scale)",
+        log_y=True,
+    ),
+    rp.BarPanel(
+        NOISY,
+        (("flood", "flood_span_req_s"),),
+        "Noisy neighbour: the flood's req/s during the chat span",
+        "req/s",
+    ),
+    rp.BarPanel(
+        PAST_CAPACITY,
+        _CLASSES,
+        "Mixed 70/20/10 past capacity (KV-bound): TTFT p95",
+        "TTFT p95 (ms, log scale)",
+        log_y=True,
     ),
 )
-
-
-def targets(records: Sequence[rp.Record]) -> list[tuple[str, str, str]]:
-    """The issue's targets, checked on the medians: (target, measured, verdict)."""
-    rows: list[tuple[str, str, str]] = []
-
-    def get(sc: str, point: str, system: str, m: str) -> rp.Spread | None:
-        return rp.aggregate(records, sc).get(point, system, m)
-
-    for c in ("c=32", "c=128"):
-        s, v = get(CONCURRENCY, c, rp.SLUICE, "req_s"), get(CONCURRENCY, c, rp.VLLM, "req_s")
-        r = rp.ratio(s, v)
-        if r is not None:
-            rows.append(
-                (f"{c}: Sluice req/s >= 1.3x vLLM", f"{r:.2f}x", "met" if r >= 1.3 else "MISSED")
-            )
-        s99, v99 = (
-            get(CONCURRENCY, c, rp.SLUICE, "ttft_p99"),
-            get(CONCURRENCY, c, rp.VLLM, "ttft_p99"),
-        )
-        r = rp.ratio(s99, v99)
-        if r is not None:
-            rows.append(
-                (f"{c}: Sluice TTFT p99 <= vLLM", f"{r:.2f}x", "met" if r <= 1.0 else "MISSED")
-            )
-        raw = get(CONCURRENCY, c, rp.RAW, "req_s")
-        r = rp.ratio(s, raw)
-        if r is not None:
-            rows.append(
-                (
-                    f"{c}: Sluice req/s vs raw engine (goal 0.8x)",
-                    f"{r:.2f}x",
-                    "met" if r >= 0.8 else "below goal",
-                )
-            )
-    s, v = (
-        get(CONCURRENCY, "c=1", rp.SLUICE, "ttft_p50"),
-        get(CONCURRENCY, "c=1", rp.VLLM, "ttft_p50"),
-    )
-    if s is not None and v is not None:
-        d = s.median - v.median
-        rows.append(
-            ("c=1: Sluice TTFT p50 <= vLLM + 1 ms", f"{d:+.1f} ms", "met" if d <= 1.0 else "MISSED")
-        )
-    mixed = rp.aggregate(records, MIXED)
-    for point in mixed.points:
-        s, v = (
-            mixed.get(point, rp.SLUICE, "short_ttft_p95"),
-            mixed.get(point, rp.VLLM, "short_ttft_p95"),
-        )
-        r = rp.ratio(v, s)
-        if r is not None:
-            rows.append(
-                (
-                    "mixed: short TTFT p95 >= 2x better",
-                    f"{r:.2f}x better",
-                    "met" if r >= 2 else "MISSED",
-                )
-            )
-    for sc in (PREFIX, IDENTICAL):
-        tab = rp.aggregate(records, sc)
-        for point in tab.points:
-            s, v = (
-                tab.get(point, rp.SLUICE, "prefill_tokens"),
-                tab.get(point, rp.VLLM, "prefill_tokens"),
-            )
-            if s is not None and v is not None:
-                rows.append(
-                    (
-                        f"{sc}: fewer prefill tokens than vLLM",
-                        f"{s.median:.0f} vs {v.median:.0f}",
-                        "met" if s.median < v.median else "MISSED",
-                    )
-                )
-    return rows
 
 
 def render_markdown(
@@ -568,6 +679,7 @@ def render_markdown(
     start_times: Sequence[tuple[str, float]],
     plot_msg: str,
     wall_seconds: float | None,
+    notes: Sequence[str] = (),
 ) -> str:
     out: list[str] = [f"# Sluice benchmark: {name}", ""]
     if quick:
@@ -587,19 +699,23 @@ def render_markdown(
         "spread (min–max) over repetitions; ratios are ratios of medians. Systems alternate "
         "in blocks: per repetition one Sluice block and one vLLM block (order ABBA: S V, V S, "
         "S V, ...), each a fresh server start running every point once, then the raw engine. "
-        "Seeds differ per point and repetition and are equal across systems.",
-        "",
-        "## Targets (issue 7)",
+        "Seeds differ per point, job and repetition and are equal across systems.",
         "",
     ]
-    rows = targets(records)
-    if rows:
-        out += ["| target | measured (medians) | verdict |", "|---|---|---|"]
-        out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
-    else:
-        out.append("No target could be evaluated from this run's scenarios.")
-    out.append("")
-    for sc in (CONCURRENCY, POISSON, MIXED, PREFIX, IDENTICAL, STRUCTURED):
+    any_rows = False
+    for title, check in TARGET_SETS:
+        rows = check(records)
+        if rows:
+            any_rows = True
+            out += [f"## Targets ({title})", ""]
+            out += ["| target | measured (medians) | verdict |", "|---|---|---|"]
+            out += [f"| {rp.cell(a)} | {rp.cell(b)} | {c} |" for a, b, c in rows]
+            out.append("")
+    if not any_rows:
+        out += ["## Targets", "", "No target could be evaluated from this run's scenarios.", ""]
+    if notes:
+        out += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    for sc in (CONCURRENCY, POISSON, MIXED, PREFIX, IDENTICAL, STRUCTURED, NOISY, PAST_CAPACITY):
         table = rp.aggregate(records, sc)
         if not table.points:
             continue
@@ -609,6 +725,13 @@ def render_markdown(
             rp.render_comparison(table, SCENARIO_METRICS[sc]),
             "",
         ]
+        if sc == CONCURRENCY and WIDE_POINT in table.points:
+            out += [
+                f"{WIDE_POINT} uses short requests, as the issue's measurement did, so its "
+                "throughput is not on the sweep's scale: it measures a backlog beyond the "
+                "engine's max_num_seqs (128 by default on CPU).",
+                "",
+            ]
         if sc in (CONCURRENCY, POISSON):
             out += [
                 "TPOT and ITL are the client's per-SSE-event timings: a server that sends "
@@ -631,6 +754,30 @@ def render_markdown(
                 "Constrained answers end when their JSON closes, so compare TPOT and TTFT "
                 "for the constraint's cost per token, and the Sluice/vLLM ratio for the "
                 "servers.",
+                "",
+            ]
+        if sc == NOISY:
+            out += [
+                f"Engine for both servers: the run's flags plus a KV cache of "
+                f"{KV_BOUND_TOKENS:,} tokens and a {KV_BOUND_CONTEXT:,} context. The chat "
+                f"caller sends {CHAT_LEN[0]} in / {CHAT_LEN[1]} out, Poisson at "
+                f"{CHAT_RATE:g} req/s; the batch caller keeps {FLOOD_CONCURRENCY} streams of "
+                f"{FLOOD_LEN[0]:,} in / {FLOOD_LEN[1]} out in flight (closed loop). Each "
+                "job sends its own bearer key; Sluice gets a callers file naming both "
+                "(weight 1 each) when it has `--callers`, vLLM's server gets no key. "
+                "`chat + flood`: both at once; the chat caller's TTFT percentiles count its "
+                "answered requests sent while the flood ran (per-request detail: the flood's "
+                "client starts a few seconds late, building its long prompts), refused ones "
+                "are counted as failed; the flood's figures count its requests that "
+                "completed between the chat job's first request and its last answer.",
+                "",
+            ]
+        if sc == PAST_CAPACITY:
+            out += [
+                f"The mixed load's classes at a {KV_BOUND_CONTEXT:,} context (short "
+                f"{KV_BOUND_CONTEXT // 128} in / 64 out, medium {KV_BOUND_CONTEXT // 16} in / "
+                f"128 out, long {KV_BOUND_CONTEXT // 2:,} in / 128 out) on the KV-bound engine "
+                f"({KV_BOUND_TOKENS:,} tokens of KV cache), offered faster than it serves.",
                 "",
             ]
         if sc in (PREFIX, IDENTICAL):
@@ -699,6 +846,7 @@ def write_report(
             "commands": runner.commands,
             "start_times": runner.start_times,
             "wall_seconds": getattr(runner, "wall_seconds", None),
+            "notes": runner.notes,
             "quick": quick,
             "repeat": repeat,
         }
@@ -717,6 +865,7 @@ def write_report(
         start_times=[tuple(x) for x in meta["start_times"]],
         plot_msg=plot_msg,
         wall_seconds=meta.get("wall_seconds"),
+        notes=meta.get("notes", []),
     )
     path = results_dir / f"{cfg_name}.md"
     path.write_text(md)

@@ -8,14 +8,22 @@ where marked, the raw engine. Pure: no processes, no vLLM import.
 Sizes: the default ("full") plan is sized for about 20-25 minutes on the 2-core
 CPU machines with the demo model (three repetitions per point); `--quick` shrinks
 every count to a smoke test of the pipeline (minutes, numbers meaningless).
+
+Engine flags per point: most points run on the run's engine flags; the two
+KV-bound scenarios (noisy neighbour, mixed load past capacity) carry extra flags
+that shrink the KV cache to about 16k tokens and the context to 4,096, so that a
+few long prompts fill it (issue 11). The runner starts one server per distinct
+set of extra flags. Jobs may name a caller: the runner gives each caller its own
+bearer key (and Sluice a callers file naming them).
 """
 
 from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from bench.report import mixed_classes, split_mixed
 
@@ -24,6 +32,8 @@ POISSON = "poisson"
 MIXED = "mixed"
 PREFIX = "prefix_burst"
 IDENTICAL = "identical_burst"
+NOISY = "noisy_neighbour"
+PAST_CAPACITY = "mixed_past_capacity"
 WINDOW = "window"
 STRUCTURED = "structured"
 RAW_CEILING = "raw"  # not a scenario of its own: raw points live in CONCURRENCY
@@ -34,15 +44,20 @@ SCENARIOS: tuple[str, ...] = (
     PREFIX,
     IDENTICAL,
     STRUCTURED,
+    NOISY,
+    PAST_CAPACITY,
     WINDOW,
     RAW_CEILING,
 )
+KV_BOUND_SCENARIOS: frozenset[str] = frozenset({NOISY, PAST_CAPACITY})
 SCENARIO_TITLES: dict[str, str] = {
     CONCURRENCY: "Concurrency sweep (random prompts, closed loop)",
     POISSON: "Poisson request-rate sweep (random prompts, open loop)",
     MIXED: "Mixed load: 70% short / 20% medium / 10% long (Poisson, fixed total rate)",
     PREFIX: "Shared-prefix burst (prefix_repetition dataset, all at once)",
     IDENTICAL: "Identical-request burst (one greedy 256-token prompt repeated, all at once)",
+    NOISY: "Noisy neighbour on a KV-bound engine (a chat caller, alone and beside a flood)",
+    PAST_CAPACITY: "Mixed 70/20/10 load past capacity on a KV-bound engine (Poisson)",
     WINDOW: "Coalescing-window sweep (Sluice only)",
     STRUCTURED: "JSON-schema constraint vs plain at c=32 (random prompts, EOS honoured)",
 }
@@ -61,9 +76,22 @@ STRUCTURED_SCHEMA: dict[str, object] = {
 }
 
 
+ALL = "all"  # the role of a point's only job, whose metrics are not prefixed
+
+
+@dataclass(frozen=True, slots=True)
+class EngineProfile:
+    """Engine flags some points need beyond the run's (appended: later flags win)."""
+
+    name: str
+    flags: tuple[str, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class Job:
-    """One client process of a point: its role and its dataset/load flags.
+    """One client process of a point: its role, its dataset/load flags and, when
+    it stands for one caller of several, that caller's name (its bearer key is
+    the runner's business).
 
     ``ignore_eos`` False lets a request end when the model (or a constraint)
     says so, instead of running to its output length; ``chat`` sends it to
@@ -74,11 +102,14 @@ class Job:
     args: tuple[str, ...]
     ignore_eos: bool = True
     chat: bool = False
+    caller: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Point:
-    """One scenario point; its jobs run concurrently (several only for mixed load)."""
+    """One scenario point; its jobs run concurrently (several for mixed load and
+    the noisy neighbour). `engine`, when set, adds its flags to the run's engine
+    flags for the server that runs this point."""
 
     scenario: str
     name: str
@@ -87,6 +118,11 @@ class Point:
     raw: bool = False  # also measured through the raw in-process engine
     concurrency: int | None = None
     seed_name: str | None = None  # seed key when `name` carries more (window configs)
+    engine: EngineProfile | None = None
+
+    @property
+    def callers(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(j.caller for j in self.jobs if j.caller is not None))
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +139,11 @@ class Sizes:
     window_low: tuple[int, int]  # (concurrency, prompts)
     window_high: tuple[int, int]
     structured_prompts: int
+    wide_prompts: int  # the c=512 point of the sweep
+    chat_seconds: float  # the noisy neighbour's chat job: CHAT_RATE for this long
+    flood_prompts: int  # the flood's prompts: enough to outlast the chat job
+    past_capacity_rate: float
+    past_capacity_seconds: float
     raw_concurrency: tuple[int, ...] = (32, 128)
 
 
@@ -117,6 +158,14 @@ FULL = Sizes(
     window_low=(1, 12),
     window_high=(128, 256),
     structured_prompts=256,
+    wide_prompts=1536,
+    # vLLM's server served the flood at 6.9 req/s beside the chat job and the
+    # mixed load at 22-23 req/s at most (a pilot run, demo model, 2 cores): 420
+    # prompts outlast 35 s of chat by half, and 32 req/s is 1.4x capacity.
+    chat_seconds=35.0,
+    flood_prompts=420,
+    past_capacity_rate=32.0,
+    past_capacity_seconds=20.0,
 )
 QUICK = Sizes(
     concurrency={1: 3, 8: 16, 32: 32, 128: 128},
@@ -129,7 +178,64 @@ QUICK = Sizes(
     window_low=(1, 3),
     window_high=(128, 128),
     structured_prompts=32,
+    wide_prompts=512,
+    chat_seconds=6.0,
+    flood_prompts=48,
+    past_capacity_rate=32.0,
+    past_capacity_seconds=3.0,
 )
+
+# The c=512 point: a backlog beyond the engine's max_num_seqs (128 by default on
+# CPU), with the short requests of the issue's measurement (64 in, 32 out).
+WIDE_CONCURRENCY = 512
+WIDE_LEN = (64, 32)
+WIDE_POINT = f"c={WIDE_CONCURRENCY} ({WIDE_LEN[0]} in, {WIDE_LEN[1]} out)"
+
+# The KV-bound engine of issue 11: a KV cache of about 16k tokens (a handful of
+# long prompts fill it, as Qwen3-14B's does on a 24 GB card) and a 4,096 context.
+KV_BOUND_TOKENS = 16_384
+KV_BOUND_CONTEXT = 4096
+
+# The noisy neighbour: a chat caller (Poisson, short turns) and a batch caller
+# that keeps FLOOD_CONCURRENCY long prompts in flight (closed loop). At 2,128
+# tokens a stream, seven fill the cache; the other 25 wait.
+CHAT_CALLER = "chat"
+FLOOD_CALLER = "batch"
+MIXED_CALLER = "mixed"  # the one caller of the load past capacity
+CHAT_RATE = 3.0
+CHAT_LEN = (64, 32)
+FLOOD_CONCURRENCY = 32
+FLOOD_LEN = (2000, 128)
+ALONE_POINT = "chat alone"
+FLOOD_POINT = "chat + flood"
+
+
+def kv_bound(kv_bytes_per_token: int) -> EngineProfile:
+    """The engine of the KV-bound scenarios: its flags follow the run's, so they win."""
+    return EngineProfile(
+        "KV-bound",
+        (
+            "--kv-cache-memory-bytes",
+            str(KV_BOUND_TOKENS * kv_bytes_per_token),
+            "--max-model-len",
+            str(KV_BOUND_CONTEXT),
+        ),
+    )
+
+
+def kv_bytes_per_token(config: Mapping[str, Any], dtype_bytes: int = 2) -> int | None:
+    """KV-cache bytes per token of a Hugging Face decoder config: layers x 2 (K
+    and V) x KV heads x head size x bytes per value (2 for bf16/fp16). None when
+    the config lacks the sizes. The demo model: 2 x 2 x 2 x 64 x 2 = 1 KiB."""
+    try:
+        layers = int(config["num_hidden_layers"])
+        q_heads = int(config["num_attention_heads"])
+        heads = int(config.get("num_key_value_heads") or q_heads)
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // q_heads)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    return layers * 2 * heads * head_dim * dtype_bytes
+
 
 # Sluice-only window configurations: label -> extra `sluice serve` flags. The
 # main comparison blocks run Sluice with its defaults (10 ms, adaptive).
@@ -167,7 +273,7 @@ def _random(input_len: int, output_len: int) -> tuple[str, ...]:
 def _closed_loop(input_len: int, output_len: int, prompts: int, concurrency: int) -> Job:
     """Random prompts, `concurrency` requests in flight, `prompts` in all."""
     return Job(
-        "all",
+        ALL,
         (
             *_random(input_len, output_len),
             "--num-prompts",
@@ -178,6 +284,69 @@ def _closed_loop(input_len: int, output_len: int, prompts: int, concurrency: int
     )
 
 
+def _mixed_jobs(
+    max_model_len: int,
+    rate: float,
+    seconds: float,
+    extra: tuple[str, ...] = (),
+    caller: str | None = None,
+) -> tuple[Job, ...]:
+    """The three concurrent Poisson clients of the 70/20/10 mixed load."""
+    return tuple(
+        Job(
+            j.role,
+            (
+                *_random(j.input_len, j.output_len),
+                "--num-prompts",
+                str(j.num_prompts),
+                "--request-rate",
+                f"{j.request_rate:g}",
+                *extra,
+            ),
+            caller=caller,
+        )
+        for j in split_mixed(mixed_classes(max_model_len), rate, seconds)
+    )
+
+
+def _noisy_points(sizes: Sizes, engine: EngineProfile) -> list[Point]:
+    """The chat caller alone, then beside the batch caller's flood.
+
+    Both jobs save per-request detail (start, latency, error), so the report can
+    count the flood's completions during the chat job's span and check that the
+    chat requests were sent while the flood ran.
+    """
+    n_chat = max(1, round(CHAT_RATE * sizes.chat_seconds))
+    chat = Job(
+        "chat",
+        (
+            *_random(*CHAT_LEN),
+            "--num-prompts",
+            str(n_chat),
+            "--request-rate",
+            f"{CHAT_RATE:g}",
+            "--save-detailed",
+        ),
+        caller=CHAT_CALLER,
+    )
+    flood = Job(
+        "flood",
+        (
+            *_random(*FLOOD_LEN),
+            "--num-prompts",
+            str(sizes.flood_prompts),
+            "--max-concurrency",
+            str(FLOOD_CONCURRENCY),
+            "--save-detailed",
+        ),
+        caller=FLOOD_CALLER,
+    )
+    return [
+        Point(NOISY, ALONE_POINT, (chat,), engine=engine),
+        Point(NOISY, FLOOD_POINT, (chat, flood), engine=engine),
+    ]
+
+
 def build_plan(
     scenarios: Sequence[str],
     sizes: Sizes,
@@ -185,8 +354,12 @@ def build_plan(
     max_model_len: int,
     input_len: int = 128,
     output_len: int = 64,
+    kv_bytes_per_token: int | None = None,
 ) -> Plan:
-    """The points of the selected scenarios, in run order."""
+    """The points of the selected scenarios, in run order.
+
+    `kv_bytes_per_token` sizes the KV-bound scenarios' cache (required for them).
+    """
     sel = set(scenarios)
     points: list[Point] = []
     conc_points: list[Point] = []
@@ -204,12 +377,14 @@ def build_plan(
             )
         if CONCURRENCY in sel:
             points.extend(conc_points)
+            job = _closed_loop(*WIDE_LEN, sizes.wide_prompts, WIDE_CONCURRENCY)
+            points.append(Point(CONCURRENCY, WIDE_POINT, (job,), concurrency=WIDE_CONCURRENCY))
     raw_points = tuple(p for p in conc_points if p.raw)
     if POISSON in sel:
         for rate in sizes.rates:
             n = max(1, round(rate * sizes.rate_seconds))
             job = Job(
-                "all",
+                ALL,
                 (
                     *_random(input_len, output_len),
                     "--num-prompts",
@@ -220,26 +395,12 @@ def build_plan(
             )
             points.append(Point(POISSON, f"{rate:g} req/s", (job,)))
     if MIXED in sel:
-        jobs = tuple(
-            Job(
-                j.role,
-                (
-                    *_random(j.input_len, j.output_len),
-                    "--num-prompts",
-                    str(j.num_prompts),
-                    "--request-rate",
-                    f"{j.request_rate:g}",
-                ),
-            )
-            for j in split_mixed(
-                mixed_classes(max_model_len), sizes.mixed_rate, sizes.mixed_seconds
-            )
-        )
+        jobs = _mixed_jobs(max_model_len, sizes.mixed_rate, sizes.mixed_seconds)
         points.append(Point(MIXED, f"{sizes.mixed_rate:g} req/s", jobs))
     if PREFIX in sel:
         prefix_len = min(1024, max_model_len // 8)
         job = Job(
-            "all",
+            ALL,
             (
                 "--dataset-name",
                 "prefix_repetition",
@@ -264,7 +425,7 @@ def build_plan(
         # One prefix and no suffix: every prompt is the same (the client's own
         # dataset; its `custom` JSONL reader needs pandas, absent here). Greedy.
         job = Job(
-            "all",
+            ALL,
             (
                 "--dataset-name", "prefix_repetition",
                 "--prefix-repetition-prefix-len", "256",
@@ -295,6 +456,25 @@ def build_plan(
             args = (*job.args, "--extra-body", json.dumps(extra))
             job = Job(job.role, args, ignore_eos=False, chat=True)
             points.append(Point(STRUCTURED, f"{name} c={c}", (job,), concurrency=c))
+    if sel & KV_BOUND_SCENARIOS:
+        if kv_bytes_per_token is None or kv_bytes_per_token <= 0:
+            raise ValueError("the KV-bound scenarios need the model's KV bytes per token")
+        kv = kv_bound(kv_bytes_per_token)
+        if NOISY in sel:
+            points.extend(_noisy_points(sizes, kv))
+        if PAST_CAPACITY in sel:
+            rate = sizes.past_capacity_rate
+            # One caller sends the whole mix (it shares a server with the noisy
+            # neighbour's callers file); per-request detail: refusal reasons.
+            jobs = _mixed_jobs(
+                KV_BOUND_CONTEXT,
+                rate,
+                sizes.past_capacity_seconds,
+                ("--save-detailed",),
+                caller=MIXED_CALLER,
+            )
+            points.append(Point(PAST_CAPACITY, f"{rate:g} req/s", jobs, engine=kv))
+    check_callers(points)
     window_points: list[Point] = []
     if WINDOW in sel:
         for label, (c, n) in (("low", sizes.window_low), ("high", sizes.window_high)):
@@ -308,10 +488,39 @@ def build_plan(
     )
 
 
-def seed_for(scenario: str, point: str, rep: int) -> int:
-    """The client's --seed for a point in a repetition: the same for every system.
+def by_engine(points: Sequence[Point]) -> list[tuple[EngineProfile | None, list[Point]]]:
+    """The points grouped by engine profile (one server start per group and system),
+    groups in order of first appearance, points in plan order within a group."""
+    groups: dict[EngineProfile | None, list[Point]] = {}
+    for p in points:
+        groups.setdefault(p.engine, []).append(p)
+    return list(groups.items())
+
+
+def callers_of(points: Sequence[Point]) -> tuple[str, ...]:
+    """Every caller the points' jobs name, in order of first appearance."""
+    return tuple(dict.fromkeys(c for p in points for c in p.callers))
+
+
+def check_callers(points: Sequence[Point]) -> None:
+    """Every job of a server that gets a callers file names a caller: Sluice,
+    given one, refuses a request without a key (401)."""
+    for engine, group in by_engine(points):
+        if callers_of(group) and any(j.caller is None for p in group for j in p.jobs):
+            name = engine.name if engine else "the run's engine"
+            raise ValueError(f"{name}: some jobs name a caller and others none")
+
+
+def seed_for(scenario: str, point: str, rep: int, role: str = ALL) -> int:
+    """The client's --seed for one job of a point in a repetition: the same for
+    every system.
 
     Different per point and repetition, so no run finds another run's prompts in
-    the prefix cache; equal across systems, so they see the same prompts.
+    the prefix cache; equal across systems, so they see the same prompts. The
+    concurrent jobs of one point get different seeds too: the random dataset
+    builds prompt i as (offset_i + i + 0, 1, 2, ...) from the seed alone, so with
+    one seed a 64-token chat prompt would be the first 64 tokens of a 2,000-token
+    flood prompt, and a prefix-cache hit.
     """
-    return zlib.crc32(f"{scenario}/{point}/{rep}".encode()) % 1_000_000
+    key = f"{scenario}/{point}/{rep}" if role == ALL else f"{scenario}/{point}/{role}/{rep}"
+    return zlib.crc32(key.encode()) % 1_000_000

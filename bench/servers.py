@@ -15,7 +15,10 @@ process of a run (servers, raw engine, clients) stays in the runner's session.
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,7 +26,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -71,6 +74,42 @@ def server_command(
             *engine_flags,
         ]
     raise ValueError(f"unknown server {system!r}")
+
+
+def callers_toml(keys: Mapping[str, str]) -> str:
+    """A Sluice callers file (`--callers`, issue 11): one table per caller, its
+    bearer key and weight 1, no limits (the benchmark measures sharing, not caps)."""
+    out = ["# Written by the benchmark (bench/runner.py): one caller per client job."]
+    for name, key in keys.items():
+        if not name.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"caller name {name!r} is not a bare TOML key")
+        out += ["", f"[callers.{name}]", f"key = {json.dumps(key)}", "weight = 1"]
+    return "\n".join(out) + "\n"
+
+
+@functools.cache
+def sluice_help(cwd: Path) -> str:
+    """`sluice serve --help` of the checkout at `cwd` (once per run: it imports vLLM)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "server", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+        check=False,
+    )
+    return done.stdout
+
+
+def has_flag(help_text: str, flag: str) -> bool:
+    """Whether an argparse help text offers `flag` (a whole option, not a prefix)."""
+    return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text) is not None
+
+
+def sluice_has_flag(flag: str, cwd: Path) -> bool:
+    """Whether this checkout's Sluice takes `flag`: the harness passes newer flags
+    (such as issue 11's `--callers`) only to a Sluice that has them."""
+    return has_flag(sluice_help(cwd), flag)
 
 
 def ready_path(system: str) -> str:

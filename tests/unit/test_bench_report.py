@@ -9,15 +9,26 @@ from pathlib import Path
 import pytest
 
 from bench import report as rp
+from bench import targets as tg
 from bench.scenarios import (
+    ALONE_POINT,
     CONCURRENCY,
+    FLOOD_POINT,
     FULL,
     MIXED,
+    NOISY,
+    PAST_CAPACITY,
     QUICK,
     SCENARIOS,
     STRUCTURED,
     STRUCTURED_SCHEMA,
+    WIDE_POINT,
+    EngineProfile,
     build_plan,
+    by_engine,
+    callers_of,
+    check_callers,
+    kv_bytes_per_token,
     seed_for,
 )
 
@@ -215,9 +226,11 @@ def test_prefill_delta() -> None:
 
 
 def test_plan_all_scenarios() -> None:
-    plan = build_plan(SCENARIOS, FULL, max_model_len=8192)
+    plan = build_plan(SCENARIOS, FULL, max_model_len=8192, kv_bytes_per_token=1024)
     names = [(p.scenario, p.name) for p in plan.points]
-    assert names[:4] == [(CONCURRENCY, f"c={c}") for c in (1, 8, 32, 128)]
+    assert names[:5] == [(CONCURRENCY, f"c={c}") for c in (1, 8, 32, 128)] + [
+        (CONCURRENCY, WIDE_POINT)
+    ]
     assert [p.name for p in plan.raw_points] == ["c=32", "c=128"]
     mixed = next(p for p in plan.points if p.scenario == MIXED)
     assert [j.role for j in mixed.jobs] == ["short", "medium", "long"]
@@ -252,6 +265,114 @@ def test_plan_subset_and_quick() -> None:
 def test_seeds_are_deterministic_per_point_and_rep() -> None:
     assert seed_for("a", "b", 1) == seed_for("a", "b", 1)
     assert seed_for("a", "b", 1) != seed_for("a", "b", 2)
+    # the jobs of one point get their own seeds (else a chat prompt is a flood
+    # prompt's prefix); a point's only job keeps the seed it always had
+    assert seed_for("a", "b", 1, "chat") != seed_for("a", "b", 1, "flood")
+    assert seed_for("a", "b", 1, "all") == seed_for("a", "b", 1)
+
+
+def _arg(args: tuple[str, ...], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_plan_wide_point_is_short_requests_beyond_max_num_seqs() -> None:
+    plan = build_plan([CONCURRENCY], FULL, max_model_len=8192)
+    wide = plan.points[-1]
+    assert wide.name == WIDE_POINT == "c=512 (64 in, 32 out)"
+    args = wide.jobs[0].args
+    assert _arg(args, "--max-concurrency") == "512"
+    assert (_arg(args, "--random-input-len"), _arg(args, "--random-output-len")) == ("64", "32")
+    assert int(_arg(args, "--num-prompts")) >= 2 * 512
+    assert not wide.raw and wide.engine is None
+
+
+def test_plan_noisy_neighbour_on_a_kv_bound_engine() -> None:
+    plan = build_plan([NOISY], FULL, max_model_len=8192, kv_bytes_per_token=1024)
+    alone, flood = plan.points
+    assert (alone.name, flood.name) == (ALONE_POINT, FLOOD_POINT)
+    assert alone.engine is flood.engine or alone.engine == flood.engine
+    assert alone.engine is not None
+    # ~16k tokens of KV at 1 KiB a token, a 4,096 context: both flags follow
+    # the run's, so they override the demo model's 512 MiB and 8,192
+    assert alone.engine.flags == (
+        "--kv-cache-memory-bytes",
+        str(16 * 2**20),
+        "--max-model-len",
+        "4096",
+    )
+    assert [j.role for j in alone.jobs] == ["chat"]
+    assert [(j.role, j.caller) for j in flood.jobs] == [("chat", "chat"), ("flood", "batch")]
+    chat, fl = flood.jobs
+    assert chat == alone.jobs[0]  # the same chat job alone and beside the flood
+    assert _arg(chat.args, "--request-rate") == "3"
+    assert (_arg(chat.args, "--random-input-len"), _arg(chat.args, "--random-output-len")) == (
+        "64",
+        "32",
+    )
+    assert _arg(fl.args, "--max-concurrency") == "32"
+    assert _arg(fl.args, "--random-input-len") == "2000"
+    assert "--request-rate" not in fl.args  # closed loop
+    assert "--save-detailed" in chat.args and "--save-detailed" in fl.args
+    # 30-60 s of chat, and a flood that outlasts it by half at the 6.9 req/s
+    # vLLM's server gave it in the pilot
+    n_chat = int(_arg(chat.args, "--num-prompts"))
+    assert 30 <= n_chat / 3 <= 60
+    assert int(_arg(fl.args, "--num-prompts")) / 6.9 >= 1.5 * n_chat / 3
+    assert callers_of(plan.points) == ("chat", "batch")
+
+
+def test_plan_past_capacity_reuses_the_mixed_classes_on_the_kv_bound_engine() -> None:
+    plan = build_plan(
+        [MIXED, PAST_CAPACITY, CONCURRENCY], FULL, max_model_len=8192, kv_bytes_per_token=2048
+    )
+    past = next(p for p in plan.points if p.scenario == PAST_CAPACITY)
+    assert past.engine is not None
+    assert past.engine.flags[1] == str(16_384 * 2048)
+    assert [j.role for j in past.jobs] == ["short", "medium", "long"]
+    assert [_arg(j.args, "--random-input-len") for j in past.jobs] == ["32", "256", "2048"]
+    assert all("--save-detailed" in j.args for j in past.jobs)  # refusal reasons
+    rates = [float(_arg(j.args, "--request-rate")) for j in past.jobs]
+    assert sum(rates) == pytest.approx(FULL.past_capacity_rate)
+    assert past.callers == ("mixed",)  # its server has the noisy neighbour's callers file
+    # one server group for the run's engine, one for the KV-bound one, in plan order
+    groups = by_engine(plan.points)
+    assert [g.name if g else None for g, _ in groups] == [None, "KV-bound"]
+    assert [p.scenario for p in groups[1][1]] == [PAST_CAPACITY]
+    assert groups[0][1][0].name == "c=1"
+
+
+def test_plan_every_job_of_a_server_with_callers_names_one() -> None:
+    from bench.scenarios import Job, Point
+
+    keyed = Point(NOISY, "a", (Job("chat", (), caller="chat"),))
+    plain = Point(NOISY, "b", (Job("all", ()),))
+    with pytest.raises(ValueError, match="some jobs name a caller"):
+        check_callers([keyed, plain])
+    other = EngineProfile("other", ("--x",))
+    check_callers([keyed, Point(NOISY, "b", (Job("all", ()),), engine=other)])  # two servers
+    plan = build_plan([NOISY, PAST_CAPACITY], QUICK, max_model_len=8192, kv_bytes_per_token=1024)
+    assert callers_of(plan.points) == ("chat", "batch", "mixed")
+    assert all(j.caller for p in plan.points for j in p.jobs)
+
+
+def test_plan_kv_bound_needs_bytes_per_token() -> None:
+    with pytest.raises(ValueError, match="KV bytes per token"):
+        build_plan([NOISY], QUICK, max_model_len=8192)
+    assert build_plan([CONCURRENCY], QUICK, max_model_len=8192).points  # others do not
+
+
+def test_kv_bytes_per_token_from_config() -> None:
+    demo = {
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+    }
+    assert kv_bytes_per_token(demo) == 1024
+    no_head_dim = {k: v for k, v in demo.items() if k != "head_dim"}
+    assert kv_bytes_per_token(no_head_dim) == 1024  # 256 / 4 heads
+    assert kv_bytes_per_token({"num_hidden_layers": 2}) is None
 
 
 # ------------------------------------------------------------------- plot
@@ -344,3 +465,315 @@ def test_tables_from_markdown_round_trip() -> None:
         }
 
     assert medians(got) == medians(table)
+
+
+# ------------------------------------------------------- noisy neighbour
+
+
+def _detail(
+    starts: list[float],
+    lats: list[float],
+    errors: list[str],
+    out: int = 32,
+    ttfts: list[float] | None = None,
+) -> dict:
+    return {
+        "start_times": starts,
+        "latencies": lats,
+        "output_lens": [0 if e else out for e in errors],
+        "errors": errors,
+        "ttfts": ttfts if ttfts is not None else [0.01] * len(starts),
+    }
+
+
+def test_percentile_is_numpys_linear_one() -> None:
+    np = pytest.importorskip("numpy")
+    vals = [5.0, 1.0, 9.0, 3.0, 7.5, 2.25, 8.0]
+    for p in (0, 50, 95, 99, 100):
+        assert rp.percentile(vals, p) == pytest.approx(float(np.percentile(vals, p)))
+    assert math.isnan(rp.percentile([], 50))
+
+
+def test_request_log_from_a_detailed_result() -> None:
+    assert rp.RequestLog.from_result(CLIENT_JSON) is None  # saved without --save-detailed
+    d = _detail([10.0, 11.0, 12.0], [0.5, 0.0, 2.0], ["", "Service Unavailable", ""])
+    log = rp.RequestLog.from_result(d)
+    assert log is not None
+    assert log.ok() == [0, 2]
+    assert log.span() == (10.0, 14.0)
+    assert log.error_counts() == {"Service Unavailable": 1}
+    tb = "Traceback (most recent call last):\n  File x\naiohttp.ClientOSError: reset"
+    log = rp.RequestLog.from_result(_detail([1.0, 2.0], [0.0, 0.0], [tb, tb]))
+    assert log is not None and log.error_counts() == {"aiohttp.ClientOSError: reset": 2}
+    with pytest.raises(ValueError, match="different lengths"):
+        rp.RequestLog.from_result({**d, "errors": ["", ""]})
+
+
+def test_noisy_metrics_alone_has_only_the_chat_callers_numbers() -> None:
+    chat = {"ttft_p50": 20.0, "ttft_p95": 30.0, "completed": 120.0, "failed": 0.0, "req_s": 3.0}
+    m = rp.noisy_metrics({"chat": chat}, {})
+    assert m == {
+        "chat_ttft_p50": 20.0,
+        "chat_ttft_p95": 30.0,
+        "chat_completed": 120.0,
+        "chat_failed": 0.0,
+    }
+
+
+def test_noisy_metrics_count_the_flood_inside_the_chat_span() -> None:
+    # chat: sent at 10..19 s, last answer at 20 s (span 10 s); the first refused;
+    # TTFTs 10, 20, ..., 100 ms
+    chat_log = _detail(
+        [10.0 + i for i in range(10)],
+        [0.0] + [1.0] * 9,
+        ["Busy"] + [""] * 9,
+        ttfts=[0.01 * (i + 1) for i in range(10)],
+    )
+    # flood: ends at 5 (before), 12, 15, 19.5 (inside), 25 (after); one refused inside
+    flood_log = _detail(
+        [0.0, 2.0, 5.0, 9.5, 14.0, 15.0],
+        [5.0, 10.0, 10.0, 10.0, 11.0, 0.0],
+        ["", "", "", "", "", "Too Many Requests"],
+        out=128,
+    )
+    results = {
+        "chat": {"ttft_p95": 40.0, "completed": 9.0, "failed": 1.0},
+        "flood": {"completed": 5.0, "failed": 1.0, "req_s": 0.2},
+    }
+    chat = rp.RequestLog.from_result(chat_log)
+    flood = rp.RequestLog.from_result(flood_log)
+    assert chat is not None and flood is not None
+    m = rp.noisy_metrics(results, {"chat": chat, "flood": flood})
+    # the chat percentiles count the answered requests sent beside the flood:
+    # 20..100 ms (the client's own p95, 40, covered requests without it)
+    assert m["chat_ttft_p50"] == pytest.approx(60.0)
+    assert m["chat_ttft_p95"] == pytest.approx(96.0)
+    assert m["chat_failed"] == 1.0
+    assert m["flood_completed"] == 5.0 and m["flood_failed"] == 1.0
+    assert m["flood_span_completed"] == 3.0  # ends at 12, 15 and 19.5
+    assert m["flood_span_req_s"] == pytest.approx(0.3)
+    assert m["flood_span_tok_s"] == pytest.approx(3 * 128 / 10)
+    # the flood ran 0..25 s: every chat request was sent beside it
+    assert m["chat_beside_flood"] == 1.0
+    early = rp.RequestLog.from_result(_detail([0.0], [14.5], [""]))
+    assert early is not None
+    m = rp.noisy_metrics(results, {"chat": chat, "flood": early})
+    assert m["chat_beside_flood"] == pytest.approx(0.5)  # the flood ended at 14.5
+    assert m["chat_ttft_p50"] == pytest.approx(35.0)  # 20..50 ms: sent at 11..14 s
+
+
+# ------------------------------------------------------------- targets
+
+
+def _noisy_records(
+    s_alone: float, s_flood: float, v_flood: float, *, refused: float = 0.0, s_fl: float = 5.0
+) -> list[rp.Record]:
+    recs = []
+    for rep in (1, 2, 3):
+        recs += [
+            rp.Record(NOISY, ALONE_POINT, rp.SLUICE, rep, {"chat_ttft_p95": s_alone}),
+            rp.Record(NOISY, ALONE_POINT, rp.VLLM, rep, {"chat_ttft_p95": 25.0}),
+            rp.Record(
+                NOISY,
+                FLOOD_POINT,
+                rp.SLUICE,
+                rep,
+                {
+                    "chat_ttft_p95": s_flood,
+                    "chat_failed": refused if rep == 2 else 0.0,
+                    "chat_completed": 120.0,
+                    "flood_span_req_s": s_fl,
+                    "flood_span_completed": s_fl * 40,
+                    "chat_beside_flood": 1.0,
+                },
+            ),
+            rp.Record(
+                NOISY,
+                FLOOD_POINT,
+                rp.VLLM,
+                rep,
+                {
+                    "chat_ttft_p95": v_flood,
+                    "chat_failed": 0.0,
+                    "flood_span_req_s": 5.0,
+                    "flood_span_completed": 200.0,
+                    "chat_beside_flood": 0.95 if rep == 3 else 1.0,
+                },
+            ),
+        ]
+    return recs
+
+
+def test_issue11_noisy_neighbour_targets_met() -> None:
+    rows = tg.issue11(_noisy_records(30.0, 150.0, 7000.0))
+    by = {t: (m, v) for t, m, v in rows}
+    within = by["noisy neighbour: chat TTFT p95 beside the flood <= 3x alone (or alone + 150 ms)"]
+    assert within == ("150 ms vs 30 ms alone (5.0x; bound 180 ms)", "met")
+    better = by["noisy neighbour: chat TTFT p95 beside the flood >= 5x better than vLLM"]
+    assert better[1] == "met" and "46.7x better" in better[0] and "vLLM 25 ms alone" in better[0]
+    assert by["noisy neighbour: the chat caller is never refused"][1] == "met"
+    assert by["noisy neighbour: flood throughput >= 0.9x vLLM's"] == (
+        "5.00 vs 5.00 req/s (1.00x; 200 vs 200 completed)",
+        "met",
+    )
+    check = by[
+        "noisy neighbour (set-up check): chat requests sent while the flood ran "
+        "(the TTFT rows count only these)"
+    ]
+    assert check == ("95% (lowest over systems and repetitions)", "ok")
+
+
+def test_issue11_noisy_neighbour_targets_missed() -> None:
+    by = {
+        t: (m, v)
+        for t, m, v in tg.issue11(_noisy_records(30.0, 400.0, 1000.0, refused=84.0, s_fl=4.0))
+    }
+    assert (
+        by["noisy neighbour: chat TTFT p95 beside the flood <= 3x alone (or alone + 150 ms)"][1]
+        == "MISSED"
+    )
+    assert (
+        by["noisy neighbour: chat TTFT p95 beside the flood >= 5x better than vLLM"][1] == "MISSED"
+    )
+    # one repetition refused 84: the worst repetition decides
+    assert by["noisy neighbour: the chat caller is never refused"] == (
+        "84 of 204 refused (worst repetition)",
+        "MISSED",
+    )
+    assert by["noisy neighbour: flood throughput >= 0.9x vLLM's"][1] == "MISSED"
+
+
+def test_issue11_sweep_and_past_capacity_targets() -> None:
+    recs = []
+    for system, rates in (
+        (rp.SLUICE, (10.0, 40.0, 45.0, 44.4)),
+        (rp.VLLM, (10.5, 41.0, 52.0, 51.1)),
+    ):
+        for point, r in zip(("c=1", "c=32", "c=128", WIDE_POINT), rates, strict=True):
+            recs.append(rp.Record(CONCURRENCY, point, system, 1, {"req_s": r, "ttft_p99": r * 100}))
+    recs.append(
+        rp.Record(PAST_CAPACITY, "24 req/s", rp.SLUICE, 1, {"short_ttft_p95": 50.0, "failed": 3.0})
+    )
+    recs.append(rp.Record(PAST_CAPACITY, "24 req/s", rp.VLLM, 1, {"short_ttft_p95": 90.0}))
+    by = {t: (m, v) for t, m, v in tg.issue11(recs)}
+    assert by["mixed past capacity (24 req/s): short TTFT p95 >= 2x better than vLLM"] == (
+        "50 ms vs 90 ms (1.80x better)",
+        "MISSED",
+    )
+    assert by["mixed past capacity (24 req/s): nothing refused (TTFT counts answers only)"] == (
+        "3 refused (worst repetition)",
+        "MISSED",
+    )
+    sweep = "no throughput regression (Sluice req/s >= 0.9x vLLM, noise band)"
+    assert by[f"c=1: {sweep}"] == ("0.95x", "met")
+    assert by[f"c=32: {sweep}"] == ("0.98x", "met")
+    assert by[f"c=128: {sweep}"] == ("0.87x", "MISSED")
+    assert by[f"{WIDE_POINT}: req/s at least parity with vLLM"] == (
+        "44.4 vs 51.1 req/s (0.87x)",
+        "MISSED",
+    )
+    assert by[f"{WIDE_POINT}: TTFT p99 at least parity with vLLM"] == (
+        "4,440 ms vs 5,110 ms (0.87x)",
+        "met",
+    )
+    assert not any(t.startswith("noisy") for t in by)  # not run: no rows
+    assert tg.issue11([]) == [] and tg.issue7([]) == []
+
+
+# ------------------------------------------------------- callers, flags
+
+
+def test_callers_file_is_valid_toml() -> None:
+    import tomllib
+
+    from bench.servers import callers_toml
+
+    text = callers_toml({"chat": "sk-bench-1", "batch": 'k"ey'})
+    assert tomllib.loads(text) == {
+        "callers": {
+            "chat": {"key": "sk-bench-1", "weight": 1},
+            "batch": {"key": 'k"ey', "weight": 1},
+        }
+    }
+    with pytest.raises(ValueError):
+        callers_toml({"a b": "k"})
+
+
+def test_has_flag_reads_whole_options() -> None:
+    from bench.servers import has_flag
+
+    help_text = "usage: sluice serve [-h] [--callers CALLERS]\n  --callers-reload  x\n"
+    assert has_flag(help_text, "--callers")
+    assert not has_flag("usage: [--callers-reload]", "--callers")
+    assert not has_flag("usage: [--no-callers]", "--callers")
+
+
+def test_client_argv_sends_the_callers_key_as_a_header(tmp_path: Path) -> None:
+    from bench import runner as rn
+    from bench.scenarios import Job
+
+    cfg = rn.RunConfig(
+        name="t",
+        results_dir=tmp_path,
+        engine_flags=[],
+        served_name="m",
+        tokenizer="m",
+        max_model_len=4096,
+        plan=build_plan([], QUICK, max_model_len=4096),
+        repeat=1,
+        quick=True,
+    )
+    job = Job("chat", ("--num-prompts", "3"), caller="chat")
+    argv = rn.client_argv(cfg, "http://h:1", job, 7, tmp_path / "r.json", "sk-1")
+    assert argv[-2:] == ["--header", "Authorization=Bearer sk-1"]
+    assert "--header" not in rn.client_argv(cfg, "http://h:1", job, 7, tmp_path / "r.json")
+
+
+# ---------------------------------------------------- panels and report
+
+
+def test_panel_point_filters() -> None:
+    recs = [
+        rp.Record(CONCURRENCY, "c=32", rp.SLUICE, 1, {"req_s": 40.0}),
+        rp.Record(CONCURRENCY, WIDE_POINT, rp.SLUICE, 1, {"req_s": 44.0}),
+        rp.Record(CONCURRENCY, WIDE_POINT, rp.VLLM, 1, {"req_s": 51.0}),
+    ]
+    table = rp.aggregate(recs, CONCURRENCY)
+    line = rp.LinePanel(CONCURRENCY, "req_s", "t", "c", skip=(WIDE_POINT,))
+    assert [x for x, _ in rp.line_series(table, line)[rp.SLUICE]] == [32.0]
+    assert rp.VLLM not in rp.line_series(table, line)
+    bars = rp.BarPanel(CONCURRENCY, (("req/s", "req_s"),), "t", "r", only=(WIDE_POINT,))
+    labels, per = rp.bar_groups(table, bars)
+    assert labels == ["req/s"]  # one point selected: no point name under the label
+    assert [v.median if v else None for v in per[rp.VLLM]] == [51.0]
+
+
+def test_report_renders_the_backlog_targets_notes_and_sections(tmp_path: Path) -> None:
+    from bench import runner as rn
+
+    recs = _noisy_records(30.0, 150.0, 7000.0)
+    md = rn.render_markdown(
+        "t",
+        recs,
+        quick=False,
+        repeat=3,
+        info={},
+        commands={},
+        start_times=[],
+        plot_msg="plot skipped",
+        wall_seconds=None,
+        notes=["Sluice, noisy_neighbour / chat + flood, rep 1, chat: 2 of 120 requests failed"],
+    )
+    assert "## Targets (issue 11: the held backlog)" in md
+    assert "## Targets (issue 7)" not in md  # no issue-7 scenario in these records
+    assert "## Notes\n\n- Sluice, noisy_neighbour" in md
+    assert "## Noisy neighbour on a KV-bound engine" in md
+    assert "| chat + flood | chat TTFT p95 (ms) | 150 | 7,000 | 0.02x |" in md
+    # the noisy tables read back for --plot-from-md
+    back = rp.tables_from_markdown(md, rn.SCENARIO_TITLES, 3)
+    assert back[NOISY].get(FLOOD_POINT, rp.VLLM, "chat_ttft_p95") == rp.Spread(
+        7000.0, 7000.0, 7000.0, 3
+    )
+    pytest.importorskip("matplotlib")
+    tables = {NOISY: rp.aggregate(recs, NOISY)}
+    assert rp.write_panels(tables, rn.PANELS, tmp_path / "p.png", "t").startswith("plot written")

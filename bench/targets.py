@@ -1,0 +1,249 @@
+"""The issues' targets, checked on a run's medians: rows of (target, measured, verdict).
+
+Why it exists: the verdicts are the point of a run, so they are computed from the
+records by plain code (unit-tested, tests/unit/test_bench_report.py), never
+written by hand. Each issue's targets are one function; a target whose
+scenario was not run gives no row.
+
+Noise: between two full runs of the same code, closed-loop throughput on the
+2-core machines moved by up to 12% (bench/results/ANALYSIS.md). "No regression"
+and "parity" therefore read a ratio of at least 0.9 as within noise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from bench import report as rp
+from bench.scenarios import (
+    ALONE_POINT,
+    CONCURRENCY,
+    FLOOD_POINT,
+    IDENTICAL,
+    MIXED,
+    NOISY,
+    PAST_CAPACITY,
+    PREFIX,
+    WIDE_POINT,
+)
+
+Row = tuple[str, str, str]
+NOISE = 0.9  # a throughput ratio at or above this is within run-to-run noise
+
+
+def _get(
+    records: Sequence[rp.Record], sc: str, point: str, system: str, m: str
+) -> rp.Spread | None:
+    return rp.aggregate(records, sc).get(point, system, m)
+
+
+def issue7(records: Sequence[rp.Record]) -> list[Row]:
+    """Issue 7: throughput and latency against vLLM's server and the raw engine."""
+    rows: list[Row] = []
+
+    def get(sc: str, point: str, system: str, m: str) -> rp.Spread | None:
+        return _get(records, sc, point, system, m)
+
+    for c in ("c=32", "c=128"):
+        s, v = get(CONCURRENCY, c, rp.SLUICE, "req_s"), get(CONCURRENCY, c, rp.VLLM, "req_s")
+        r = rp.ratio(s, v)
+        if r is not None:
+            rows.append(
+                (f"{c}: Sluice req/s >= 1.3x vLLM", f"{r:.2f}x", "met" if r >= 1.3 else "MISSED")
+            )
+        s99, v99 = (
+            get(CONCURRENCY, c, rp.SLUICE, "ttft_p99"),
+            get(CONCURRENCY, c, rp.VLLM, "ttft_p99"),
+        )
+        r = rp.ratio(s99, v99)
+        if r is not None:
+            rows.append(
+                (f"{c}: Sluice TTFT p99 <= vLLM", f"{r:.2f}x", "met" if r <= 1.0 else "MISSED")
+            )
+        raw = get(CONCURRENCY, c, rp.RAW, "req_s")
+        r = rp.ratio(s, raw)
+        if r is not None:
+            rows.append(
+                (
+                    f"{c}: Sluice req/s vs raw engine (goal 0.8x)",
+                    f"{r:.2f}x",
+                    "met" if r >= 0.8 else "below goal",
+                )
+            )
+    s, v = (
+        get(CONCURRENCY, "c=1", rp.SLUICE, "ttft_p50"),
+        get(CONCURRENCY, "c=1", rp.VLLM, "ttft_p50"),
+    )
+    if s is not None and v is not None:
+        d = s.median - v.median
+        rows.append(
+            ("c=1: Sluice TTFT p50 <= vLLM + 1 ms", f"{d:+.1f} ms", "met" if d <= 1.0 else "MISSED")
+        )
+    mixed = rp.aggregate(records, MIXED)
+    for point in mixed.points:
+        s, v = (
+            mixed.get(point, rp.SLUICE, "short_ttft_p95"),
+            mixed.get(point, rp.VLLM, "short_ttft_p95"),
+        )
+        r = rp.ratio(v, s)
+        if r is not None:
+            rows.append(
+                (
+                    "mixed: short TTFT p95 >= 2x better",
+                    f"{r:.2f}x better",
+                    "met" if r >= 2 else "MISSED",
+                )
+            )
+    for sc in (PREFIX, IDENTICAL):
+        tab = rp.aggregate(records, sc)
+        for point in tab.points:
+            s, v = (
+                tab.get(point, rp.SLUICE, "prefill_tokens"),
+                tab.get(point, rp.VLLM, "prefill_tokens"),
+            )
+            if s is not None and v is not None:
+                rows.append(
+                    (
+                        f"{sc}: fewer prefill tokens than vLLM",
+                        f"{s.median:.0f} vs {v.median:.0f}",
+                        "met" if s.median < v.median else "MISSED",
+                    )
+                )
+    return rows
+
+
+def _ms(x: float) -> str:
+    return f"{x:,.0f} ms" if x >= 10 else f"{x:.1f} ms"
+
+
+def issue11(records: Sequence[rp.Record]) -> list[Row]:
+    """Issue 11: the held backlog (noisy neighbour, mixed load past capacity, the sweep)."""
+    rows: list[Row] = []
+    noisy = rp.aggregate(records, NOISY)
+    alone = noisy.get(ALONE_POINT, rp.SLUICE, "chat_ttft_p95")
+    flood = noisy.get(FLOOD_POINT, rp.SLUICE, "chat_ttft_p95")
+    v_alone = noisy.get(ALONE_POINT, rp.VLLM, "chat_ttft_p95")
+    v_flood = noisy.get(FLOOD_POINT, rp.VLLM, "chat_ttft_p95")
+    if alone is not None and flood is not None and alone.median > 0:
+        bound = max(3 * alone.median, alone.median + 150)
+        rows.append(
+            (
+                "noisy neighbour: chat TTFT p95 beside the flood <= 3x alone (or alone + 150 ms)",
+                f"{_ms(flood.median)} vs {_ms(alone.median)} alone "
+                f"({flood.median / alone.median:.1f}x; bound {_ms(bound)})",
+                "met" if flood.median <= bound else "MISSED",
+            )
+        )
+    r = rp.ratio(v_flood, flood)
+    if r is not None and flood is not None and v_flood is not None:
+        v_note = f", vLLM {_ms(v_alone.median)} alone" if v_alone is not None else ""
+        rows.append(
+            (
+                "noisy neighbour: chat TTFT p95 beside the flood >= 5x better than vLLM",
+                f"{_ms(flood.median)} vs {_ms(v_flood.median)} ({r:.1f}x better{v_note})",
+                "met" if r >= 5 else "MISSED",
+            )
+        )
+    refused = noisy.get(FLOOD_POINT, rp.SLUICE, "chat_failed")
+    if refused is not None:
+        sent = noisy.get(FLOOD_POINT, rp.SLUICE, "chat_completed")
+        of = f" of {refused.high + sent.high:.0f}" if sent is not None else ""
+        rows.append(
+            (
+                "noisy neighbour: the chat caller is never refused",
+                f"{refused.high:.0f}{of} refused (worst repetition)",
+                "met" if refused.high == 0 else "MISSED",
+            )
+        )
+    s_fl = noisy.get(FLOOD_POINT, rp.SLUICE, "flood_span_req_s")
+    v_fl = noisy.get(FLOOD_POINT, rp.VLLM, "flood_span_req_s")
+    r = rp.ratio(s_fl, v_fl)
+    if r is not None and s_fl is not None and v_fl is not None:
+        s_n = noisy.get(FLOOD_POINT, rp.SLUICE, "flood_span_completed")
+        v_n = noisy.get(FLOOD_POINT, rp.VLLM, "flood_span_completed")
+        done = f"; {s_n.median:.0f} vs {v_n.median:.0f} completed" if s_n and v_n else ""
+        rows.append(
+            (
+                "noisy neighbour: flood throughput >= 0.9x vLLM's",
+                f"{s_fl.median:.2f} vs {v_fl.median:.2f} req/s ({r:.2f}x{done})",
+                "met" if r >= 0.9 else "MISSED",
+            )
+        )
+    shares = [
+        v.low
+        for system in noisy.systems()
+        if (v := noisy.get(FLOOD_POINT, system, "chat_beside_flood")) is not None
+    ]
+    if shares:
+        rows.append(
+            (
+                "noisy neighbour (set-up check): chat requests sent while the flood ran "
+                "(the TTFT rows count only these)",
+                f"{min(shares):.0%} (lowest over systems and repetitions)",
+                "ok" if min(shares) >= 0.8 else "SET-UP: the flood ran beside too few",
+            )
+        )
+    past = rp.aggregate(records, PAST_CAPACITY)
+    for point in past.points:
+        s, v = (
+            past.get(point, rp.SLUICE, "short_ttft_p95"),
+            past.get(point, rp.VLLM, "short_ttft_p95"),
+        )
+        r = rp.ratio(v, s)
+        if r is not None and s is not None and v is not None:
+            rows.append(
+                (
+                    f"mixed past capacity ({point}): short TTFT p95 >= 2x better than vLLM",
+                    f"{_ms(s.median)} vs {_ms(v.median)} ({r:.2f}x better)",
+                    "met" if r >= 2 else "MISSED",
+                )
+            )
+        # a refused request is not a fast one: the percentiles count answers only
+        refused = past.get(point, rp.SLUICE, "failed")
+        if refused is not None:
+            rows.append(
+                (
+                    f"mixed past capacity ({point}): nothing refused (TTFT counts answers only)",
+                    f"{refused.high:.0f} refused (worst repetition)",
+                    "met" if refused.high == 0 else "MISSED",
+                )
+            )
+    conc = rp.aggregate(records, CONCURRENCY)
+    for c in ("c=1", "c=32", "c=128"):
+        r = rp.ratio(conc.get(c, rp.SLUICE, "req_s"), conc.get(c, rp.VLLM, "req_s"))
+        if r is not None:
+            rows.append(
+                (
+                    f"{c}: no throughput regression (Sluice req/s >= {NOISE}x vLLM, noise band)",
+                    f"{r:.2f}x",
+                    "met" if r >= NOISE else "MISSED",
+                )
+            )
+    s, v = conc.get(WIDE_POINT, rp.SLUICE, "req_s"), conc.get(WIDE_POINT, rp.VLLM, "req_s")
+    r = rp.ratio(s, v)
+    if r is not None and s is not None and v is not None:
+        verdict = "met" if r >= 1.0 else "parity within noise" if r >= NOISE else "MISSED"
+        rows.append(
+            (
+                f"{WIDE_POINT}: req/s at least parity with vLLM",
+                f"{s.median:.1f} vs {v.median:.1f} req/s ({r:.2f}x)",
+                verdict,
+            )
+        )
+    s, v = conc.get(WIDE_POINT, rp.SLUICE, "ttft_p99"), conc.get(WIDE_POINT, rp.VLLM, "ttft_p99")
+    r = rp.ratio(s, v)
+    if r is not None and s is not None and v is not None:
+        rows.append(
+            (
+                f"{WIDE_POINT}: TTFT p99 at least parity with vLLM",
+                f"{_ms(s.median)} vs {_ms(v.median)} ({r:.2f}x)",
+                "met" if r <= 1.0 else "within noise" if r <= 1 / NOISE else "MISSED",
+            )
+        )
+    return rows
+
+
+TARGET_SETS: tuple[tuple[str, Callable[[Sequence[rp.Record]], list[Row]]], ...] = (
+    ("issue 11: the held backlog", issue11),
+    ("issue 7", issue7),
+)
