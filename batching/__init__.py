@@ -5,9 +5,9 @@ server passes time in (`now`) and acts on what the core returns.
 
 Modules: keys (GroupKey), types (requests, batches, outcomes), config, callers (caller
 policies and limits), coalescer (admission and the window), backlog (fair release
-order), room (engine room), prefix (shared-prefix leaders), drain (drain-rate estimate
-for Retry-After), cache (TTL result cache), events (observability records). Everything public is
-re-exported here; import from `batching`, not from the modules.
+order), room (engine room), drain (drain-rate estimate for Retry-After), cache (TTL
+result cache), events (observability records). Everything public is re-exported here;
+import from `batching`, not from the modules.
 """
 
 from .cache import ResultCache
@@ -15,7 +15,7 @@ from .callers import DEFAULT_CALLER, CallerPolicy, Callers, CallerStats
 from .coalescer import Coalescer
 from .config import CoalescerConfig
 from .drain import DrainRate
-from .events import Counters, DedupeHit, Ended, Event, PrefixLeader, Refusal, Released
+from .events import Counters, DedupeHit, Ended, Event, Refusal, Released
 from .keys import GroupKey, group_key
 from .room import EngineCapacity
 from .types import (
@@ -51,7 +51,6 @@ __all__ = [
     "Event",
     "GroupKey",
     "Outcome",
-    "PrefixLeader",
     "Refusal",
     "RefusalReason",
     "Refused",

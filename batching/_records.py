@@ -15,9 +15,8 @@ from .types import ReleaseReason, Request
 
 # Generation states. Plain ints: compared on the hot path.
 QUEUED = 0  # in its window group, not yet eligible
-HELD = 1  # a prefix follower waiting for its release time
-BACKLOG = 2  # eligible, waiting in its caller's backlog for engine room
-GONE = 3  # released to the engine, or dropped when its last subscriber left
+BACKLOG = 1  # eligible, waiting in its caller's backlog for engine room
+GONE = 2  # released to the engine, or dropped when its last subscriber left
 
 
 class Gen:
@@ -27,7 +26,6 @@ class Gen:
         "bseq",
         "caller",
         "dkey",
-        "follow",
         "group",
         "ptok",
         "reason",
@@ -64,7 +62,6 @@ class Gen:
         self.reason: ReleaseReason | None = None  # why it became eligible
         self.round = 0  # the due() call in which it became eligible
         self.bseq = 0  # its latest backlog entry; older heap entries are stale
-        self.follow = False  # held back once as a prefix follower
         self.started = False  # the engine produced its first output
 
 

@@ -158,8 +158,8 @@ class Backlog:
         """Yield generations to release, in order, while `room` allows (rules 1-5).
 
         Each yielded generation has left the backlog (state GONE); the consumer books
-        it in `room` and calls `served()`, or holds it back (prefix follower) and pushes
-        it again later. Stops at the first point where nothing more may go.
+        it in `room` and calls `served()`. Stops at the first point where nothing more
+        may go.
         """
         active = self.active
         blocked: set[CallerState] = set()

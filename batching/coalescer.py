@@ -41,35 +41,28 @@ Rules:
    for all of it, no max_concurrency), each cut of rule 3 is one batch. Otherwise the
    generations one `due()` releases are grouped by (GroupKey, reason), in order of
    first release, and split by the caps (a lone request over the token cap forms a
-   batch by itself). The reason is PREFIX_FOLLOW for a held prefix follower, the
-   reason it became eligible if released by the same `due()` call, and BACKLOG if it
-   waited in the backlog.
-8. `cancel()` and expiry (`Request.deadline`) remove queued work (window, backlog or
-   held) before release in O(1) / O(log n): heaps are cleaned lazily.
+   batch by itself). A batch's reason is why its generations became eligible if the
+   same `due()` call released them, and BACKLOG if they waited in the backlog.
+8. `cancel()` and expiry (`Request.deadline`) remove queued work (window or backlog)
+   before release in O(1) / O(log n): heaps are cleaned lazily.
 9. Dedupe: a request whose (key, prompt_tokens, fingerprint) equals a queued
    generation's (fingerprint not None) subscribes to it, whatever its caller (the
    output is the same; the generation keeps its owner's place and is charged to its
    owner, the joined request counts as queued for its own caller). The generation
    keeps its first request's data even if that caller cancels; it leaves only with
    its last subscriber. Each subscriber keeps its own deadline.
-10. Shared prefixes (see prefix.py): among the generations one `due()` releases, one
-   that shares a whole first KV block with an earlier one is held back
-   `prefix_follow_delay` behind that leader and then goes back to the backlog (and is
-   released as PREFIX_FOLLOW), unless that prefix was released within `prefix_memory`
-   seconds. Held followers still count as queued; they can be cancelled, can expire,
-   and can be joined by duplicates.
-11. Adaptive: if `due()` gets an `EngineLoad` with running == 0 and waiting == 0, and
+10. Adaptive: if `due()` gets an `EngineLoad` with running == 0 and waiting == 0, and
    the core itself has nothing in flight, every queued group becomes eligible now
    (EARLY): with an idle engine, waiting out the window is pure latency. The in-flight
    check is an addition to the plain load test: the driver's snapshot can be older
    than our own last release, and a stale "idle" must not turn the window off under
-   load. Held prefix followers keep their (few milliseconds of) delay.
+   load.
    Lone arrivals (`release_lone`): a request admitted more than `window` after the
    previous admission becomes eligible at the next `due()` (LONE), with whatever its
    group holds. At that arrival rate no company is expected within the window, so
    waiting would only add latency; the requests that follow it closely wait out their
    window as usual, so a burst still coalesces behind its first request.
-12. Admission states: SHEDDING refuses new work (MEMORY); CRITICAL refuses new work
+11. Admission states: SHEDDING refuses new work (MEMORY); CRITICAL refuses new work
    and `due()` releases nothing (expiry still runs; `next_deadline()` then reports
    expiry times only, so a driver does not spin); DRAINING refuses (DRAINING) and keeps
    releasing. After changing the state, the driver should call `due()` again.
@@ -87,7 +80,7 @@ from dataclasses import replace
 from heapq import heappop, heappush
 
 from . import _fast
-from ._records import BACKLOG, GONE, HELD, QUEUED, Gen, Group
+from ._records import BACKLOG, GONE, QUEUED, Gen, Group
 from .backlog import Backlog
 from .callers import Callers, CallerState, CallerStats
 from .config import CoalescerConfig
@@ -97,11 +90,9 @@ from .events import (
     DedupeHit,
     Ended,
     Event,
-    PrefixLeader,
     Refusal,
 )
 from .keys import GroupKey
-from .prefix import PrefixMemory, shared_blocks
 from .room import EngineCapacity, Room
 from .types import (
     AdmissionState,
@@ -128,7 +119,6 @@ _SIZE_CAP = ReleaseReason.SIZE_CAP
 _TOKEN_CAP = ReleaseReason.TOKEN_CAP
 _EARLY = ReleaseReason.EARLY
 _LONE = ReleaseReason.LONE
-_FOLLOW = ReleaseReason.PREFIX_FOLLOW
 _BACKLOG = ReleaseReason.BACKLOG
 
 
@@ -152,22 +142,20 @@ class Coalescer:
         self._ready_at = 0.0  # when the first group in _ready reached a cap
         self._lone: list[Gen] = []  # lone arrivals, eligible at the next due()
         self._lone_at = 0.0  # when the first of them was admitted
-        self._last_add = -math.inf  # time of the latest admission (rule 11)
-        self._gens: dict[str, Gen] = {}  # queued + held + backlogged, by request id
+        self._last_add = -math.inf  # time of the latest admission (rule 10)
+        self._gens: dict[str, Gen] = {}  # queued + backlogged, by request id
         self._subs: dict[str, Gen] = {}  # their subscribers
         self._dedupe: dict[Hashable, Gen] = {}
         self._in_flight: dict[str, Gen] = {}
         # Heaps of (time, seq, item); seq is unique, so items are never compared.
         self._wheap: list[tuple[float, int, Gen]] = []  # window deadlines
         self._xheap: list[tuple[float, int, Request]] = []  # subscriber expiries
-        self._held: list[tuple[float, int, list[Gen]]] = []  # prefix followers
         self._q_reqs = 0
         self._q_tokens = 0
         self._f_reqs = 0
         self._f_tokens = 0
         self._events: list[Event] = []
         self._drain = DrainRate()
-        self._memory = PrefixMemory(config.prefix_memory)
         self._callers: dict[str, CallerState] = {}
         self._backlog = Backlog(config.age_bound)
         # What became eligible in the current due() call: (generations, reason) cuts,
@@ -188,8 +176,6 @@ class Coalescer:
         self._n_batches = 0
         self._n_generations = 0
         self._n_dedupe = 0
-        self._n_leaders = 0
-        self._n_followers = 0
 
     # -- state, gauges, callers ----------------------------------------------------
 
@@ -212,7 +198,6 @@ class Coalescer:
         afterwards."""
         self._config = value
         self._known = value.engine.known
-        self._memory.memory = value.prefix_memory
         self._backlog.age_bound = value.age_bound
         self._apply_callers()
 
@@ -232,7 +217,7 @@ class Coalescer:
 
     @property
     def queued_requests(self) -> int:
-        """Queued subscribers (window, backlog and held prefix followers)."""
+        """Queued subscribers (window and backlog)."""
         return self._q_reqs
 
     @property
@@ -284,8 +269,6 @@ class Coalescer:
             batches=self._n_batches,
             generations=self._n_generations,
             dedupe_hits=self._n_dedupe,
-            prefix_leaders=self._n_leaders,
-            prefix_followers=self._n_followers,
         )
 
     def callers(self) -> tuple[CallerStats, ...]:
@@ -551,7 +534,7 @@ class Coalescer:
         return True
 
     def _drop(self, gen: Gen) -> None:
-        """Remove a queued, held or backlogged generation whose last subscriber left."""
+        """Remove a queued or backlogged generation whose last subscriber left."""
         state = gen.state
         if state == QUEUED:
             group = gen.group
@@ -612,7 +595,6 @@ class Coalescer:
         self._lone = []
         self._wheap.clear()
         self._xheap.clear()
-        self._held.clear()
         self._q_reqs = 0
         self._q_tokens = 0
         return ids
@@ -656,11 +638,6 @@ class Coalescer:
             heappop(wheap)
         if wheap and (best is None or wheap[0][0] < best):
             best = wheap[0][0]
-        held = self._held
-        while held and not any(g.state == HELD for g in held[0][2]):
-            heappop(held)
-        if held and (best is None or held[0][0] < best):
-            best = held[0][0]
         return best
 
     def due(self, now: float, load: EngineLoad | None = None) -> list[Batch]:
@@ -674,7 +651,7 @@ class Coalescer:
         if load is not None:
             self._kv_usage = load.kv_usage
             self._engine_queue = load.waiting
-        # Decided before this call releases anything (see rule 11).
+        # Decided before this call releases anything (see rule 10).
         idle = (
             load is not None
             and self._config.adaptive
@@ -684,11 +661,6 @@ class Coalescer:
         )
         self._round += 1
         fresh = self._fresh  # what becomes eligible now, in order
-        held = self._held
-        while held and held[0][0] <= now:
-            live = [g for g in heappop(held)[2] if g.state == HELD]
-            if live:
-                fresh.extend((part, _FOLLOW) for part in self._split(live))
         if self._ready:
             ready = self._ready
             self._ready = []
@@ -779,26 +751,16 @@ class Coalescer:
             del self._groups[group.key]
 
     def _release(self, now: float, out: list[Batch]) -> None:
-        """Release backlogged generations while the engine has room (rules 5-7, 10)."""
+        """Release backlogged generations while the engine has room (rules 5-7)."""
         backlog = self._backlog
         room = self._room()
-        block = self._config.prefix_block
-        first: dict[int, Gen] = {}  # block key -> its leader in this round
-        followers: dict[int, list[Gen]] = {}  # block key -> held followers (or [])
         released: list[Gen] = []
         serve = self._serve
         for g in backlog.pick(now, room):
-            if (
-                block
-                and not g.follow
-                and len(g.request.prompt_tokens) >= block
-                and self._follows(g, first, followers, now)
-            ):
-                continue
             room.take(g.ptok)
             serve(g)
             released.append(g)
-        self._round_done(released, first, followers, now, out)
+        self._round_done(released, now, out)
 
     def _room(self) -> Room:
         cfg = self._config
@@ -836,16 +798,6 @@ class Coalescer:
         Skipping the backlog's heaps keeps the common case cheap.
         """
         backlog = self._backlog
-        if self._config.prefix_block:  # rule 10 looks at the whole round first
-            first: dict[int, Gen] = {}
-            followers: dict[int, list[Gen]] = {}
-            kept: list[tuple[list[Gen], ReleaseReason]] = []
-            for gens, why in fresh:
-                keep = [g for g in gens if g.follow or not self._follows(g, first, followers, now)]
-                if keep:
-                    kept.append((keep, why))
-            self._prefixes_done(first, followers, now)
-            fresh = kept
         for gens, why in fresh:
             for g in gens:  # Backlog.served, inlined
                 c = g.caller
@@ -859,51 +811,19 @@ class Coalescer:
         self._backlog.served(g)
         g.caller.prompt_tokens += g.ptok
 
-    def _follows(
-        self, g: Gen, first: dict[int, Gen], followers: dict[int, list[Gen]], now: float
-    ) -> bool:
-        """Rule 10 for one generation picked in this round; True if held as a follower."""
-        prompt = g.request.prompt_tokens
-        block = self._config.prefix_block
-        if len(prompt) < block:
-            return False
-        bk = hash((g.group.key, prompt[:block]))  # as prefix.block_key, inlined
-        if bk not in first:
-            first[bk] = g
-            if not self._memory.cached(bk, now):
-                followers[bk] = []
-            return False
-        follow = followers.get(bk)
-        if follow is None:
-            return False
-        g.state = HELD
-        g.follow = True
-        follow.append(g)
-        return True
-
-    def _round_done(
-        self,
-        released: list[Gen],
-        first: dict[int, Gen],
-        followers: dict[int, list[Gen]],
-        now: float,
-        out: list[Batch],
-    ) -> None:
-        """Hold this round's followers, remember its prefixes, emit its batches (rule 7)."""
-        cfg = self._config
-        if cfg.prefix_block:
-            self._prefixes_done(first, followers, now)
+    def _round_done(self, released: list[Gen], now: float, out: list[Batch]) -> None:
+        """Emit this round's batches (rule 7)."""
         if not released:
             return
         rnd = self._round
         if len(released) == 1:
             g = released[0]
-            why = _FOLLOW if g.follow else (g.reason or _BACKLOG) if g.round == rnd else _BACKLOG
+            why = (g.reason or _BACKLOG) if g.round == rnd else _BACKLOG
             self._emit(released, why, now, out)
             return
         batches: dict[tuple[GroupKey, ReleaseReason], list[Gen]] = {}
         for g in released:
-            why = _FOLLOW if g.follow else (g.reason or _BACKLOG) if g.round == rnd else _BACKLOG
+            why = (g.reason or _BACKLOG) if g.round == rnd else _BACKLOG
             k = (g.group.key, why)
             lst = batches.get(k)
             if lst is None:
@@ -937,40 +857,6 @@ class Coalescer:
             parts.append(gens[i:j])
             i = j
         return parts
-
-    def _prefixes_done(
-        self, first: dict[int, Gen], followers: dict[int, list[Gen]], now: float
-    ) -> None:
-        """Hold this round's followers and remember the prefixes it released (rule 10)."""
-        if followers:
-            self._hold_followers(first, followers, now)
-        memory = self._memory
-        for bk in first:
-            memory.remember(bk, now)
-        memory.prune(now)
-
-    def _hold_followers(
-        self, first: dict[int, Gen], followers: dict[int, list[Gen]], now: float
-    ) -> None:
-        """One PrefixLeader event per leader; the followers wait as one group per
-        GroupKey, in rule-6 order, so that each comes back as one batch (rule 7)."""
-        block = self._config.prefix_block
-        by_key: dict[GroupKey, list[Gen]] = {}
-        for bk, follow in followers.items():
-            if not follow:
-                continue
-            lead = first[bk]
-            prompt = lead.request.prompt_tokens
-            shared = min(shared_blocks(prompt, f.request.prompt_tokens, block) for f in follow)
-            self._events.append(PrefixLeader(lead.request.id, len(follow), shared, now))
-            self._n_leaders += 1
-            self._n_followers += len(follow)
-            by_key.setdefault(lead.group.key, []).extend(follow)
-        at = now + self._config.prefix_follow_delay
-        for follow in by_key.values():
-            follow.sort(key=_order)
-            self._seq = seq = self._seq + 1
-            heappush(self._held, (at, seq, follow))
 
     def _emit(self, gens: list[Gen], reason: ReleaseReason, now: float, out: list[Batch]) -> None:
         """Release generations as one batch: move them from queued to in flight."""

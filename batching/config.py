@@ -13,7 +13,6 @@ Rules:
 * `max_pending_*` bound everything admitted and not yet finished: queued plus in flight.
   Requests count subscribers (callers); tokens count generations (a deduplicated caller
   costs one request and no tokens).
-* `prefix_block == 0` disables the shared-prefix leader/follower rule.
 * `callers` is the caller policy table (callers.py); `engine` the engine's capacity
   (room.py; all 0 = unknown: eligible work is released at once, as before the
   backlog existed). Both can be replaced at run time (`set_callers`, `capacity`).
@@ -54,11 +53,6 @@ class CoalescerConfig:
     adaptive: bool = True  # release early when the engine is idle
     release_lone: bool = True  # release at once a request that follows a quiet spell
     dedupe: bool = True
-    # Tokens per KV block for the shared-prefix rule; 0 (the default) disables it:
-    # measured, it saved no prefill (12,428 against 12,428 tokens on a burst).
-    prefix_block: int = 0
-    prefix_follow_delay: float = 0.005  # followers go this long after their leader
-    prefix_memory: float = 2.0  # a released prefix is assumed cached this long
     retry_after_default: float = 1.0  # before any drain rate has been measured
     retry_after_max: float = 60.0
     # Added to the spec: the floor of every Retry-After the core computes. HTTP's
@@ -80,10 +74,6 @@ class CoalescerConfig:
             raise ValueError("batch caps must be >= 1")
         if self.max_pending_requests < 1 or self.max_pending_tokens < 1:
             raise ValueError("pending limits must be >= 1")
-        if self.prefix_block < 0:
-            raise ValueError("prefix_block must be >= 0")
-        if self.prefix_follow_delay < 0 or self.prefix_memory < 0:
-            raise ValueError("prefix delays must be >= 0")
         if not 0 <= self.retry_after_min <= self.retry_after_max:
             raise ValueError("need 0 <= retry_after_min <= retry_after_max")
         if self.retry_after_default < 0:

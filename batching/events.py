@@ -24,7 +24,7 @@ from .callers import DEFAULT_CALLER
 from .keys import GroupKey
 from .types import Outcome, RefusalReason, ReleaseReason
 
-__all__ = ["Counters", "DedupeHit", "Ended", "Event", "PrefixLeader", "Refusal", "Released"]
+__all__ = ["Counters", "DedupeHit", "Ended", "Event", "Refusal", "Released"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,15 +61,7 @@ class DedupeHit:
     joined: str
 
 
-@dataclass(frozen=True, slots=True)
-class PrefixLeader:
-    request_id: str
-    followers: int
-    shared_tokens: int  # whole-block prefix shared by the leader and all its followers
-    at: float
-
-
-Event = Released | Ended | Refusal | DedupeHit | PrefixLeader
+Event = Released | Ended | Refusal | DedupeHit
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,5 +77,3 @@ class Counters:
     batches: int
     generations: int  # dispatched generations (entries)
     dedupe_hits: int
-    prefix_leaders: int
-    prefix_followers: int

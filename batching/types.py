@@ -98,7 +98,6 @@ class ReleaseReason(enum.Enum):
     EARLY = "early"  # adaptive: the engine was idle, waiting is pure latency
     LONE = "lone"  # adaptive: arrived after a quiet spell longer than the window
     IMMEDIATE = "immediate"  # window == 0
-    PREFIX_FOLLOW = "prefix_follow"  # followers held back behind a shared-prefix leader
     BACKLOG = "backlog"  # eligible earlier, held in the backlog until the engine had room
 
 

@@ -13,15 +13,12 @@ group keys (a base model and LoRA adapters).
 * window 10 ms: 2000 arrivals per window, so about 1000 wait on average, in groups of
   ~50 (under the 64-entry size cap): batches leave on the DEADLINE rule.
 * window 0: every request is its own IMMEDIATE batch (the queue stays empty).
-* shared prefixes: as window 10 ms, but every prompt shares two 16-token blocks. After
-  each group's first leader, `prefix_memory` says the prefix is cached, so this
-  measures the block-key bookkeeping rather than holding followers back.
 * backlog path: as window 10 ms, with the engine's capacity known (as in the server),
   so every eligible generation goes through the backlog and the room test; the slots
   and step budget are large enough that nothing is actually held, and each release is
   reported `started()` at once.
 
-No dedupe fingerprints; other prompts are shorter than one KV block.
+No dedupe fingerprints.
 
 Run: `python bench/core_bench.py`.
 """
@@ -42,15 +39,12 @@ from batching import Coalescer, CoalescerConfig, EngineCapacity, Request, group_
 GROUPS = 40
 
 
-def _requests(n: int, prompt_len: int, shared_prefix: bool, groups: int) -> list[Request]:
+def _requests(n: int, prompt_len: int, groups: int) -> list[Request]:
     keys = [group_key("bench-model", f"lora{g}" if g else None) for g in range(groups)]
     reqs = []
     for i in range(n):
         key = keys[i % groups]
-        if shared_prefix:
-            prompt = (*range(32), i, i + 1, i + 2)  # two shared 16-token blocks
-        else:
-            prompt = (i % 50_000,) * (prompt_len - (i % 7))
+        prompt = (i % 50_000,) * (prompt_len - (i % 7))
         reqs.append(Request(f"r{i}", key, prompt, 64, 0.0, priority=i % 3))
     return reqs
 
@@ -59,16 +53,13 @@ def _requests(n: int, prompt_len: int, shared_prefix: bool, groups: int) -> list
 _ROOMY = EngineCapacity(max_seqs=1_000_000, step_tokens=1_000_000, kv_tokens=1_000_000_000)
 
 
-def run(
-    window: float, n: int, queued: int, shared_prefix: bool = False, held: bool = False
-) -> float:
+def run(window: float, n: int, queued: int, held: bool = False) -> float:
     cfg = CoalescerConfig(
         window=window,
         max_pending_requests=queued * 4 + 1024,
         engine=_ROOMY if held else EngineCapacity(),
-        prefix_block=16 if shared_prefix else 0,  # off by default since it saved nothing
     )
-    reqs = _requests(n + queued, 12, shared_prefix, GROUPS)
+    reqs = _requests(n + queued, 12, GROUPS)
     # Arrival times: 2 x `queued` per window, so that on average `queued` wait.
     step = (window / (2 * queued)) if window else 1e-6
     reqs = [
@@ -127,14 +118,13 @@ def main() -> None:
         f"python {sys.version.split()[0]}, n={args.n}, ~{args.queued} queued, best of {args.repeat}"
     )
     scenarios = [
-        ("window 10 ms", 0.010, False, False),
-        ("window 0 (immediate)", 0.0, False, False),
-        ("window 10 ms, shared prefixes", 0.010, True, False),
-        ("window 10 ms, backlog path", 0.010, False, True),
-        ("window 0, backlog path", 0.0, False, True),
+        ("window 10 ms", 0.010, False),
+        ("window 0 (immediate)", 0.0, False),
+        ("window 10 ms, backlog path", 0.010, True),
+        ("window 0, backlog path", 0.0, True),
     ]
-    for name, window, prefix, held in scenarios:
-        rate = max(run(window, args.n, args.queued, prefix, held) for _ in range(args.repeat))
+    for name, window, held in scenarios:
+        rate = max(run(window, args.n, args.queued, held) for _ in range(args.repeat))
         print(f"{name:32s} {rate:12,.0f} req/s  {1e6 / rate:6.2f} us/request")
     rate = max(build_cost(args.n) for _ in range(args.repeat))
     name = "(server side) Request(...) build"

@@ -155,12 +155,6 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
         help="share one generation among identical deterministic requests (default: %(default)s)",
     )
     g.add_argument(
-        "--prefix-leader",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="release one shared-prefix leader before its followers (default: %(default)s)",
-    )
-    g.add_argument(
         "--result-cache-ttl",
         type=float,
         default=d.result_cache_ttl,
@@ -353,7 +347,6 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
             max_pending_requests=ns.max_pending_requests,
             max_pending_tokens=ns.max_pending_tokens,
             dedupe=ns.dedupe,
-            prefix_block=(ns.block_size or 16) if ns.prefix_leader else 0,
             callers=callers.policies if callers is not None else CoalescerConfig().callers,
             age_bound=ns.backlog_age_bound,
             kv_reserve_short=ns.kv_reserve_short,

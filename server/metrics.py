@@ -31,7 +31,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from batching import CallerStats, DedupeHit, Ended, Outcome, PrefixLeader, Refusal, Released
+from batching import CallerStats, DedupeHit, Ended, Outcome, Refusal, Released
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -157,11 +157,6 @@ class Metrics:
         self.dedupe_hits = Counter(
             "sluice_dedupe_hits", "Requests that joined an identical generation", registry=r
         )
-        self.prefix_leaders = Counter(
-            "sluice_prefix_leaders",
-            "Shared-prefix leaders released ahead of followers",
-            registry=r,
-        )
         self.batches = Counter(
             "sluice_batches", "Batches released to the engine, by reason", ["reason"], registry=r
         )
@@ -233,8 +228,6 @@ class Metrics:
                 self.rejections.labels(e.reason.value).inc()
             elif isinstance(e, DedupeHit):
                 self.dedupe_hits.inc()
-            elif isinstance(e, PrefixLeader):
-                self.prefix_leaders.inc()
 
     def watch(self, read: Callable[[], dict[str, Any]]) -> None:
         """Register the live gauges (read at scrape time)."""

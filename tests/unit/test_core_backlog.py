@@ -60,7 +60,6 @@ def co_(
     **kw: object,
 ) -> Coalescer:
     kw.setdefault("window", 0.0)
-    kw.setdefault("prefix_block", 0)
     kw.setdefault("release_lone", False)
     cfg = CoalescerConfig(
         engine=EngineCapacity(max_seqs=seqs, step_tokens=step, kv_tokens=kv),
@@ -405,17 +404,6 @@ def test_reject_queued_empties_the_backlog() -> None:
     assert st is not None and (st.queued, st.backlog) == (0, 0)
     co.finished("a", 0.2)
     assert co.due(0.2) == []
-
-
-def test_prefix_followers_wait_in_the_backlog_behind_their_leader() -> None:
-    co = co_(seqs=8, prefix_block=4, prefix_follow_delay=0.005)
-    sys_prompt = (1, 2, 3, 4, 5)
-    co.add(Request("lead", M, sys_prompt, 4, 0.0, caller="a"), 0.0)
-    co.add(Request("f", M, (*sys_prompt, 6), 4, 0.0, caller="a"), 0.0)
-    assert ids(co.due(0.0)) == ["lead"]
-    assert co.next_deadline() == pytest.approx(0.005)
-    [b] = co.due(0.005)
-    assert ids([b]) == ["f"] and b.reason is ReleaseReason.PREFIX_FOLLOW
 
 
 def test_batches_group_one_round_by_key_and_reason_and_respect_the_caps() -> None:

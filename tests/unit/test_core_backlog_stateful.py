@@ -125,7 +125,6 @@ class BacklogMachine(RuleBasedStateMachine):
         self.callers = table(policies)
         self.cfg = CoalescerConfig(
             window=0.0,
-            prefix_block=0,
             dedupe=dedupe,
             release_lone=False,
             callers=self.callers,
@@ -458,7 +457,6 @@ class FairnessMachine(RuleBasedStateMachine):
         self.co = Coalescer(
             CoalescerConfig(
                 window=0.0,
-                prefix_block=0,
                 release_lone=False,
                 engine=EngineCapacity(max_seqs=seqs, step_tokens=step, kv_tokens=kv),
                 age_bound=age,

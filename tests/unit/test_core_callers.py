@@ -29,7 +29,6 @@ def req(rid: str, caller: str = "a", prompt: int = 4, new: int = 4, now: float =
 
 def co_(*policies: CallerPolicy, default: CallerPolicy | None = None, **kw: object) -> Coalescer:
     kw.setdefault("window", 0.0)
-    kw.setdefault("prefix_block", 0)
     kw.setdefault("release_lone", False)
     kw.setdefault("retry_after_min", 0.0)
     callers = Callers(policies, default) if default else Callers(policies)

@@ -43,8 +43,7 @@ def req(
 
 
 def cfg(**kw: object) -> CoalescerConfig:
-    kw.setdefault("prefix_block", 0)  # prefix rule off unless a test is about it
-    kw.setdefault("release_lone", False)  # likewise the lone-arrival rule
+    kw.setdefault("release_lone", False)  # the lone-arrival rule off unless a test is about it
     return CoalescerConfig(**kw)  # type: ignore[arg-type]
 
 

@@ -35,7 +35,6 @@ def req(
 
 
 def co_(**kw: object) -> Coalescer:
-    kw.setdefault("prefix_block", 0)
     kw.setdefault("release_lone", False)
     return Coalescer(CoalescerConfig(**kw))  # type: ignore[arg-type]
 

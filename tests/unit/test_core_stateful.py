@@ -11,8 +11,7 @@ configs, and checks after every step:
 * no batch mixes keys or exceeds the caps (except a lone oversize request), and each
   batch is ordered by (priority, prompt length, admission order);
 * after `due(now)` no subscriber is left queued past its window, unless the state is
-  CRITICAL or its generation is a held prefix follower whose release time has not come;
-  the same holds from the first `due()` on for a generation admitted after a quiet
+  CRITICAL; the same holds from the first `due()` on for a generation admitted after a quiet
   spell longer than the window (the lone-arrival rule);
 * pending limits are never exceeded, and all gauges match the model.
 """
@@ -48,7 +47,7 @@ from batching import (
 )
 
 KEYS = [group_key("m"), group_key("m", "lora")]
-# Mostly a few fixed prompts, so that duplicates and shared prefixes are common.
+# Mostly a few fixed prompts, so that duplicates are common.
 IDLE = EngineLoad(0, 0)
 PROMPTS = st.sampled_from(
     [(), (0, 0, 1), (0, 0, 1, 1), (0, 0, 1, 1, 2, 2), (0, 0, 2), (1, 1, 1, 1, 1, 1, 1, 1)]
@@ -60,7 +59,6 @@ class Gen:
     request: Request
     seq: int  # admission order
     subs: list[str] = field(default_factory=list)
-    held_until: float | None = None  # set when the model sees it held back
     lone: bool = False  # admitted after a quiet spell: the next due() releases it
 
 
@@ -72,7 +70,6 @@ class CoalescerMachine(RuleBasedStateMachine):
         max_reqs=st.integers(1, 12),
         max_toks=st.integers(20, 300),
         dedupe=st.booleans(),
-        block=st.sampled_from([0, 2, 2]),
         adaptive=st.booleans(),
         lone=st.booleans(),
     )
@@ -84,7 +81,6 @@ class CoalescerMachine(RuleBasedStateMachine):
         max_reqs: int,
         max_toks: int,
         dedupe: bool,
-        block: int,
         adaptive: bool,
         lone: bool,
     ) -> None:
@@ -95,9 +91,6 @@ class CoalescerMachine(RuleBasedStateMachine):
             max_pending_requests=max_reqs,
             max_pending_tokens=max_toks,
             dedupe=dedupe,
-            prefix_block=block,
-            prefix_follow_delay=0.003,
-            prefix_memory=0.004,
             adaptive=adaptive,
             release_lone=lone,
         )
@@ -106,7 +99,7 @@ class CoalescerMachine(RuleBasedStateMachine):
         self.last_add = -math.inf  # the latest admission, for the lone-arrival rule
         self.n = 0
         self.seq = 0
-        self.queued: dict[str, Gen] = {}  # generation id -> Gen (queued or held)
+        self.queued: dict[str, Gen] = {}  # generation id -> Gen (queued)
         self.sub_gen: dict[str, str] = {}  # queued subscriber -> generation id
         self.sub_req: dict[str, Request] = {}
         self.flying: dict[str, tuple[int, int]] = {}  # generation id -> (subs, tokens)
@@ -191,10 +184,8 @@ class CoalescerMachine(RuleBasedStateMachine):
             assert list(e.subscribers) == [s for s in g.subs if s not in expired]
             self.dispatched_now.update(e.subscribers)
             self.flying[gid] = (len(e.subscribers), e.request.tokens)
-            if cfg.window == 0 and b.reason is not ReleaseReason.PREFIX_FOLLOW:
+            if cfg.window == 0:
                 assert b.reason is ReleaseReason.IMMEDIATE
-        if b.reason is ReleaseReason.PREFIX_FOLLOW:
-            assert cfg.prefix_block > 0
         if b.reason is ReleaseReason.LONE:
             assert cfg.release_lone
 
@@ -292,37 +283,15 @@ class CoalescerMachine(RuleBasedStateMachine):
             self._check_batch(b, expired)
         dispatched = {e.request.id for b in batches for e in b.entries}
         self._absorb_events(events)
-        # Who is held back now: followers of a prefix leader, as seen from the outside.
-        for g in self.queued.values():
-            if g.held_until is not None and g.held_until <= self.now:
-                g.held_until = None
-        if batches and self.cfg.prefix_block:
-            for b in batches:
-                if b.reason is ReleaseReason.PREFIX_FOLLOW:
-                    continue
-                blk = self.cfg.prefix_block
-                for g in self.queued.values():
-                    p = g.request.prompt_tokens
-                    if len(p) < blk or g.request.key != b.key or g.held_until is not None:
-                        continue
-                    if any(e.request.prompt_tokens[:blk] == p[:blk] for e in b.entries):
-                        g.held_until = self.now + self.cfg.prefix_follow_delay
         assert not dispatched & set(self.queued)
         if self.co.state is AdmissionState.CRITICAL:
             assert batches == []
             return
         for sid, r in self.sub_req.items():
             g = self.queued[self.sub_gen[sid]]
-            if r.arrival + self.cfg.window <= self.now:  # the core's own comparison
-                event("overdue subscriber still held back")
-                assert g.held_until is not None and g.held_until > self.now, (
-                    f"{sid} overdue at {self.now}"
-                )
-            if g.lone:
-                event("lone generation still held back")
-                assert g.held_until is not None and g.held_until > self.now, (
-                    f"lone {sid} still queued at {self.now}"
-                )
+            # The core's own comparison.
+            assert r.arrival + self.cfg.window > self.now, f"{sid} overdue at {self.now}"
+            assert not g.lone, f"lone {sid} still queued at {self.now}"
 
     @precondition(lambda self: bool(self.flying))
     @rule(data=st.data(), every=st.booleans())

@@ -56,8 +56,6 @@ def test_request_tokens_is_prompt_plus_max_new() -> None:
         {"max_batch_tokens": 0},
         {"max_pending_requests": 0},
         {"max_pending_tokens": 0},
-        {"prefix_block": -1},
-        {"prefix_follow_delay": -0.1},
         {"retry_after_min": 5.0, "retry_after_max": 1.0},
         {"retry_after_default": -1.0},
     ],
