@@ -164,6 +164,7 @@ class Coalescer:
         self._uncapped = self._no_caps()
         self._known = config.engine.known  # any engine number known: room.py applies
         self._kv_usage = 0.0  # from the latest EngineLoad
+        self._engine_queue = 0  # its waiting count
         self._unstarted_n = 0  # released generations without a first output yet
         self._unstarted_tokens = 0  # their prompt tokens
         self._n_admitted = 0
@@ -649,6 +650,7 @@ class Coalescer:
             return out
         if load is not None:
             self._kv_usage = load.kv_usage
+            self._engine_queue = load.waiting
         # Decided before this call releases anything (see rule 10).
         idle = (
             load is not None
@@ -768,6 +770,7 @@ class Coalescer:
             self._unstarted_n,
             self._unstarted_tokens,
             self._kv_usage,
+            self._engine_queue,
             cfg.kv_reserve_short,
             cfg.short_prompt_tokens,
             cfg.step_lookahead,

@@ -23,10 +23,13 @@ engine number, and an unknown number never holds anything back):
    started. Together with rule 2 this keeps the engine's own waiting queue at
    about one step of prefill; the number of unstarted requests needs no bound of
    its own, since the engine admits them in its next steps when both hold.
-4. KV room: estimated KV tokens in use (`kv_usage` x `kv_tokens`, from the engine's
-   latest stats, plus every unstarted prompt, which the stats may not show yet) plus
-   this prompt <= `kv_tokens`. Decode growth of running requests is in `kv_usage`
-   as it happens; vLLM preempts when it runs out, as it would without Sluice.
+4. KV room: estimated KV tokens in use plus this prompt <= `kv_tokens`. The estimate
+   is `kv_usage` x `kv_tokens` from the engine's latest stats, plus the prompts the
+   engine has not allocated yet: of the unstarted prompts, the share the engine
+   reports waiting (`engine_waiting` of them; the others are in prefill, and their
+   blocks are in `kv_usage` already), and everything released in this round.
+   Decode growth of running requests is in `kv_usage` as it happens; vLLM
+   preempts when it runs out, as it would without Sluice.
 5. Headroom for short requests (optional, `reserve` > 0): a prompt longer than
    `short_prompt` tokens may only use (1 - reserve) of the KV cache, so a short chat
    turn finds room at the next step instead of waiting for a long request to end.
@@ -62,6 +65,7 @@ class Room:
     __slots__ = (
         "in_flight",
         "kv_long",
+        "kv_pending",
         "kv_tokens",
         "kv_used",
         "limited",
@@ -79,6 +83,7 @@ class Room:
         unstarted_n: int,
         unstarted_tokens: int,
         kv_usage: float,
+        engine_waiting: int,
         reserve: float,
         short_prompt: int,
         step_lookahead: float,
@@ -91,6 +96,8 @@ class Room:
         self.kv_tokens = kv = capacity.kv_tokens
         self.kv_long = kv * (1.0 - reserve)
         self.kv_used = kv_usage * kv
+        waiting = min(1.0, engine_waiting / unstarted_n) if unstarted_n else 0.0
+        self.kv_pending = unstarted_tokens * waiting
         self.short_prompt = short_prompt
         self.in_flight = in_flight
         self.unstarted_n = unstarted_n
@@ -112,7 +119,7 @@ class Room:
         kv = self.kv_tokens
         if kv:
             limit = kv if ptok <= self.short_prompt else self.kv_long
-            if self.kv_used + self.unstarted_tokens + ptok > limit:
+            if self.kv_used + self.kv_pending + ptok > limit:
                 return False
         return True
 
@@ -120,3 +127,4 @@ class Room:
         self.in_flight += 1
         self.unstarted_n += 1
         self.unstarted_tokens += ptok
+        self.kv_pending += ptok

@@ -149,8 +149,9 @@ def test_kv_room_counts_engine_usage_and_unstarted_prompts() -> None:
     half = EngineLoad(running=1, waiting=0, kv_usage=0.5)
     # 500 in use + 200 = 700 fits; then + 200 unstarted + 400 does not.
     assert ids(co.due(0.1, half)) == ["a"]
-    assert co.due(0.2, half) == []
-    co.started("a", 0.3)  # a's prompt now shows in the engine's usage instead
+    # The engine reports a waiting: its prompt is not in the usage yet.
+    assert co.due(0.2, EngineLoad(1, 1, 0.5)) == []
+    # In prefill (nothing waiting): its blocks are in the usage, counted once.
     assert co.due(0.3, EngineLoad(2, 0, 0.7)) == []
     assert ids(co.due(0.4, EngineLoad(2, 0, 0.6))) == ["b"]  # 600 + 400 <= 1000
 

@@ -138,6 +138,7 @@ class BacklogMachine(RuleBasedStateMachine):
         self.co = Coalescer(self.cfg)
         self.now = 0.0
         self.kv_usage = 0.0
+        self.engine_queue = 0
         self.n = 0
         self.seq = 0
         self.queued: dict[str, Gen] = {}  # generation id -> Gen (queued or backlogged)
@@ -166,19 +167,28 @@ class BacklogMachine(RuleBasedStateMachine):
         mc = self._policy(name).max_concurrency
         return mc is not None and self._flying_of(name) >= mc
 
-    def _room(self) -> Room:
-        unstarted = [f for f in self.flying.values() if not f.started]
-        return Room(
+    def _room(self, released: list[Gen]) -> Room:
+        """The room as the core saw it at the start of the last due(), with that
+        call's releases booked (the engine's waiting share applies to the older)."""
+        now_released = {g.request.id for g in released}
+        unstarted = [
+            f for gid, f in self.flying.items() if not f.started and gid not in now_released
+        ]
+        room = Room(
             self.cfg.engine,
-            len(self.flying),
+            len(self.flying) - len(now_released),
             len(unstarted),
             sum(f.ptok for f in unstarted),
             self.kv_usage,
+            self.engine_queue,
             self.cfg.kv_reserve_short,
             self.cfg.short_prompt_tokens,
             self.cfg.step_lookahead,
             self.cfg.slot_spare,
         )
+        for g in released:
+            room.take(g.ptok)
+        return room
 
     def _counter(self, name: str) -> float:
         st_ = self.co.caller(name)
@@ -275,12 +285,14 @@ class BacklogMachine(RuleBasedStateMachine):
     @rule(
         dt=st.sampled_from([0.0, 0.005, 0.01, 0.03]),
         kv=st.sampled_from([0.0, 0.3, 0.6, 0.9, 1.0]),
+        waiting=st.sampled_from([0, 0, 1, 3]),
     )
-    def due(self, dt: float, kv: float) -> None:
+    def due(self, dt: float, kv: float, waiting: int = 0) -> None:
         self.now += dt
         self.kv_usage = kv
+        self.engine_queue = waiting
         before = {n: self._flying_of(n) for n in NAMES}
-        batches = self.co.due(self.now, EngineLoad(len(self.flying), 0, kv))
+        batches = self.co.due(self.now, EngineLoad(len(self.flying), waiting, kv))
         events = self.co.pop_events()
         expired = {
             e.request_id for e in events if isinstance(e, Ended) and e.outcome is Outcome.EXPIRED
@@ -319,13 +331,13 @@ class BacklogMachine(RuleBasedStateMachine):
             if oldest.request.arrival + self.cfg.age_bound <= self.now:
                 event("overdue request held")
                 assert all(g.seq < oldest.seq for g in released if g.caller == name)
-        self._check_work_conserving()
+        self._check_work_conserving(released)
 
-    def _check_work_conserving(self) -> None:
+    def _check_work_conserving(self, released: list[Gen]) -> None:
         if not self.queued:
             return
         assert self.flying, "the engine is idle while the backlog holds work"
-        room = self._room()
+        room = self._room(released)
         if room.full:
             event("held: no slot")
             return
