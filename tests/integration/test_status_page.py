@@ -25,10 +25,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from server.callers import CallerDirectory
 from server.metrics import Metrics
 from server.middleware import auth_middleware, error_middleware
 from server.settings import Settings
-from server.state import METRICS, SETTINGS, STATUS
+from server.state import CALLERS, METRICS, SETTINGS, STATUS
 from server.status import Snapshot, StatusSampler
 from server.status_page import add_status_routes
 
@@ -185,7 +186,9 @@ def page_app(sampler: StatusSampler, key: str | None = None) -> web.Application:
     """Sluice's own page routes and middlewares around a made-up ring buffer
     (no engine): what the browser gets is what `sluice serve` sends."""
     app = web.Application(middlewares=[error_middleware, auth_middleware])
-    app[SETTINGS] = Settings(api_key=key)
+    settings = Settings(api_key=key)
+    app[SETTINGS] = settings
+    app[CALLERS] = CallerDirectory(settings.caller_table, settings.api_key)
     app[METRICS] = Metrics()
     app[STATUS] = sampler
     add_status_routes(app)
