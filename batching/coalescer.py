@@ -126,6 +126,22 @@ def _order(g: Gen) -> tuple[int, int, int]:
     return (g.request.priority, g.ptok, g.seq)
 
 
+def _batch_end(gens: list[Gen], i: int, max_seqs: int, max_tok: int) -> tuple[int, int]:
+    """Where the batch starting at `gens[i]` ends within the caps (rule 7), and its
+    prompt tokens: at most `max_seqs` entries and `max_tok` prompt tokens, except that
+    a lone entry over the token cap forms a batch by itself."""
+    j = i
+    bt = 0
+    stop = min(len(gens), i + max_seqs)
+    while j < stop:
+        p = gens[j].ptok
+        if bt + p > max_tok and j > i:
+            break
+        bt += p
+        j += 1
+    return j, bt
+
+
 class Coalescer:
     """Sans-IO admission and batching policy; see the module docstring for the rules."""
 
@@ -725,15 +741,7 @@ class Coalescer:
         while i < n:
             if reason is None and n - i < max_seqs and left < max_tok:
                 break
-            j = i
-            bt = 0
-            stop = min(n, i + max_seqs)
-            while j < stop:
-                p = gens[j].ptok
-                if bt + p > max_tok and j > i:
-                    break
-                bt += p
-                j += 1
+            j, bt = _batch_end(gens, i, max_seqs, max_tok)
             left -= bt
             why = reason or (_SIZE_CAP if j - i >= max_seqs else _TOKEN_CAP)
             fresh.append((gens[i:j] if (i or j < n) else gens, why))
@@ -845,15 +853,7 @@ class Coalescer:
         parts = []
         i = 0
         while i < n:
-            j = i
-            bt = 0
-            stop = min(n, i + max_seqs)
-            while j < stop:
-                p = gens[j].ptok
-                if bt + p > max_tok and j > i:
-                    break
-                bt += p
-                j += 1
+            j = _batch_end(gens, i, max_seqs, max_tok)[0]
             parts.append(gens[i:j])
             i = j
         return parts
