@@ -20,6 +20,7 @@ from server.engine_api import ChatParser, ChoiceParser, CompletionDelta
 from server.errors import SluiceError
 from server.pipeline import Encoder, Job, Trace, logprobs
 from server.protocol import (
+    DONE,
     ChatChoice,
     ChatRequest,
     ChatStream,
@@ -34,11 +35,19 @@ from server.protocol import (
     completion_body,
     parse_chat,
     parse_completion,
+    sse,
 )
 from server.reasoning import ReasoningSplitter, split_reasoning
 from server.state import ENGINE, RUNTIME, SETTINGS
 
-__all__ = ["REASONING_FIELD", "check_model", "prepare_chat", "prepare_completion", "read_body"]
+__all__ = [
+    "REASONING_FIELD",
+    "check_model",
+    "openai_stream_error",
+    "prepare_chat",
+    "prepare_completion",
+    "read_body",
+]
 
 # vLLM 0.32 names the thinking part "reasoning"; the OpenAI-compatible
 # ecosystem (and the field our users' clients read) is "reasoning_content".
@@ -67,6 +76,16 @@ def check_model(request: web.Request, model: str) -> None:
             param="model",
             code="model_not_found",
         )
+
+
+def _openai_stream_end(usage_frame: bytes) -> bytes:
+    """An OpenAI stream's close: the usage chunk when asked for, then [DONE]."""
+    return usage_frame + DONE
+
+
+def openai_stream_error(err: SluiceError) -> bytes:
+    """An OpenAI stream that failed after its headers: the error as an event, then [DONE]."""
+    return sse(err.body()) + DONE
 
 
 def _finish_reason(reason: str | None) -> FinishReason:
@@ -246,8 +265,11 @@ class ChatEncoder:
             )
         return b"".join(parts)
 
-    def stream_usage(self, usage: Usage) -> bytes:
-        return self._enc.usage(usage)
+    def stream_end(self, usage: Usage) -> bytes:
+        return _openai_stream_end(self._enc.usage(usage) if self._req.include_usage else b"")
+
+    def stream_error(self, err: SluiceError) -> bytes:
+        return openai_stream_error(err)
 
 
 # ---------------------------------------------------------------------------
@@ -358,5 +380,8 @@ class CompletionEncoder:
             parts.append(enc.finish(choice, _finish_reason(delta.finish_reason)))
         return b"".join(parts)
 
-    def stream_usage(self, usage: Usage) -> bytes:
-        return self._enc.usage(usage)
+    def stream_end(self, usage: Usage) -> bytes:
+        return _openai_stream_end(self._enc.usage(usage) if self._req.include_usage else b"")
+
+    def stream_error(self, err: SluiceError) -> bytes:
+        return openai_stream_error(err)

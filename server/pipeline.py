@@ -29,7 +29,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequen
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-import orjson
 from aiohttp import web
 
 from batching import DEFAULT_CALLER, group_key
@@ -38,7 +37,7 @@ from server import logs
 from server.driver import Generation, Ticket
 from server.engine_api import CompletionDelta, EngineOutput
 from server.errors import SluiceError
-from server.protocol import DONE, Sampling, TokenLogprob, Usage
+from server.protocol import Sampling, TokenLogprob, Usage
 from server.state import (
     CALLER,
     CALLERS,
@@ -133,6 +132,10 @@ class Encoder(Protocol[C]):
 
     Choice indexes are `prompt index x n + output index`. A stream encoder may
     keep per-choice state (the reasoning split); one encoder serves one request.
+    A stream is `stream_head`, a `stream_delta` per output, then either
+    `stream_end` (the closing frames: usage, the API's end marker) or, when it
+    fails after its headers went out, `stream_error` (the error in the API's
+    own shape, then its end marker).
     """
 
     def choices(
@@ -144,7 +147,8 @@ class Encoder(Protocol[C]):
     def body(self, choices: Sequence[C], usage: Usage) -> bytes: ...
     def stream_head(self) -> bytes: ...
     def stream_delta(self, choice: int, delta: CompletionDelta) -> bytes: ...
-    def stream_usage(self, usage: Usage) -> bytes: ...
+    def stream_end(self, usage: Usage) -> bytes: ...
+    def stream_error(self, err: SluiceError) -> bytes: ...
 
 
 # An endpoint's own step: parse the body and tokenize, into a Job and its encoder.
@@ -361,13 +365,11 @@ async def _stream(
                     parts.append(frame)
             if parts:
                 await resp.write(b"".join(parts))
-        if job.include_usage:
-            await resp.write(enc.stream_usage(_usage(tr)))
-        await resp.write(DONE)
+        await resp.write(enc.stream_end(_usage(tr)))
     except SluiceError as err:
-        # Headers are gone: the error travels as a final SSE event, then [DONE].
+        # Headers are gone: the error travels as the stream's last frames.
         tr.status, tr.error = err.status, err.code or err.message[:80]
-        await resp.write(b"data: " + orjson.dumps(err.body()) + b"\n\n" + DONE)
+        await resp.write(enc.stream_error(err))
     return resp
 
 
