@@ -42,6 +42,8 @@ from server.state import ENGINE, RUNTIME, SETTINGS
 
 __all__ = [
     "REASONING_FIELD",
+    "ChatJob",
+    "chat_job",
     "check_model",
     "openai_stream_error",
     "prepare_chat",
@@ -98,6 +100,30 @@ def _finish_reason(reason: str | None) -> FinishReason:
 
 async def prepare_chat(request: web.Request, tr: Trace) -> tuple[Job, Encoder[ChatChoice]]:
     req = parse_chat(await read_body(request), request.app[RUNTIME].limits)
+    cj = await chat_job(request, req)
+    return cj.job, ChatEncoder(
+        req, tr.rid, request.app[ENGINE].detokenize, cj.parser, cj.prompt_ids
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChatJob:
+    """A chat request made ready to run: what every chat-shaped API's encoder needs.
+
+    `parser` is vLLM's tool-call and reasoning parsing for a request with tools
+    (None without tools); `prompt_ids` tell it where thinking stands at the start.
+    """
+
+    job: Job
+    parser: ChatParser | None
+    prompt_ids: tuple[int, ...]
+
+
+async def chat_job(request: web.Request, req: ChatRequest) -> ChatJob:
+    """The steps every chat-shaped API shares once its body is a ChatRequest:
+    the model check, the tool parser, the constraint check, rendering and
+    tokenizing through the engine's chat template, and the context check.
+    OpenAI chat, Anthropic Messages and OpenAI Responses all come through here."""
     check_model(request, req.model)
     engine = request.app[ENGINE]
     # With tools, vLLM's parsers read the output (calls and the thinking
@@ -125,7 +151,7 @@ async def prepare_chat(request: web.Request, tr: Trace) -> tuple[Job, Encoder[Ch
         # Thinking output is not kept by the result cache (--result-cache-ttl).
         cacheable=not req.enable_thinking,
     )
-    return job, ChatEncoder(req, tr.rid, engine.detokenize, parser, ids)
+    return ChatJob(job, parser, tuple(ids))
 
 
 class ChatEncoder:
