@@ -246,15 +246,19 @@ class EngineAdapter:
             },
         )
         tool_parser, auto_tools = self._tool_flags
+        reasoning = self._engine_args.reasoning_parser or ""
         try:
             self._parsers = OutputParsers(
                 self._tokenizer,
                 tool_parser=tool_parser,
-                reasoning_parser=self._engine_args.reasoning_parser or "",
+                reasoning_parser=reasoning,
                 auto_tools=auto_tools,
             )
         except TypeError as exc:  # vLLM's check: the tokenizer lacks the parsers' tags
             log.warning("tool calls off for this model: %s", exc)
+        self.info = dataclasses.replace(
+            self.info, qwen3_split=reasoning == "qwen3" or self._parsers is None
+        )
 
     def shutdown(self) -> None:
         if self._llm is not None:

@@ -341,8 +341,9 @@ class RequestParsing:
         self._parallel = req.parallel_tool_calls
         vreq = _vllm_tools(req)
         self._constraint = _forced(req, vreq)
-        if self._forced is not None:
-            # vLLM's parser only splits off the reasoning; the call is ours to read.
+        if self._forced is not None or not req.tools:
+            # vLLM's parser only splits off the reasoning: the call is ours to
+            # read, or there is none to read (vLLM takes no tool_choice as auto).
             vreq.tool_choice = "none"
         self._vreq = vreq
 

@@ -107,6 +107,7 @@ class FakeEngine:
     # (they read the tags by token id). None: chat_parser refuses.
     tokenizer: Any = None
     _parsers: Any = None
+    reasoning_parser: str = "qwen3"  # another: every chat request goes through chat_parser
     constraints: list[Constraint] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -117,6 +118,7 @@ class FakeEngine:
             created=0,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=2048,
+            qwen3_split=self.reasoning_parser == "qwen3",
         )
         self.started = False
         self.shut_down = False
@@ -170,7 +172,7 @@ class FakeEngine:
         if self._parsers is None:
             from server.vllm_parsers import OutputParsers
 
-            self._parsers = OutputParsers(self.tokenizer)
+            self._parsers = OutputParsers(self.tokenizer, reasoning_parser=self.reasoning_parser)
         return self._parsers.for_request(req)
 
     async def check_constraint(self, constraint: Constraint) -> None:

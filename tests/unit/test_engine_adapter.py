@@ -251,6 +251,7 @@ async def test_the_tool_call_parser_flag_reaches_the_parsers(demo_model_dir: Pat
         parser = a.chat_parser(parse_chat(orjson.dumps(body), Limits()))
         text = "<tool_call>\n<function=clock>\n</function>\n</tool_call>"
         assert [c.name for c in parser.parse(text).tool_calls] == ["clock"]
+        assert a.info.qwen3_split  # the reasoning parser is still qwen3
     finally:
         a.shutdown()
         mp.undo()

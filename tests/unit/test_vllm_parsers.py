@@ -454,3 +454,19 @@ def test_parser_names_are_vllms_registries() -> None:
         check_names("nope", "qwen3")
     with pytest.raises(ValueError, match="--reasoning-parser 'nope'"):
         check_names("hermes", "nope")
+
+
+def test_a_request_without_tools_reads_no_calls(demo_model_dir: Path) -> None:
+    """Under another --reasoning-parser every request comes here; one without
+    tools keeps a call-shaped text as content (vLLM reads no tool_choice as auto)."""
+    from transformers import AutoTokenizer
+
+    granite = OutputParsers(
+        AutoTokenizer.from_pretrained(demo_model_dir), reasoning_parser="granite"
+    )
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    rp = granite.for_request(parse_chat(orjson.dumps(body), Limits()))
+    text = "Here is my thought process: hm Here is my response: " + CALL_T
+    parsed = rp.parse(text)
+    assert parsed.tool_calls == () and parsed.content is not None and CALL_T in parsed.content
+    assert parsed.reasoning is not None and "hm" in parsed.reasoning
