@@ -2,9 +2,11 @@
 
 Sluice's own flags are declared here; every engine flag comes from vLLM's own
 argument definitions (`AsyncEngineArgs.add_cli_args`), so quantization, prefix
-caching, parallelism, Ray and whatever vLLM adds next work unchanged. Parsing
-happens once and yields the frozen `Settings`; with server/engine.py this is
-the only module that imports vLLM.
+caching, parallelism, Ray and whatever vLLM adds next work unchanged; the
+tool-call and reasoning parser names come from vLLM's registries through
+server/vllm_parsers.py. Parsing happens once and yields the frozen `Settings`;
+any bad value, Sluice's or the watchdog's, is one usage line and exit 2,
+never a traceback.
 """
 
 from __future__ import annotations
