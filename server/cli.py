@@ -331,7 +331,7 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
     if not ns.reasoning_parser:
         ns.reasoning_parser = DEFAULT_REASONING_PARSER
     try:
-        # After parsing, as vLLM does, so plugins' names would count too.
+        # Checked after parsing against the registries, as vLLM checks them.
         parser_names.check_names(ns.tool_call_parser, ns.reasoning_parser)
         _check_ranges(ns)
     except ValueError as exc:
