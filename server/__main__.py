@@ -61,7 +61,7 @@ def _run(argv: Sequence[str]) -> int:
     from server.sdnotify import SdNotify
 
     async def main() -> int:
-        engine = EngineAdapter(settings.engine_args, settings.model_name)
+        engine = EngineAdapter.from_settings(settings)
         notifier = SdNotify(
             settings.env.notify_socket,
             settings.env.watchdog_usec,

@@ -2,9 +2,11 @@
 
 Sluice's own flags are declared here; every engine flag comes from vLLM's own
 argument definitions (`AsyncEngineArgs.add_cli_args`), so quantization, prefix
-caching, parallelism, Ray and whatever vLLM adds next work unchanged. Parsing
-happens once and yields the frozen `Settings`; with server/engine.py this is
-the only module that imports vLLM.
+caching, parallelism, Ray and whatever vLLM adds next work unchanged; the
+tool-call and reasoning parser names come from vLLM's registries through
+server/vllm_parsers.py. Parsing happens once and yields the frozen `Settings`;
+any bad value, Sluice's or the watchdog's, is one usage line and exit 2,
+never a traceback.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from server.settings import EnvView, Settings
 
@@ -50,6 +54,8 @@ commands:
 
 
 def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
+    from server import vllm_parsers as parser_names
+
     d = Settings()
     c = d.core
     g = parser.add_argument_group("Sluice (HTTP front, coalescer, watchdog)")
@@ -185,8 +191,24 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--default-thinking",
         action=argparse.BooleanOptionalAction,
-        default=d.default_thinking,
-        help="Qwen3 thinking mode when a request does not say (default: %(default)s)",
+        default=None,  # resolved by default_thinking(): it depends on the model
+        help="Qwen3 thinking mode when a request does not say (default: on, off for the "
+        "demo model, whose random weights never close a thought)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=d.tool_call_parser,
+        metavar="{" + ",".join(parser_names.tool_parsers()) + "}",
+        help="vLLM's tool-call parser that reads the model's calls into OpenAI tool_calls, "
+        "as with `vllm serve` (default: %(default)s, for Qwen3)",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_auto_tool_choice,
+        help="let the model decide when to call a tool (tool_choice auto) through "
+        "--tool-call-parser, as with `vllm serve`; off refuses tool_choice auto with a 400 "
+        "(default: %(default)s)",
     )
     g.add_argument(
         "--log-format",
@@ -255,7 +277,15 @@ def build_serve_parser() -> argparse.ArgumentParser:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = FlexibleArgumentParser(
+    class _OneLineErrors(FlexibleArgumentParser):  # type: ignore[misc]  # vLLM's is untyped
+        """A bad flag is one line and exit 2: argparse would print the usage
+        first, which with vLLM's ~300 engine flags is a screenful above it."""
+
+        def error(self, message: str) -> NoReturn:
+            sys.stderr.write(f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+            raise SystemExit(2)
+
+    parser = _OneLineErrors(
         prog="sluice serve",
         description="Serve a model over the OpenAI API through Sluice's coalescer. "
         "Every vLLM engine flag below works as with `vllm serve`.",
@@ -277,6 +307,7 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
     from batching import CoalescerConfig
     from batching.pressure import PressureConfig
     from server import demo_model
+    from server import vllm_parsers as parser_names
     from server.callers import CallersError, load_callers, world_readable
 
     parser = build_serve_parser()
@@ -299,6 +330,12 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
             ns.structured_outputs_config = StructuredOutputsConfig(**DEMO_STRUCTURED_OUTPUTS)
     if not ns.reasoning_parser:
         ns.reasoning_parser = DEFAULT_REASONING_PARSER
+    try:
+        # Checked after parsing against the registries, as vLLM checks them.
+        parser_names.check_names(ns.tool_call_parser, ns.reasoning_parser)
+        _check_ranges(ns)
+    except ValueError as exc:
+        parser.error(str(exc))
     if ns.gpu_memory_utilization is None:
         # (Ignored by vLLM when --kv-cache-memory-bytes is given.)
         ns.gpu_memory_utilization = (
@@ -316,7 +353,10 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
     served = names[0] if isinstance(names, list) else names
     api_key = env.api_key
     if ns.api_key_file is not None:
-        api_key = ns.api_key_file.read_text().strip() or None
+        try:
+            api_key = ns.api_key_file.read_text().strip() or None
+        except (OSError, UnicodeDecodeError) as exc:
+            parser.error(f"--api-key-file: {exc}")
     callers = None
     if ns.callers is not None:
         if ns.api_key_file is not None:
@@ -354,6 +394,7 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
             step_lookahead=ns.backlog_step_lookahead,
             slot_spare=ns.backlog_slot_spare,
         )
+        pressure = PressureConfig(**pressure_kwargs)
     except ValueError as exc:
         parser.error(str(exc))
     return Settings(
@@ -374,11 +415,52 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
         caller_table=callers,
         max_body_bytes=ns.max_body_bytes,
         max_n=ns.max_n,
-        default_thinking=ns.default_thinking,
+        default_thinking=default_thinking(ns.default_thinking, demo=demo),
+        tool_call_parser=ns.tool_call_parser,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
         drain_timeout=ns.drain_timeout,
         warmup=ns.warmup,
         watchdog_interval=ns.watchdog_interval_ms / 1000.0,
-        pressure=PressureConfig(**pressure_kwargs),
+        pressure=pressure,
         env=env,
         engine_args=engine_args,
     )
+
+
+def default_thinking(flag: bool | None, *, demo: bool) -> bool:
+    """Thinking when a request does not say: the flag if given, else on, except
+    for the demo model. Its random weights never write ``</think>``, so with
+    thinking on every answer is ``content: null`` and all reasoning: the first
+    curl a newcomer sends would look empty."""
+    if flag is not None:
+        return flag
+    return not demo
+
+
+# Sluice's numeric flags and what each must be; a value outside is a usage
+# error (exit 2) rather than a failure at start. The coalescer's and the
+# watchdog's own checks (CoalescerConfig, PressureConfig) cover theirs.
+_RANGES: tuple[tuple[str, str, float, bool], ...] = (
+    # (dest, flag, bound, the bound itself allowed)
+    ("port", "--port", 0, True),
+    ("queue_timeout", "--queue-timeout", 0, False),
+    ("result_cache_ttl", "--result-cache-ttl", 0, True),
+    ("max_body_bytes", "--max-body-bytes", 1, True),
+    ("max_n", "--max-n", 1, True),
+    ("drain_timeout", "--drain-timeout", 0, True),
+    ("watchdog_interval_ms", "--watchdog-interval-ms", 0, False),
+    ("max_batch_seqs", "--max-batch-seqs", 1, True),
+    ("max_batch_tokens", "--max-batch-tokens", 1, True),
+)
+
+
+def _check_ranges(ns: argparse.Namespace) -> None:
+    for dest, flag, bound, inclusive in _RANGES:
+        value = getattr(ns, dest)
+        if value is None:
+            continue  # not given: the engine's own value (the batch caps)
+        if math.isnan(value) or value < bound or (value == bound and not inclusive):
+            relation = ">=" if inclusive else ">"
+            raise ValueError(f"{flag} must be {relation} {bound:g}, got {value}")
+    if ns.port > 65535:
+        raise ValueError(f"--port must be <= 65535, got {ns.port}")

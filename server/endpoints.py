@@ -128,8 +128,9 @@ async def chat_job(request: web.Request, req: ChatRequest) -> ChatJob:
     engine = request.app[ENGINE]
     # With tools, vLLM's parsers read the output (calls and the thinking
     # split); without, server/reasoning.py splits it (a hundredth of the cost
-    # per delta, measured: 0.1 us against 10 us).
-    parser = engine.chat_parser(req) if req.tools else None
+    # per delta, measured: 0.1 us against 10 us) when it is the same split:
+    # another --reasoning-parser reads every request through vLLM's.
+    parser = engine.chat_parser(req) if req.tools or not engine.info.qwen3_split else None
     sampling = req.sampling
     if parser is not None and parser.constraint is not None:
         # A forced call: its schema replaces any response_format, as in vLLM.
@@ -157,7 +158,8 @@ async def chat_job(request: web.Request, req: ChatRequest) -> ChatJob:
 class ChatEncoder:
     """chat.completion bodies and chat.completion.chunk frames for one request.
 
-    With a ``parser`` (a request with tools), each choice's text goes through
+    With a ``parser`` (a request with tools, or any request under a
+    ``--reasoning-parser`` other than qwen3), each choice's text goes through
     vLLM's parsers: reasoning, content and tool calls; the prompt's token ids
     tell them where thinking stands when generation starts.
     """

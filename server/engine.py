@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from vllm import SamplingParams
 from vllm.config import VllmConfig
@@ -58,6 +58,9 @@ from server.vllm_parsers import (
     to_structured_outputs,
 )
 from server.watchdog import ENGINE_IDLE, EngineStats
+
+if TYPE_CHECKING:
+    from server.settings import Settings
 
 log = logging.getLogger("sluice.engine")
 
@@ -163,8 +166,18 @@ def _build_engine(engine_args: Any, stat_logger: Callable[..., StatLoggerBase]) 
 class EngineAdapter:
     """One vLLM AsyncLLM, and what Sluice needs from it."""
 
-    def __init__(self, engine_args: Any, model_name: str) -> None:
+    def __init__(
+        self,
+        engine_args: Any,
+        model_name: str,
+        *,
+        tool_call_parser: str = "hermes",
+        auto_tool_choice: bool = True,
+    ) -> None:
         self._engine_args = engine_args
+        # vLLM's --tool-call-parser and --enable-auto-tool-choice; the reasoning
+        # parser is the engine's own --reasoning-parser (one flag for both uses).
+        self._tool_flags = (tool_call_parser, auto_tool_choice)
         self._model_name = model_name
         self._stats = _StatsBox()
         self._llm: AsyncLLM | None = None
@@ -178,6 +191,16 @@ class EngineAdapter:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-tok")
         self._batcher = Batcher(self._pool, self._tokenize_batch)
         self.info = ModelInfo(model_name, 0, None, int(time.time()))
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> EngineAdapter:
+        """The adapter `sluice serve` runs: its engine and parser flags."""
+        return cls(
+            settings.engine_args,
+            settings.model_name,
+            tool_call_parser=settings.tool_call_parser,
+            auto_tool_choice=settings.enable_auto_tool_choice,
+        )
 
     # -- life cycle ---------------------------------------------------------
 
@@ -222,10 +245,20 @@ class EngineAdapter:
                 }
             },
         )
+        tool_parser, auto_tools = self._tool_flags
+        reasoning = self._engine_args.reasoning_parser or ""
         try:
-            self._parsers = OutputParsers(self._tokenizer)
-        except TypeError as exc:  # vLLM's check: the tokenizer lacks Qwen3's tags
+            self._parsers = OutputParsers(
+                self._tokenizer,
+                tool_parser=tool_parser,
+                reasoning_parser=reasoning,
+                auto_tools=auto_tools,
+            )
+        except TypeError as exc:  # vLLM's check: the tokenizer lacks the parsers' tags
             log.warning("tool calls off for this model: %s", exc)
+        self.info = dataclasses.replace(
+            self.info, qwen3_split=reasoning == "qwen3" or self._parsers is None
+        )
 
     def shutdown(self) -> None:
         if self._llm is not None:
@@ -339,7 +372,7 @@ class EngineAdapter:
         if self._parsers is None:
             raise SluiceError(
                 "tool calls are not available for this model (its tokenizer lacks the"
-                " Qwen3/hermes tags)",
+                " tags of --tool-call-parser or --reasoning-parser)",
                 param="tools",
                 code="unsupported",
             )

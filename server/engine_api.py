@@ -55,6 +55,10 @@ class ModelInfo:
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 0
     kv_cache_tokens: int = 0  # num_gpu_blocks x block_size
+    # True: the reasoning parser is qwen3 (or there are no parsers), so
+    # requests without tools take server/reasoning.py's copy of its split;
+    # False: vLLM's parsers (chat_parser) read every chat request.
+    qwen3_split: bool = True
 
 
 class CompletionDelta(Protocol):

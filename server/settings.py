@@ -79,6 +79,10 @@ class Settings:
     max_n: int = 8
     max_logprobs: int = 20
     default_thinking: bool = True
+    # vLLM's --tool-call-parser and --enable-auto-tool-choice (the reasoning
+    # parser is an engine flag: engine_args.reasoning_parser). Defaults: Qwen3's.
+    tool_call_parser: str = "hermes"
+    enable_auto_tool_choice: bool = True
     drain_timeout: float = 30.0
     warmup: bool = True
 

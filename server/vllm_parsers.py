@@ -19,9 +19,11 @@ What it offers is Sluice-shaped and frozen:
   engine's ``StructuredOutputsParams``, the latter with the engine's own
   check as a 400.
 
-``tool_choice: auto`` (and ``none``) run vLLM's composed ``Parser`` (hermes
-tool parser + qwen3 reasoning parser, as ``vllm serve --tool-call-parser
-hermes --reasoning-parser qwen3`` composes them). A forced call (``required``
+``tool_choice: auto`` (and ``none``) run vLLM's composed ``Parser`` (by
+default the hermes tool parser + qwen3 reasoning parser, as ``vllm serve
+--tool-call-parser hermes --reasoning-parser qwen3`` composes them; the CLI
+takes any name in vLLM's registries: ``tool_parsers``, ``reasoning_parsers``,
+``check_names``). A forced call (``required``
 or a named function) is held by a plain JSON-schema constraint, vLLM's own
 (``get_json_schema_from_tools``): the parameters schema for a named call, an
 array of ``{"name", "parameters"}`` for ``required``. Measured on the demo
@@ -42,6 +44,7 @@ with ``tool_choice: none``); the engine's own reasoning parser
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, Final
@@ -51,8 +54,10 @@ from vllm import SamplingParams
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.exceptions import VLLMClientError
 from vllm.parser import ParserManager
+from vllm.reasoning import ReasoningParserManager
 from vllm.renderers.chat_utils import make_tool_call_id
 from vllm.sampling_params import StructuredOutputsParams
+from vllm.tool_parsers import ToolParserManager
 from vllm.tool_parsers.streaming import (
     extract_named_tool_call_streaming,
     extract_required_tool_call_streaming,
@@ -69,8 +74,11 @@ __all__ = [
     "RequestParsing",
     "StreamParser",
     "check_constraint",
+    "check_names",
     "forced_constraint",
+    "reasoning_parsers",
     "to_structured_outputs",
+    "tool_parsers",
 ]
 
 # vLLM's parsers read only these fields of the request; they need a message
@@ -119,6 +127,44 @@ class JsonEscaper:
 
 def _escaped(text: str) -> str:
     return JsonEscaper().feed(text)
+
+
+# strict=False: raw control characters in strings (see JsonEscaper).
+_DECODER: Final = json.JSONDecoder(strict=False)
+_BLANK: Final = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
+
+
+def _skip(text: str, i: int) -> int:
+    m = _BLANK.match(text, i)
+    assert m is not None  # the pattern matches the empty string
+    return m.end()
+
+
+def _leading_json(text: str, *, array: bool) -> list[tuple[Any, str]]:
+    """The complete JSON values at the start of ``text``, each with its text.
+
+    ``array``: the items of a leading array, up to the first that is not
+    complete (a cut); else the one leading value, or none if it is cut.
+    """
+    i = _skip(text, 0)
+    if array:
+        if not text.startswith("[", i):
+            return []
+        i += 1
+    out: list[tuple[Any, str]] = []
+    while True:
+        i = _skip(text, i)
+        try:
+            value, end = _DECODER.raw_decode(text, i)
+        except ValueError:
+            return out
+        out.append((value, text[i:end]))
+        if not array:
+            return out
+        i = _skip(text, end)
+        if not text.startswith(",", i):
+            return out
+        i += 1
 
 
 # ---------------------------------------------------------------------------
@@ -205,8 +251,35 @@ def check_constraint(
 # Parsing the output.
 
 
+def tool_parsers() -> list[str]:
+    """The names ``--tool-call-parser`` takes: vLLM's registry (lazy ones included)."""
+    return [str(n) for n in ToolParserManager.list_registered()]
+
+
+def reasoning_parsers() -> list[str]:
+    """The names ``--reasoning-parser`` takes: vLLM's registry."""
+    return [str(n) for n in ReasoningParserManager.list_registered()]
+
+
+def check_names(tool_parser: str, reasoning_parser: str) -> None:
+    """ValueError naming the choices when either parser is not registered
+    (vLLM's own check in ``validate_api_server_args``, after parsing)."""
+    for flag, name, names in (
+        ("--tool-call-parser", tool_parser, tool_parsers()),
+        ("--reasoning-parser", reasoning_parser, reasoning_parsers()),
+    ):
+        if name not in names:
+            raise ValueError(f"invalid {flag} {name!r} (choose from {', '.join(names)})")
+
+
 class OutputParsers:
     """vLLM's composed parser class for one engine's tokenizer.
+
+    ``tool_parser``, ``reasoning_parser`` and ``auto_tools`` mean what
+    ``vllm serve``'s ``--tool-call-parser``, ``--reasoning-parser`` and
+    ``--enable-auto-tool-choice`` mean. Without auto tools, ``tool_choice:
+    auto`` is refused as vLLM refuses it; forced calls and ``none`` still
+    work (a forced call is read by Sluice, not by the tool parser).
 
     Raises TypeError when the tokenizer lacks what the parsers need (vLLM's
     start-up check), e.g. a model without Qwen3's ``<think>`` tokens.
@@ -217,18 +290,31 @@ class OutputParsers:
         tokenizer: Any,
         *,
         tool_parser: str = "hermes",
-        reasoning_parser: str | None = "qwen3",
+        reasoning_parser: str = "qwen3",
+        auto_tools: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
-        self._parser_cls = ParserManager.get_parser(
+        self._auto = auto_tools
+        parser_cls = ParserManager.get_parser(
             tool_parser_name=tool_parser,
-            reasoning_parser_name=reasoning_parser,
-            enable_auto_tools=True,
+            reasoning_parser_name=reasoning_parser or None,
+            enable_auto_tools=auto_tools,
             tokenizer=tokenizer,
         )
+        if parser_cls is None:  # neither parser: nothing to split or read
+            raise TypeError("no --reasoning-parser and no auto tool choice")
+        self._parser_cls = parser_cls
 
     def for_request(self, req: ChatRequest) -> RequestParsing:
         """Parsing for one request (once per request; its choices share it)."""
+        if not self._auto and req.tools and req.tool_choice.mode == "auto":
+            raise SluiceError(
+                '"auto" tool choice requires --enable-auto-tool-choice and '
+                "--tool-call-parser to be set",
+                status=400,
+                param="tool_choice",
+                code="invalid_value",
+            )
         return RequestParsing(self._parser_cls, self._tokenizer, req)
 
 
@@ -255,8 +341,9 @@ class RequestParsing:
         self._parallel = req.parallel_tool_calls
         vreq = _vllm_tools(req)
         self._constraint = _forced(req, vreq)
-        if self._forced is not None:
-            # vLLM's parser only splits off the reasoning; the call is ours to read.
+        if self._forced is not None or not req.tools:
+            # vLLM's parser only splits off the reasoning: the call is ours to
+            # read, or there is none to read (vLLM takes no tool_choice as auto).
             vreq.tool_choice = "none"
         self._vreq = vreq
 
@@ -284,9 +371,10 @@ class RequestParsing:
     def parse(self, text: str, token_ids: Sequence[int] = ()) -> Parsed:
         """A finished choice's text, split and its calls read.
 
-        ``auto``: a call the hermes parser cannot read leaves the whole text
-        as content. A forced call that is not valid JSON (cut by
-        ``max_tokens``) comes back as content too, with no calls.
+        ``auto``: a call the tool parser cannot read leaves the whole text
+        as content. A forced call cut by ``max_tokens`` keeps the calls that
+        completed before the cut and drops the incomplete one
+        (``_forced_calls``); it never comes back as content.
         """
         vreq = self._vreq
         parser = self._parser(vreq.tools)
@@ -300,28 +388,27 @@ class RequestParsing:
             if not self._parallel:
                 found = found[:1]
             return Parsed(reasoning, content, found)
-        forced = self._forced_calls(content or "")
-        if forced is None:
-            return Parsed(reasoning, content)
-        return Parsed(reasoning, None, forced)
+        return Parsed(reasoning, None, self._forced_calls(content or ""))
 
-    def _forced_calls(self, text: str) -> tuple[ToolCall, ...] | None:
-        # strict=False: raw control characters in strings (see JsonEscaper).
-        try:
-            value = json.loads(text, strict=False)
-        except ValueError:
-            return None
+    def _forced_calls(self, text: str) -> tuple[ToolCall, ...]:
+        """A forced call's calls; at a cut, those complete before it.
+
+        The constraint makes the whole output valid JSON unless ``max_tokens``
+        cuts it: then the calls that closed before the cut come back and the
+        incomplete one is dropped (for a named call, which is one object: no
+        call), as ``tool_calls`` with finish reason ``length``. The raw JSON is
+        never content: it is the call, not an answer.
+        """
         if self._forced == "function":
             assert self._name is not None
-            if not isinstance(value, dict):
-                return None
-            return (ToolCall(make_tool_call_id(), self._name, _escaped(text.strip())),)
-        if not isinstance(value, list) or not value:
-            return None
+            found = _leading_json(text, array=False)
+            if not found or not isinstance(found[0][0], dict):
+                return ()
+            return (ToolCall(make_tool_call_id(), self._name, _escaped(found[0][1])),)
         calls = []
-        for item in value:
+        for item, _ in _leading_json(text, array=True):
             if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-                return None
+                break  # not a call: the schema held only to a cut inside it
             # json, not orjson: the parsed value may hold integers beyond 64 bits.
             args = json.dumps(item.get("parameters", {}), ensure_ascii=False, separators=(",", ":"))
             calls.append(ToolCall(make_tool_call_id(), item["name"], args))

@@ -39,23 +39,47 @@ class FakeOutput:
     outputs: list[FakeCompletion]
     finished: bool
 
+    def add(self, later: FakeOutput) -> None:
+        """Merge a later delta into this one (vLLM's ``RequestOutput.add``)."""
+        self.finished |= later.finished
+        for nxt in later.outputs:
+            for mine in self.outputs:
+                if mine.index == nxt.index:
+                    mine.text += nxt.text
+                    mine.token_ids = [*mine.token_ids, *nxt.token_ids]
+                    if nxt.logprobs:
+                        mine.logprobs = [*(mine.logprobs or ()), *nxt.logprobs]
+                    mine.finish_reason = nxt.finish_reason
+                    break
+            else:
+                self.outputs.append(nxt)
+
 
 class FakeCollector:
-    """vLLM's RequestOutputCollector contract: put never blocks, get merges."""
+    """vLLM's RequestOutputCollector contract (vllm/v1/engine/output_processor.py):
+    put never blocks, and outputs a lagging reader has not taken are merged
+    into one, as ``RequestOutput.add(aggregate=True)`` merges deltas: per
+    choice index the text and token ids are joined, the finish reason is the
+    latest; an exception replaces whatever was waiting."""
 
     def __init__(self) -> None:
-        self.items: list[Any] = []
+        self.output: Any = None
         self.ready = asyncio.Event()
+        self.merged = 0  # outputs folded into an earlier one (a lagging reader)
 
     def put(self, item: Any) -> None:
-        self.items.append(item)
-        self.ready.set()
+        if self.output is None or isinstance(item, BaseException):
+            self.output = item
+            self.ready.set()
+        elif isinstance(self.output, FakeOutput):
+            self.output.add(item)
+            self.merged += 1
 
     async def get(self) -> Any:
-        while not self.items:
-            self.ready.clear()
+        while (item := self.output) is None:
             await self.ready.wait()
-        item = self.items.pop(0)
+        self.output = None
+        self.ready.clear()
         if isinstance(item, BaseException):
             raise item
         return item
@@ -83,6 +107,7 @@ class FakeEngine:
     # (they read the tags by token id). None: chat_parser refuses.
     tokenizer: Any = None
     _parsers: Any = None
+    reasoning_parser: str = "qwen3"  # another: every chat request goes through chat_parser
     constraints: list[Constraint] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -93,6 +118,7 @@ class FakeEngine:
             created=0,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=2048,
+            qwen3_split=self.reasoning_parser == "qwen3",
         )
         self.started = False
         self.shut_down = False
@@ -146,7 +172,7 @@ class FakeEngine:
         if self._parsers is None:
             from server.vllm_parsers import OutputParsers
 
-            self._parsers = OutputParsers(self.tokenizer)
+            self._parsers = OutputParsers(self.tokenizer, reasoning_parser=self.reasoning_parser)
         return self._parsers.for_request(req)
 
     async def check_constraint(self, constraint: Constraint) -> None:

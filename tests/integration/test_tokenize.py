@@ -48,13 +48,18 @@ def test_tokenize_messages(sluice_server: SluiceProcess, model: dict[str, str]) 
         {"model": MODEL, "messages": MESSAGES, "max_tokens": 1},
     ).json()
     assert chat["usage"]["prompt_tokens"] == len(tokens)
-    # chat_template_kwargs reach the template: thinking off closes the thought.
-    off = _post(
-        sluice_server,
-        "/tokenize",
-        {**model, "messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}},
-    ).json()["tokens"]
-    assert off[: len(tokens)] == tokens and len(off) > len(tokens)
+    # chat_template_kwargs reach the template: thinking off closes the thought
+    # (off is also the demo model's default, which the two above used).
+    on, off = (
+        _post(
+            sluice_server,
+            "/tokenize",
+            {**model, "messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": t}},
+        ).json()["tokens"]
+        for t in (True, False)
+    )
+    assert off == tokens
+    assert off[: len(on)] == on and len(off) > len(on)
 
 
 @pytest.mark.parametrize("model", [{"model": MODEL}, {}], ids=["model", "no-model"])

@@ -105,6 +105,29 @@ def test_required_call_streamed(client: openai.OpenAI) -> None:
     assert announced and set(announced) == {name}
 
 
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_time"}}]
+)
+def test_forced_call_cut_by_max_tokens_is_never_raw_json(
+    client: openai.OpenAI, choice: Any
+) -> None:
+    """Four tokens cut any call here: finish_reason length, no content, and
+    only calls that closed before the cut (none can in four tokens)."""
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice=choice,
+        max_tokens=4,
+        extra_body=NO_THINK,
+    )
+    (c,) = r.choices
+    assert c.finish_reason == "length"
+    assert c.message.content is None, c.message.content
+    assert not c.message.tool_calls
+    assert r.usage is not None and r.usage.completion_tokens == 4
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_named_call(client: openai.OpenAI, stream: bool) -> None:
     kw: dict[str, Any] = {

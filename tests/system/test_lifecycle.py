@@ -86,6 +86,14 @@ def _drain_datagrams(sock: socket.socket) -> list[str]:
             return out
 
 
+async def _until_notified(sock: socket.socket, word: str, seen: list[str]) -> None:
+    """Until a datagram holding ``word`` arrived; every datagram read goes into ``seen``."""
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(60):
+        while not any(word in d for d in seen):
+            seen.append((await loop.sock_recv(sock, 4096)).decode())
+
+
 async def test_sigterm_drains_streams_and_notifies(demo_cache_root: Path, tmp_path: Path) -> None:
     sock, path = _notify_socket(tmp_path)
     proc = SluiceProcess(
@@ -97,10 +105,9 @@ async def test_sigterm_drains_streams_and_notifies(demo_cache_root: Path, tmp_pa
     )
     try:
         await asyncio.to_thread(proc.wait_ready)
-        await asyncio.sleep(1.5)  # at least one WATCHDOG=1 ping (every 1 s)
-        before = "\n".join(_drain_datagrams(sock))
-        assert "READY=1" in before
-        assert "WATCHDOG=1" in before
+        seen: list[str] = []
+        await _until_notified(sock, "WATCHDOG=1", seen)  # a ping (every 1 s)
+        assert any("READY=1" in d for d in seen)
 
         async with httpx.AsyncClient(timeout=120) as client:
             streams = [asyncio.create_task(_stream(client, proc.base, 3000)) for _ in range(10)]
@@ -108,7 +115,8 @@ async def test_sigterm_drains_streams_and_notifies(demo_cache_root: Path, tmp_pa
             # two cores), ask for a drain.
             await _all_started(proc.base, 10)
             proc.signal(signal.SIGTERM)
-            await asyncio.sleep(0.1)
+            # STOPPING=1 goes out once the server is draining (server/app.py drain).
+            await _until_notified(sock, "STOPPING=1", seen)
             late = await client.post(
                 proc.base + "/v1/chat/completions",
                 json={**_stream_body(4), "stream": False},
@@ -123,8 +131,7 @@ async def test_sigterm_drains_streams_and_notifies(demo_cache_root: Path, tmp_pa
             assert not any(_is_error(line) for line in lines)
         code = await asyncio.to_thread(proc.proc.wait, 60)
         assert code == 0, proc.tail()
-        after = "\n".join(_drain_datagrams(sock))
-        assert "STOPPING=1" in after
+        assert not any("READY=1" in d for d in _drain_datagrams(sock))  # no second start
     finally:
         proc.stop()
         sock.close()

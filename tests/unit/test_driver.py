@@ -127,6 +127,23 @@ async def test_draining_lets_admitted_work_finish() -> None:
         await settled(driver, engine)
 
 
+async def test_a_lagging_reader_gets_the_outputs_merged() -> None:
+    """vLLM's collector merges what a slow reader has not taken: one output
+    with every token and the final finish reason, read the same way."""
+    async with running(window=0) as (driver, engine):
+        t = submit(driver, max_tokens=6)
+        gen = await t.wait()
+        await until(lambda: not engine.unfinished, what="all six produced, none read")
+        outs = [out async for out in gen.outputs(t.id)]
+        t.leave()
+        assert len(outs) == 1 and outs[0].finished
+        (choice,) = outs[0].outputs
+        assert choice.token_ids == [1, 2, 3, 4, 5, 6] and choice.finish_reason == "length"
+        assert choice.text == "<think>hmm</think>Hello world<think>"
+        assert gen.completion_tokens == 6
+        await settled(driver, engine)
+
+
 async def test_refusals_map_to_status() -> None:
     async with running(window=5.0, adaptive=False, max_pending_requests=1) as (driver, engine):
         t = submit(driver, rid="same")
@@ -199,14 +216,20 @@ async def test_engine_died_fails_queued_and_running_then_refuses() -> None:
 
 
 async def test_leave_while_queued_never_reaches_engine() -> None:
-    async with running(window=0.05, adaptive=False) as (driver, engine):
+    # A window no loaded machine outlasts; a full batch (2) is released at once,
+    # which shows the queue moved on without the one that left.
+    async with running(window=30.0, adaptive=False, max_batch_seqs=2) as (driver, engine):
         t = submit(driver)
         wait = asyncio.create_task(t.wait())
-        await asyncio.sleep(0.005)
+        await asyncio.sleep(0)  # the waiter is waiting
         wait.cancel()
         t.leave()
-        await asyncio.sleep(0.1)  # past the window
-        assert engine.added == []
+        assert driver.core.queued_requests == 0
+        later = [submit(driver, prompt=(4,)), submit(driver, prompt=(5,))]
+        await until(lambda: len(engine.added) == 2, what="the next full batch")
+        assert t.id not in engine.added
+        for x in later:
+            x.leave()
         await settled(driver, engine)
 
 

@@ -229,3 +229,29 @@ def test_info_carries_the_resolved_capacity(adapter: EngineAdapter) -> None:
     assert (info.max_num_seqs, info.max_num_batched_tokens) == (128, 2048)  # CPU, server context
     assert info.kv_cache_tokens == GPU_BLOCKS * config.cache_config.block_size
     assert info.max_model_len == 8192
+
+
+async def test_the_tool_call_parser_flag_reaches_the_parsers(demo_model_dir: Path) -> None:
+    """--tool-call-parser qwen3_coder: the adapter reads that parser's calls (hermes would not)."""
+    from server.protocol import Limits, parse_chat
+
+    settings = parse_serve_args(
+        ["--model", str(demo_model_dir), "--tool-call-parser", "qwen3_coder"], {}
+    )
+    mp = pytest.MonkeyPatch()
+    mp.setattr(engine_mod.AsyncLLM, "from_vllm_config", lambda config, **_: FrontHalf(config))
+    a = EngineAdapter.from_settings(settings)
+    try:
+        await a.start()
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "clock"}}],
+        }
+        parser = a.chat_parser(parse_chat(orjson.dumps(body), Limits()))
+        text = "<tool_call>\n<function=clock>\n</function>\n</tool_call>"
+        assert [c.name for c in parser.parse(text).tool_calls] == ["clock"]
+        assert a.info.qwen3_split  # the reasoning parser is still qwen3
+    finally:
+        a.shutdown()
+        mp.undo()

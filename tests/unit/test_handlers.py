@@ -9,6 +9,7 @@ for a state with a generous ceiling; nothing here asserts how fast anything is.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import re
 from typing import Any
@@ -642,13 +643,17 @@ async def test_dedupe_one_caller_leaves_other_completes(make_client: Any) -> Non
     assert len(real(engine.added)) == 2
 
 
+def pump_tasks() -> list[asyncio.Task[Any]]:
+    return [t for t in asyncio.all_tasks() if t.get_name().startswith("pump-")]
+
+
 def cancel_leaked_pumps() -> list[str]:
     """Cancel the driver's pump tasks still alive; return their names.
 
     Work-around for the pump leak (see test_no_pump_task_outlives_an_aborted_generation)
     so that a leaked pump cannot hang the app's shutdown in the fixture teardown.
     """
-    leaked = [t for t in asyncio.all_tasks() if t.get_name().startswith("pump-")]
+    leaked = pump_tasks()
     for t in leaked:
         t.cancel()
     return [t.get_name() for t in leaked]
@@ -664,7 +669,8 @@ async def _both_leave(make_client: Any) -> tuple[Any, Any, str]:
     await a.content.readline()
     await b.content.readline()
     a.close()
-    await asyncio.sleep(0.05)
+    [gen] = app[DRIVER].running_generations()
+    await until(lambda: len(gen._subscribers) == 1, what="the server to see a leave")
     assert eid not in engine.aborted  # b still reads it
     b.close()
     await until(lambda: eid in engine.aborted, what="abort after last reader")
@@ -682,7 +688,8 @@ async def test_dedupe_both_callers_leave_aborts(make_client: Any) -> None:
 async def test_no_pump_task_outlives_an_aborted_generation(make_client: Any) -> None:
     try:
         await _both_leave(make_client)
-        await asyncio.sleep(0.1)
+        with contextlib.suppress(pytest.fail.Exception):  # the assertion below says it
+            await until(lambda: not pump_tasks(), timeout=2, what="the pump to end")
     finally:
         leaked = cancel_leaked_pumps()
     assert leaked == []

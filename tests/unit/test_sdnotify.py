@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import uuid
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from server.sdnotify import SdNotify
+from tests.support import until
 
 
 @pytest.fixture
@@ -111,19 +113,21 @@ async def test_ping_forever(listener: tuple[socket.socket, str]) -> None:
     sock, path = listener
     n = SdNotify(path, 20_000)  # 20 ms -> ping every 10 ms
     task = asyncio.ensure_future(n.ping_forever())
-    await asyncio.sleep(0.05)
+    sock.settimeout(0)
+    pings: list[str] = []
+
+    def two_pings() -> bool:
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                pings.append(recv(sock))
+        return len(pings) >= 2
+
+    await until(two_pings, what="two pings")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     n.close()
-    sock.settimeout(0)
-    pings = []
-    while True:
-        try:
-            pings.append(recv(sock))
-        except BlockingIOError:
-            break
-    assert len(pings) >= 2 and set(pings) == {"WATCHDOG=1"}
+    assert set(pings) == {"WATCHDOG=1"}
 
 
 async def test_ping_forever_returns_without_watchdog() -> None:

@@ -201,3 +201,20 @@ async def test_constraints_dedupe_apart_and_batch_together(
     assert len(engine.added) == 3  # the two regex-a requests shared a generation
     batches = {r.fields["batch_id"] for r in caplog.records if hasattr(r, "fields")}  # type: ignore[attr-defined]
     assert len(batches) == 1
+
+
+async def test_another_reasoning_parser_splits_requests_without_tools(
+    make_client: Any, tok: Any
+) -> None:
+    """--reasoning-parser granite (text markers, not Qwen3's tags): a plain
+    request is split by vLLM's granite parser, streamed or not, not by Qwen3's."""
+    script = ("Here is my thought process:", " weigh it ", "Here is my response:", " Sunny.")
+    engine = FakeEngine(script=script, tokenizer=tok, reasoning_parser="granite")
+    client, _, _ = await make_client(engine=engine, warmup=False)
+    plain = body(chat_template_kwargs={"enable_thinking": True})
+    del plain["tools"]
+    whole = ChatCompletion.model_validate(await (await post(client, plain)).json())
+    message: Any = whole.choices[0].message
+    assert (message.reasoning_content.strip(), message.content.strip()) == ("weigh it", "Sunny.")
+    final: Any = (await streamed(client, plain)).choices[0].message
+    assert (final.reasoning_content.strip(), final.content.strip()) == ("weigh it", "Sunny.")

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
+from server.errors import SluiceError
 from server.protocol import ChatRequest, Limits, Parsed, ParsedDelta, parse_chat
 from server.protocol.sse import ChatStream
 from server.reasoning import split_reasoning
@@ -29,8 +30,11 @@ from server.vllm_parsers import (
     OutputParsers,
     RequestParsing,
     check_constraint,
+    check_names,
     forced_constraint,
+    reasoning_parsers,
     to_structured_outputs,
+    tool_parsers,
 )
 
 WEATHER = {
@@ -263,18 +267,39 @@ def test_forced_call_in_thinking_mode(parsers: OutputParsers) -> None:
     assert stream_calls(choice) == [("get_time", {})]
 
 
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
 @pytest.mark.parametrize(
-    ("choice", "text"),
+    ("choice", "text", "expected"),
     [
-        ("required", '[{"name":"get_weather","parameters":{"city":"Ro'),
-        ("required", "[]"),
-        ({"type": "function", "function": {"name": "get_weather"}}, '{"city":"Ro'),
+        ("required", '[{"name":"get_weather","parameters":{"city":"Ro', []),
+        ("required", "[", []),
+        (
+            "required",
+            '[{"name":"get_time","parameters":{}} ,\n{"name":"get_weather","parameters":{"ci',
+            [("get_time", {})],
+        ),
+        (
+            "required",
+            '[{"name":"get_time","parameters":{}},{"name":"get_weather","parameters":{}}',
+            [("get_time", {}), ("get_weather", {})],
+        ),
+        (NAMED, '{"city":"Ro', []),
+        (NAMED, " ", []),
     ],
 )
-def test_cut_forced_call_is_content(parsers: OutputParsers, choice: Any, text: str) -> None:
+def test_cut_forced_call_keeps_the_complete_calls(
+    parsers: OutputParsers, choice: Any, text: str, expected: list[tuple[str, Any]]
+) -> None:
+    """Cut by max_tokens: the calls closed before the cut, never the raw JSON as content."""
     rp = parsers.for_request(request(tool_choice=choice))
-    assert rp.parse(text) == Parsed(None, text)
-    assert rp.finish_reason("length", called=True) == "length"
+    parsed = rp.parse(text)
+    assert calls(parsed) == expected and parsed.content is None
+    assert rp.finish_reason("length", called=bool(expected)) == "length"
+    # A stream announces what it read as it goes; its finish says the last may be cut.
+    streamed = assembled(rp, splits(text, {len(text) // 2}), reason="length")
+    assert streamed.finish_reason == "length" and not streamed.message.content
 
 
 # -- structured outputs -------------------------------------------------------------------
@@ -374,3 +399,74 @@ def test_reasoning_split_matches_vllm(parsers: OutputParsers, text: str) -> None
     parsed = parsers.for_request(no_tools).parse(text)
     assert (parsed.reasoning or None, parsed.content or None) == split_reasoning(text)
     assert parsed.tool_calls == ()
+
+
+# -- other parsers (--tool-call-parser, --enable-auto-tool-choice) ---------------------
+
+QWEN3_CODER_CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
+)
+
+
+def test_qwen3_coder_parser_reads_its_own_format(demo_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    coder = OutputParsers(AutoTokenizer.from_pretrained(demo_model_dir), tool_parser="qwen3_coder")
+    rp = coder.for_request(request())
+    parsed = rp.parse("Let me look. " + QWEN3_CODER_CALL)
+    assert calls(parsed) == [("get_weather", {"city": "Paris", "days": 2})]
+    assert parsed.content == "Let me look."  # (the parser strips it)
+
+
+def test_the_default_hermes_parser_does_not_read_qwen3_coder(parsers: OutputParsers) -> None:
+    """What --tool-call-parser changes: hermes leaves this format as content."""
+    assert parsers.for_request(request()).parse(QWEN3_CODER_CALL) == Parsed(None, QWEN3_CODER_CALL)
+
+
+def test_a_parser_the_tokenizer_cannot_serve_is_refused(demo_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    with pytest.raises(TypeError, match="llama3_json"):  # vLLM's start-up check
+        OutputParsers(AutoTokenizer.from_pretrained(demo_model_dir), tool_parser="llama3_json")
+
+
+def test_without_auto_tool_choice_auto_is_a_400(demo_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    manual = OutputParsers(AutoTokenizer.from_pretrained(demo_model_dir), auto_tools=False)
+    with pytest.raises(SluiceError) as err:
+        manual.for_request(request())
+    assert err.value.status == 400 and err.value.param == "tool_choice"
+    assert "--enable-auto-tool-choice" in str(err.value)
+    # A forced call needs no tool parser: it still works, and so does none.
+    rp = manual.for_request(request(tool_choice="required"))
+    assert calls(rp.parse('[{"name":"get_time","parameters":{}}]')) == [("get_time", {})]
+    assert manual.for_request(request(tool_choice="none")).parse(CALL_T).content == CALL_T
+
+
+def test_parser_names_are_vllms_registries() -> None:
+    names = tool_parsers()
+    assert {"hermes", "qwen3_coder", "llama3_json", "mistral"} <= set(names)
+    assert {"qwen3", "deepseek_r1"} <= set(reasoning_parsers())
+    check_names("qwen3_coder", "deepseek_r1")
+    with pytest.raises(ValueError, match=r"--tool-call-parser 'nope'.*hermes"):
+        check_names("nope", "qwen3")
+    with pytest.raises(ValueError, match="--reasoning-parser 'nope'"):
+        check_names("hermes", "nope")
+
+
+def test_a_request_without_tools_reads_no_calls(demo_model_dir: Path) -> None:
+    """Under another --reasoning-parser every request comes here; one without
+    tools keeps a call-shaped text as content (vLLM reads no tool_choice as auto)."""
+    from transformers import AutoTokenizer
+
+    granite = OutputParsers(
+        AutoTokenizer.from_pretrained(demo_model_dir), reasoning_parser="granite"
+    )
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    rp = granite.for_request(parse_chat(orjson.dumps(body), Limits()))
+    text = "Here is my thought process: hm Here is my response: " + CALL_T
+    parsed = rp.parse(text)
+    assert parsed.tool_calls == () and parsed.content is not None and CALL_T in parsed.content
+    assert parsed.reasoning is not None and "hm" in parsed.reasoning

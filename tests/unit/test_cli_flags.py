@@ -1,0 +1,70 @@
+"""`sluice serve`'s own flags: a bad value is one usage line and exit 2, never a
+traceback; the parser flags take vLLM's names; thinking's model-aware default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from server.cli import parse_serve_args
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--gpu-shed-free-mib", "-5"], "gpu critical < gpu shed"),  # a watchdog threshold
+        (["--kv-critical-usage", "2"], "kv storm <= kv critical <= 1"),
+        (["--window-ms", "-1"], "window"),
+        (["--port", "70000"], "--port must be <= 65535"),
+        (["--queue-timeout", "0"], "--queue-timeout must be > 0"),
+        (["--max-n", "0"], "--max-n must be >= 1"),
+        (["--watchdog-interval-ms", "nan"], "--watchdog-interval-ms must be > 0"),
+        (["--max-batch-seqs", "0"], "--max-batch-seqs must be >= 1"),
+        (["--tool-call-parser", "nope"], "invalid --tool-call-parser 'nope'"),
+        (["--reasoning-parser", "nope"], "invalid --reasoning-parser 'nope'"),
+        (["--api-key-file", "/nonexistent/key"], "--api-key-file"),
+        (["--max-n", "two"], "invalid int value"),  # argparse's own type check
+    ],
+)
+def test_a_bad_value_is_one_usage_line_and_exit_2(
+    demo_cache_root: Path, capsys: pytest.CaptureFixture[str], flags: list[str], says: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse_serve_args(["--demo-cache-dir", str(demo_cache_root), *flags], {})
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("sluice serve: error: ") and says in lines[0]
+
+
+def test_parser_flags_have_vllms_names_and_qwen3_defaults(demo_cache_root: Path) -> None:
+    base = ["--demo-cache-dir", str(demo_cache_root)]
+    d = parse_serve_args(base, {})
+    assert (d.tool_call_parser, d.enable_auto_tool_choice) == ("hermes", True)
+    assert d.engine_args.reasoning_parser == "qwen3"
+    s = parse_serve_args(
+        [
+            *base,
+            "--tool-call-parser",
+            "qwen3_coder",
+            "--no-enable-auto-tool-choice",
+            "--reasoning-parser",
+            "deepseek_r1",
+        ],
+        {},
+    )
+    assert (s.tool_call_parser, s.enable_auto_tool_choice) == ("qwen3_coder", False)
+    assert s.engine_args.reasoning_parser == "deepseek_r1"
+
+
+def test_thinking_is_off_by_default_for_the_demo_model_only(
+    demo_cache_root: Path, demo_model_dir: Path
+) -> None:
+    demo = ["--demo-cache-dir", str(demo_cache_root)]
+    real = ["--model", str(demo_model_dir)]  # a model path given: not the demo model
+    assert parse_serve_args(demo, {}).default_thinking is False
+    assert parse_serve_args(real, {}).default_thinking is True
+    assert parse_serve_args([*demo, "--default-thinking"], {}).default_thinking is True
+    assert parse_serve_args([*real, "--no-default-thinking"], {}).default_thinking is False
