@@ -101,5 +101,5 @@ def setup_logging(fmt: str = "json", level: int = logging.INFO) -> QueueListener
     return listener
 
 
-def access(fields: dict[str, Any]) -> None:
-    ACCESS.info("request", extra={"fields": fields})
+def access(fields: dict[str, Any], level: int = logging.INFO) -> None:
+    ACCESS.log(level, "request", extra={"fields": fields})

@@ -22,9 +22,10 @@ several tokens in one write rather than a backlog of small ones.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -33,17 +34,18 @@ from aiohttp import web
 
 from batching import DEFAULT_CALLER, group_key
 from batching import Request as CoreRequest
-from server import logs
 from server.driver import Generation, Ticket
 from server.engine_api import CompletionDelta, EngineOutput
 from server.errors import SluiceError
 from server.protocol import Sampling, TokenLogprob, Usage
 from server.state import (
+    ACCESS,
     CALLER,
     CALLERS,
     DRIVER,
     ENGINE,
     METRICS,
+    REQUEST_ID,
     RESULTS,
     RUNTIME,
     SETTINGS,
@@ -57,30 +59,21 @@ __all__ = [
     "generation_endpoint",
     "json_response",
     "logprobs",
-    "request_id",
 ]
+
+log = logging.getLogger("sluice")
 
 _SSE_HEADERS = {
     "Content-Type": "text/event-stream",
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",
-}
+}  # x-request-id is added to every response by server/middleware.py
 _seq = itertools.count(1)
 C = TypeVar("C")
 
 
-def request_id(request: web.Request) -> str:
-    """The caller's x-request-id when usable, else a fresh one."""
-    rid = request.headers.get("x-request-id", "")
-    if rid and len(rid) <= 128 and rid.isprintable():
-        return rid
-    return uuid.uuid4().hex
-
-
-def json_response(body: bytes, rid: str, status: int = 200) -> web.Response:
-    return web.Response(
-        body=body, status=status, content_type="application/json", headers={"x-request-id": rid}
-    )
+def json_response(body: bytes, status: int = 200) -> web.Response:
+    return web.Response(body=body, status=status, content_type="application/json")
 
 
 @dataclass(slots=True)
@@ -200,7 +193,7 @@ def generation_endpoint(
     """An aiohttp handler running `prepare` and then the pipeline, traced."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
-        tr = Trace(request_id(request), endpoint, time.monotonic(), caller=request.get(CALLER))
+        tr = Trace(request[REQUEST_ID], endpoint, time.monotonic(), caller=request.get(CALLER))
         try:
             check_accepting(request)
             job, enc = await prepare(request, tr)
@@ -232,7 +225,7 @@ async def _run(request: web.Request, tr: Trace, job: Job, enc: Encoder[Any]) -> 
         if hit := results.get(key, time.monotonic()):
             choices, tr.completion_tokens = hit
             tr.first_token()
-            return json_response(enc.body(choices, _usage(tr)), tr.rid)
+            return json_response(enc.body(choices, _usage(tr)))
     tr.tickets = _submit(request, tr, job)
     try:
         gens = [await t.wait() for t in tr.tickets]
@@ -242,7 +235,7 @@ async def _run(request: web.Request, tr: Trace, job: Job, enc: Encoder[Any]) -> 
         choices = enc.choices(*await _gather(tr, job, detokenize, gens))
         if key is not None:
             results.put(key, (choices, tr.completion_tokens), time.monotonic())
-        return json_response(enc.body(choices, _usage(tr)), tr.rid)
+        return json_response(enc.body(choices, _usage(tr)))
     finally:
         for t in tr.tickets:
             t.leave()
@@ -351,7 +344,7 @@ async def _stream(
     request: web.Request, tr: Trace, job: Job, enc: Encoder[Any], gens: Sequence[Generation]
 ) -> web.StreamResponse:
     n = job.sampling.n
-    resp = web.StreamResponse(headers={**_SSE_HEADERS, "x-request-id": tr.rid})
+    resp = web.StreamResponse(headers=_SSE_HEADERS)
     await resp.prepare(request)
     try:
         if head := enc.stream_head():
@@ -366,10 +359,18 @@ async def _stream(
             if parts:
                 await resp.write(b"".join(parts))
         await resp.write(enc.stream_end(_usage(tr)))
-    except SluiceError as err:
-        # Headers are gone: the error travels as the stream's last frames.
+    except ConnectionResetError:
+        tr.status, tr.error = 499, "client went away"  # mid-write: nobody to tell
+    except Exception as exc:
+        # Headers are gone: the error travels as the stream's last frames, in
+        # the API's shape; the HTTP status stays 200, the trace says what it was.
+        err = exc if isinstance(exc, SluiceError) else None
+        if err is None:
+            log.exception("stream failed after its headers went out: %s", tr.rid)
+            err = SluiceError("internal server error", status=500)
         tr.status, tr.error = err.status, err.code or err.message[:80]
-        await resp.write(enc.stream_error(err))
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write(enc.stream_error(err))
     return resp
 
 
@@ -404,4 +405,4 @@ def _finish_trace(request: web.Request, tr: Trace) -> None:
     }
     if tr.error:
         fields["error"] = tr.error
-    logs.access(fields)
+    request[ACCESS].fields = fields  # the request middleware writes the line

@@ -27,7 +27,7 @@ from aiohttp.test_utils import TestServer
 
 from server.callers import CallerDirectory
 from server.metrics import Metrics
-from server.middleware import auth_middleware, error_middleware
+from server.middleware import install
 from server.settings import Settings
 from server.state import CALLERS, METRICS, SETTINGS, STATUS
 from server.status import Snapshot, StatusSampler
@@ -193,7 +193,8 @@ def busy_snapshots(n: int) -> list[Snapshot]:
 def page_app(sampler: StatusSampler, key: str | None = None) -> web.Application:
     """Sluice's own page routes and middlewares around a made-up ring buffer
     (no engine): what the browser gets is what `sluice serve` sends."""
-    app = web.Application(middlewares=[error_middleware, auth_middleware])
+    app = web.Application()
+    install(app)
     settings = Settings(api_key=key)
     app[SETTINGS] = settings
     app[CALLERS] = CallerDirectory(settings.caller_table, settings.api_key)
