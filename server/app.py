@@ -223,7 +223,7 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
             app[DRIVER] = driver
             metrics.watch(lambda: _live(app))
             jobs: dict[str, Coroutine[Any, Any, None]] = {
-                "driver": driver.run(tg),
+                "driver": driver.run(),
                 "boot": _boot(app),
                 "monitor": _monitor(app),
             }

@@ -26,7 +26,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -280,37 +280,57 @@ def _submit(request: web.Request, tr: Trace, job: Job) -> list[Ticket]:
     return tickets
 
 
-async def _merged(
-    gens: Sequence[Generation], tickets: Sequence[Ticket]
-) -> AsyncIterator[tuple[int, EngineOutput]]:
-    """(prompt index, output) from several generations, as they come."""
+async def _each_output(
+    gens: Sequence[Generation],
+    tickets: Sequence[Ticket],
+    handle: Callable[[int, EngineOutput], Awaitable[None]],
+) -> None:
+    """`handle(prompt index, output)` for every output of several generations,
+    in the order they come.
+
+    A function, not an async generator: the pumps of a multi-prompt request
+    live in a task group that this call enters and leaves, so they end before
+    it returns, whatever `handle` does (an async generator that yields inside
+    a task group leaves the group's exit to whoever closes it, or to the
+    garbage collector). A failure leaves the group first and is raised as
+    itself, not wrapped in an ExceptionGroup.
+    """
     if len(gens) == 1:
-        async for out in gens[0].outputs(tickets[0].id):
-            yield 0, out
+        async with contextlib.aclosing(gens[0].outputs(tickets[0].id)) as outs:
+            async for out in outs:
+                await handle(0, out)
         return
     queue: asyncio.Queue[tuple[int, EngineOutput] | BaseException | None] = asyncio.Queue()
 
     async def pump(i: int) -> None:
         try:
-            async for out in gens[i].outputs(tickets[i].id):
-                queue.put_nowait((i, out))
+            async with contextlib.aclosing(gens[i].outputs(tickets[i].id)) as outs:
+                async for out in outs:
+                    queue.put_nowait((i, out))
         except Exception as exc:
             queue.put_nowait(exc)
         finally:
             queue.put_nowait(None)
 
+    failure: Exception | None = None
     async with asyncio.TaskGroup() as tg:
-        for i in range(len(gens)):
-            tg.create_task(pump(i))
+        pumps = [tg.create_task(pump(i), name=f"prompt-{i}") for i in range(len(gens))]
         remaining = len(gens)
-        while remaining:
-            item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
+        try:
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    await handle(*item)
+        except Exception as exc:
+            failure = exc
+            for p in pumps:
+                p.cancel()
+    if failure is not None:
+        raise failure
 
 
 async def _gather(
@@ -327,7 +347,8 @@ async def _gather(
     texts: list[list[str]] = [[] for _ in range(total)]
     lps: list[list[TokenLogprob]] = [[] for _ in range(total)]
     reasons: list[str | None] = [None] * total
-    async for pi, out in _merged(gens, tr.tickets):
+
+    async def take(pi: int, out: EngineOutput) -> None:
         tr.first_token()
         for c in out.outputs:
             idx = pi * n + c.index
@@ -337,6 +358,8 @@ async def _gather(
                 lps[idx].extend(logprobs(detokenize, c, k))
             if c.finish_reason is not None:
                 reasons[idx] = c.finish_reason
+
+    await _each_output(gens, tr.tickets, take)
     return ["".join(t) for t in texts], lps, reasons
 
 
@@ -349,7 +372,8 @@ async def _stream(
     try:
         if head := enc.stream_head():
             await resp.write(head)
-        async for pi, out in _merged(gens, tr.tickets):
+
+        async def send(pi: int, out: EngineOutput) -> None:
             tr.first_token()
             parts = []
             for c in out.outputs:
@@ -358,6 +382,8 @@ async def _stream(
                     parts.append(frame)
             if parts:
                 await resp.write(b"".join(parts))
+
+        await _each_output(gens, tr.tickets, send)
         await resp.write(enc.stream_end(_usage(tr)))
     except ConnectionResetError:
         tr.status, tr.error = 499, "client went away"  # mid-write: nobody to tell
