@@ -43,7 +43,7 @@ from server.driver import Driver, order_priority, request_priority
 from server.engine_api import Engine
 from server.errors import SluiceError
 from server.metrics import Metrics
-from server.middleware import auth_middleware, error_middleware
+from server.middleware import install as install_middlewares
 from server.protocol import Limits, Sampling
 from server.routes import add_routes
 from server.sdnotify import SdNotify
@@ -223,7 +223,7 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
             app[DRIVER] = driver
             metrics.watch(lambda: _live(app))
             jobs: dict[str, Coroutine[Any, Any, None]] = {
-                "driver": driver.run(tg),
+                "driver": driver.run(),
                 "boot": _boot(app),
                 "monitor": _monitor(app),
             }
@@ -325,10 +325,8 @@ def build_app(
     notifier: SdNotify | None = None,
     watchdog_factory: WatchdogFactory | None = None,
 ) -> web.Application:
-    app = web.Application(
-        middlewares=[error_middleware, auth_middleware],
-        client_max_size=settings.max_body_bytes,
-    )
+    app = web.Application(client_max_size=settings.max_body_bytes)
+    install_middlewares(app)
     app[SETTINGS] = settings
     app[ENGINE] = engine
     app[METRICS] = Metrics()
@@ -412,7 +410,7 @@ async def serve(
     runner = web.AppRunner(
         app,
         handler_cancellation=True,  # a client that goes away cancels its handler
-        access_log=None,  # one structured line per request comes from the pipeline
+        access_log=None,  # one structured line per request comes from server/middleware.py
         shutdown_timeout=5.0,
     )
     await runner.setup()

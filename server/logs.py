@@ -9,6 +9,7 @@ request lines carry ids, sizes and timings only.
 
 from __future__ import annotations
 
+import copy
 import logging
 import queue
 import sys
@@ -19,6 +20,14 @@ from typing import Any
 import orjson
 
 ACCESS = logging.getLogger("sluice.access")
+
+
+def _traceback(formatter: logging.Formatter, record: logging.LogRecord) -> str | None:
+    """The record's traceback text: formatted on the loop thread by `_Handoff`,
+    or here for a record that did not come through the queue."""
+    if record.exc_text:
+        return record.exc_text
+    return formatter.formatException(record.exc_info) if record.exc_info else None
 
 
 class JsonFormatter(logging.Formatter):
@@ -32,8 +41,8 @@ class JsonFormatter(logging.Formatter):
         fields = getattr(record, "fields", None)
         if fields:
             out.update(fields)
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
+        if exc := _traceback(self, record):
+            out["exc"] = exc
         return orjson.dumps(out, default=str).decode()
 
 
@@ -45,9 +54,31 @@ class PlainFormatter(logging.Formatter):
         fields = getattr(record, "fields", None)
         if fields:
             line += " " + " ".join(f"{k}={v}" for k, v in fields.items())
-        if record.exc_info:
-            line += "\n" + self.formatException(record.exc_info)
+        if exc := _traceback(self, record):
+            line += "\n" + exc
         return line
+
+
+class _Handoff(QueueHandler):
+    """A QueueHandler that keeps the traceback out of the message.
+
+    The stock `prepare` formats the record with the handler's formatter
+    (message plus traceback, one string) and clears `exc_info`, so the writer
+    thread's formatter never sees a traceback and the JSON line carried it
+    inside `msg`. Here the message is merged with its arguments and the
+    traceback is rendered to `exc_text` here on the loop thread, as the stock
+    handler does (the frames it shows may change once the loop moves on),
+    each for the writer's formatter to place.
+    """
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        out = copy.copy(record)
+        out.msg, out.args = record.getMessage(), None
+        out.message = out.msg
+        if record.exc_info:
+            out.exc_text = logging.Formatter().formatException(record.exc_info)
+        out.exc_info = None
+        return out
 
 
 def setup_logging(fmt: str = "json", level: int = logging.INFO) -> QueueListener:
@@ -64,11 +95,11 @@ def setup_logging(fmt: str = "json", level: int = logging.INFO) -> QueueListener
     listener = QueueListener(records, handler, respect_handler_level=True)
     listener.start()
     sluice = logging.getLogger("sluice")
-    sluice.handlers[:] = [QueueHandler(records)]
+    sluice.handlers[:] = [_Handoff(records)]
     sluice.setLevel(level)
     sluice.propagate = False
     return listener
 
 
-def access(fields: dict[str, Any]) -> None:
-    ACCESS.info("request", extra={"fields": fields})
+def access(fields: dict[str, Any], level: int = logging.INFO) -> None:
+    ACCESS.log(level, "request", extra={"fields": fields})

@@ -1,25 +1,37 @@
-"""The two middlewares every request passes: errors outermost, then the API key.
+"""The middlewares every request passes: its id and access line outermost, then
+errors, then the API key.
 
-Why this module exists: a refusal is made in one place (`SluiceError`, raised
-anywhere) and turned into an OpenAI-shaped JSON body in one place (here);
-authentication is checked once for every protected path rather than by each
-handler remembering to.
+Why this module exists: a request's id is assigned, echoed and logged in one
+place for every route (probes, /metrics and the page included); a refusal is
+made in one place (`SluiceError`, raised anywhere) and turned into an
+OpenAI-shaped JSON body in one place (here); authentication is checked once
+for every protected path rather than by each handler remembering to.
+`install` wires all of it into an app, in that order.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+import uuid
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import orjson
 from aiohttp import web
 
 from server import logs
 from server.errors import SluiceError
-from server.state import CALLER, CALLERS, METRICS
+from server.state import ACCESS, CALLER, CALLERS, METRICS, REQUEST_ID, Access
 
-__all__ = ["PROTECTED_PREFIXES", "auth_middleware", "error_middleware"]
+__all__ = [
+    "PROTECTED_PREFIXES",
+    "auth_middleware",
+    "error_middleware",
+    "install",
+    "request_middleware",
+]
 
 log = logging.getLogger("sluice")
 
@@ -30,6 +42,78 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # status page itself (/, /static/) holds no data; what it shows, /status.json,
 # is behind the key.
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/status.json")
+
+# Paths read by machines every few seconds (probes, scrapes, the page's
+# once-a-second poll): their access lines are at debug level while they
+# succeed, so that an idle server's log is not one line a second. A refusal
+# on them (a 401, a 503 probe) stays at info.
+_QUIET_PATHS = frozenset({"/health", "/ready", "/metrics", "/", "/status.json"})
+_QUIET_PREFIX = "/static/"
+
+
+def request_id(header: str | None) -> str:
+    """The caller's x-request-id when usable (printable, at most 128 characters:
+    it goes into log lines and response ids), else a fresh one."""
+    if header and len(header) <= 128 and header.isprintable():
+        return header
+    return uuid.uuid4().hex
+
+
+def _quiet(path: str, status: int) -> bool:
+    return status < 400 and (path in _QUIET_PATHS or path.startswith(_QUIET_PREFIX))
+
+
+@web.middleware
+async def request_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Assign the request's id and write its one access line, whatever happens.
+
+    The id reaches the response headers in `_echo_request_id`, as every
+    response (a stream's included) is prepared; the generation pipeline hands
+    its richer fields over in `request[ACCESS]` rather than writing a line.
+    """
+    rid = request_id(request.headers.get("x-request-id"))
+    request[REQUEST_ID] = rid
+    access = request[ACCESS] = Access(time.monotonic())
+    status = 500
+    try:
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except asyncio.CancelledError:
+        status = 499  # the client went away (handler_cancellation)
+        raise
+    except web.HTTPException as exc:  # a redirect or a bare 304 (error_middleware keeps them)
+        status = exc.status
+        raise
+    finally:
+        _write_access(request, rid, access, access.status or status)
+
+
+def _write_access(request: web.Request, rid: str, access: Access, status: int) -> None:
+    if access.fields is not None:
+        logs.access(access.fields)
+        return
+    fields: dict[str, Any] = {
+        "request_id": rid,
+        "method": request.method,
+        "endpoint": request.path,
+        "status": status,
+        "total_ms": round((time.monotonic() - access.t0) * 1000, 2),
+    }
+    if caller := request.get(CALLER):
+        fields["caller"] = caller
+    if access.error:
+        fields["error"] = access.error
+    logs.access(fields, logging.DEBUG if _quiet(request.path, status) else logging.INFO)
+
+
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: every response carries the id, and the request
+    notes that its headers went out (see error_middleware)."""
+    if rid := request.get(REQUEST_ID):
+        response.headers["x-request-id"] = rid
+    if access := request.get(ACCESS):
+        access.started = access.started or response
 
 
 def _json_error(err: SluiceError) -> web.Response:
@@ -43,26 +127,42 @@ def _json_error(err: SluiceError) -> web.Response:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every refusal leaves as an OpenAI-shaped JSON error; nothing else does."""
+    """Every refusal leaves as an OpenAI-shaped JSON error; nothing else does.
+
+    A response whose headers already went out gets no second answer: the
+    failure is logged and the started response is ended as it stands (the
+    pipeline ends its own streams with an error frame; this is the net under
+    any other handler that streams).
+    """
     try:
         return await handler(request)
-    except SluiceError as err:
-        resp = _json_error(err)
-        rid = request.headers.get("x-request-id")
-        if rid and len(rid) <= 128 and rid.isprintable():
-            resp.headers["x-request-id"] = rid
-        return resp
-    except web.HTTPRequestEntityTooLarge as exc:
-        return _json_error(SluiceError(f"request body too large: {exc.text}", status=413))
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return _json_error(SluiceError(exc.reason, status=exc.status))
     except asyncio.CancelledError:
         raise
-    except Exception:
-        log.exception("internal error on %s %s", request.method, request.path)
-        return _json_error(SluiceError("internal server error", status=500))
+    except Exception as exc:
+        if isinstance(exc, web.HTTPException) and exc.status < 400:
+            raise  # a redirect: not an error
+        access: Access | None = request.get(ACCESS)
+        if access is not None and access.started is not None:
+            log.exception("error after the response started: %s %s", request.method, request.path)
+            access.status, access.error = 500, "internal server error"
+            return access.started
+        err = _error(request, exc)
+        if access is not None:
+            access.error = err.code or err.message[:80]
+        return _json_error(err)
+
+
+def _error(request: web.Request, exc: Exception) -> SluiceError:
+    """The refusal an exception stands for (an unexpected one is logged, with its
+    traceback, and answers a plain 500)."""
+    if isinstance(exc, SluiceError):
+        return exc
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return SluiceError(f"request body too large: {exc.text}", status=413)
+    if isinstance(exc, web.HTTPException):
+        return SluiceError(exc.reason, status=exc.status)
+    log.exception("internal error on %s %s", request.method, request.path)
+    return SluiceError("internal server error", status=500)
 
 
 @web.middleware
@@ -70,9 +170,9 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     """401 for a protected path without a known bearer key; else name its caller.
 
     The compare is constant-time and keys never reach a log line (see
-    server/callers.py); a refusal is counted and logged (path and status only)
-    like any request. Without any keys everything is open and the pipeline
-    names the caller from the `user` field.
+    server/callers.py); a refusal is counted, and logged (path and status
+    only) by the access line like any request. Without any keys everything is
+    open and the pipeline names the caller from the `user` field.
     """
     directory = request.app[CALLERS]
     if directory.open or not request.path.startswith(PROTECTED_PREFIXES):
@@ -82,5 +182,10 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         request[CALLER] = caller
         return await handler(request)
     request.app[METRICS].rejections.labels("auth").inc()
-    logs.access({"endpoint": request.path, "status": 401, "error": "invalid_api_key"})
     raise SluiceError("invalid or missing API key", status=401, code="invalid_api_key")
+
+
+def install(app: web.Application) -> None:
+    """The middlewares in their order (outermost first) and the id's echo."""
+    app.middlewares.extend([request_middleware, error_middleware, auth_middleware])
+    app.on_response_prepare.append(_echo_request_id)

@@ -22,10 +22,11 @@ several tokens in one write rather than a backlog of small ones.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -33,17 +34,18 @@ from aiohttp import web
 
 from batching import DEFAULT_CALLER, group_key
 from batching import Request as CoreRequest
-from server import logs
 from server.driver import Generation, Ticket
 from server.engine_api import CompletionDelta, EngineOutput
 from server.errors import SluiceError
 from server.protocol import Sampling, TokenLogprob, Usage
 from server.state import (
+    ACCESS,
     CALLER,
     CALLERS,
     DRIVER,
     ENGINE,
     METRICS,
+    REQUEST_ID,
     RESULTS,
     RUNTIME,
     SETTINGS,
@@ -57,30 +59,21 @@ __all__ = [
     "generation_endpoint",
     "json_response",
     "logprobs",
-    "request_id",
 ]
+
+log = logging.getLogger("sluice")
 
 _SSE_HEADERS = {
     "Content-Type": "text/event-stream",
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",
-}
+}  # x-request-id is added to every response by server/middleware.py
 _seq = itertools.count(1)
 C = TypeVar("C")
 
 
-def request_id(request: web.Request) -> str:
-    """The caller's x-request-id when usable, else a fresh one."""
-    rid = request.headers.get("x-request-id", "")
-    if rid and len(rid) <= 128 and rid.isprintable():
-        return rid
-    return uuid.uuid4().hex
-
-
-def json_response(body: bytes, rid: str, status: int = 200) -> web.Response:
-    return web.Response(
-        body=body, status=status, content_type="application/json", headers={"x-request-id": rid}
-    )
+def json_response(body: bytes, status: int = 200) -> web.Response:
+    return web.Response(body=body, status=status, content_type="application/json")
 
 
 @dataclass(slots=True)
@@ -200,7 +193,7 @@ def generation_endpoint(
     """An aiohttp handler running `prepare` and then the pipeline, traced."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
-        tr = Trace(request_id(request), endpoint, time.monotonic(), caller=request.get(CALLER))
+        tr = Trace(request[REQUEST_ID], endpoint, time.monotonic(), caller=request.get(CALLER))
         try:
             check_accepting(request)
             job, enc = await prepare(request, tr)
@@ -232,7 +225,7 @@ async def _run(request: web.Request, tr: Trace, job: Job, enc: Encoder[Any]) -> 
         if hit := results.get(key, time.monotonic()):
             choices, tr.completion_tokens = hit
             tr.first_token()
-            return json_response(enc.body(choices, _usage(tr)), tr.rid)
+            return json_response(enc.body(choices, _usage(tr)))
     tr.tickets = _submit(request, tr, job)
     try:
         gens = [await t.wait() for t in tr.tickets]
@@ -242,7 +235,7 @@ async def _run(request: web.Request, tr: Trace, job: Job, enc: Encoder[Any]) -> 
         choices = enc.choices(*await _gather(tr, job, detokenize, gens))
         if key is not None:
             results.put(key, (choices, tr.completion_tokens), time.monotonic())
-        return json_response(enc.body(choices, _usage(tr)), tr.rid)
+        return json_response(enc.body(choices, _usage(tr)))
     finally:
         for t in tr.tickets:
             t.leave()
@@ -287,37 +280,57 @@ def _submit(request: web.Request, tr: Trace, job: Job) -> list[Ticket]:
     return tickets
 
 
-async def _merged(
-    gens: Sequence[Generation], tickets: Sequence[Ticket]
-) -> AsyncIterator[tuple[int, EngineOutput]]:
-    """(prompt index, output) from several generations, as they come."""
+async def _each_output(
+    gens: Sequence[Generation],
+    tickets: Sequence[Ticket],
+    handle: Callable[[int, EngineOutput], Awaitable[None]],
+) -> None:
+    """`handle(prompt index, output)` for every output of several generations,
+    in the order they come.
+
+    A function, not an async generator: the pumps of a multi-prompt request
+    live in a task group that this call enters and leaves, so they end before
+    it returns, whatever `handle` does (an async generator that yields inside
+    a task group leaves the group's exit to whoever closes it, or to the
+    garbage collector). A failure leaves the group first and is raised as
+    itself, not wrapped in an ExceptionGroup.
+    """
     if len(gens) == 1:
-        async for out in gens[0].outputs(tickets[0].id):
-            yield 0, out
+        async with contextlib.aclosing(gens[0].outputs(tickets[0].id)) as outs:
+            async for out in outs:
+                await handle(0, out)
         return
     queue: asyncio.Queue[tuple[int, EngineOutput] | BaseException | None] = asyncio.Queue()
 
     async def pump(i: int) -> None:
         try:
-            async for out in gens[i].outputs(tickets[i].id):
-                queue.put_nowait((i, out))
+            async with contextlib.aclosing(gens[i].outputs(tickets[i].id)) as outs:
+                async for out in outs:
+                    queue.put_nowait((i, out))
         except Exception as exc:
             queue.put_nowait(exc)
         finally:
             queue.put_nowait(None)
 
+    failure: Exception | None = None
     async with asyncio.TaskGroup() as tg:
-        for i in range(len(gens)):
-            tg.create_task(pump(i))
+        pumps = [tg.create_task(pump(i), name=f"prompt-{i}") for i in range(len(gens))]
         remaining = len(gens)
-        while remaining:
-            item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
+        try:
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    await handle(*item)
+        except Exception as exc:
+            failure = exc
+            for p in pumps:
+                p.cancel()
+    if failure is not None:
+        raise failure
 
 
 async def _gather(
@@ -334,7 +347,8 @@ async def _gather(
     texts: list[list[str]] = [[] for _ in range(total)]
     lps: list[list[TokenLogprob]] = [[] for _ in range(total)]
     reasons: list[str | None] = [None] * total
-    async for pi, out in _merged(gens, tr.tickets):
+
+    async def take(pi: int, out: EngineOutput) -> None:
         tr.first_token()
         for c in out.outputs:
             idx = pi * n + c.index
@@ -344,6 +358,8 @@ async def _gather(
                 lps[idx].extend(logprobs(detokenize, c, k))
             if c.finish_reason is not None:
                 reasons[idx] = c.finish_reason
+
+    await _each_output(gens, tr.tickets, take)
     return ["".join(t) for t in texts], lps, reasons
 
 
@@ -351,12 +367,13 @@ async def _stream(
     request: web.Request, tr: Trace, job: Job, enc: Encoder[Any], gens: Sequence[Generation]
 ) -> web.StreamResponse:
     n = job.sampling.n
-    resp = web.StreamResponse(headers={**_SSE_HEADERS, "x-request-id": tr.rid})
+    resp = web.StreamResponse(headers=_SSE_HEADERS)
     await resp.prepare(request)
     try:
         if head := enc.stream_head():
             await resp.write(head)
-        async for pi, out in _merged(gens, tr.tickets):
+
+        async def send(pi: int, out: EngineOutput) -> None:
             tr.first_token()
             parts = []
             for c in out.outputs:
@@ -365,11 +382,21 @@ async def _stream(
                     parts.append(frame)
             if parts:
                 await resp.write(b"".join(parts))
+
+        await _each_output(gens, tr.tickets, send)
         await resp.write(enc.stream_end(_usage(tr)))
-    except SluiceError as err:
-        # Headers are gone: the error travels as the stream's last frames.
+    except ConnectionResetError:
+        tr.status, tr.error = 499, "client went away"  # mid-write: nobody to tell
+    except Exception as exc:
+        # Headers are gone: the error travels as the stream's last frames, in
+        # the API's shape; the HTTP status stays 200, the trace says what it was.
+        err = exc if isinstance(exc, SluiceError) else None
+        if err is None:
+            log.exception("stream failed after its headers went out: %s", tr.rid)
+            err = SluiceError("internal server error", status=500)
         tr.status, tr.error = err.status, err.code or err.message[:80]
-        await resp.write(enc.stream_error(err))
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write(enc.stream_error(err))
     return resp
 
 
@@ -404,4 +431,4 @@ def _finish_trace(request: web.Request, tr: Trace) -> None:
     }
     if tr.error:
         fields["error"] = tr.error
-    logs.access(fields)
+    request[ACCESS].fields = fields  # the request middleware writes the line

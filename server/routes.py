@@ -4,7 +4,8 @@ Why this module exists: one table of routes. The two generation endpoints are
 the pipeline (server/pipeline.py) with their endpoint's preparation
 (server/endpoints.py); the rest (models, probes, metrics, tokenizer) are
 small enough to live here. Authentication and error bodies are middleware
-(server/middleware.py), so no handler checks a key or formats an error.
+(server/middleware.py), so no handler checks a key, formats an error or
+assigns a request id (`request[REQUEST_ID]`, set for every route).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from aiohttp import web
 from server.endpoints import check_model, prepare_chat, prepare_completion, read_body
 from server.errors import SluiceError
 from server.metrics import CONTENT_TYPE
-from server.pipeline import check_accepting, generation_endpoint, json_response, request_id
+from server.pipeline import check_accepting, generation_endpoint, json_response
 from server.protocol import models_body, parse_chat
 from server.state import ENGINE, METRICS, RUNTIME, SETTINGS, Phase
 
@@ -31,7 +32,7 @@ async def models(request: web.Request) -> web.Response:
         created=info.created,
         max_model_len=info.max_model_len or None,
     )
-    return json_response(body, request_id(request))
+    return json_response(body)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -43,9 +44,7 @@ async def health(request: web.Request) -> web.Response:
             retry_after=5,
             code="engine_dead",
         )
-    return json_response(
-        orjson.dumps({"status": "ok", "phase": rt.phase.value}), request_id(request)
-    )
+    return json_response(orjson.dumps({"status": "ok", "phase": rt.phase.value}))
 
 
 async def ready(request: web.Request) -> web.Response:
@@ -53,7 +52,7 @@ async def ready(request: web.Request) -> web.Response:
     if not rt.ready:
         why = rt.phase.value if rt.phase is not Phase.READY else rt.admission.name.lower()
         raise SluiceError(f"not ready: {why}", status=503, retry_after=5, code="not_ready")
-    return json_response(orjson.dumps({"status": "ready"}), request_id(request))
+    return json_response(orjson.dumps({"status": "ready"}))
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -90,7 +89,7 @@ async def tokenize(request: web.Request) -> web.Response:
     body = orjson.dumps(
         {"count": len(ids), "max_model_len": engine.info.max_model_len, "tokens": ids}
     )
-    return json_response(body, request_id(request))
+    return json_response(body)
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -102,7 +101,7 @@ async def detokenize(request: web.Request) -> web.Response:
     ):
         raise SluiceError("'tokens' must be a list of token ids", param="tokens")
     body = orjson.dumps({"prompt": request.app[ENGINE].detokenize(tokens)})
-    return json_response(body, request_id(request))
+    return json_response(body)
 
 
 def add_routes(app: web.Application) -> None:

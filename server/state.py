@@ -11,6 +11,7 @@ import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
@@ -26,17 +27,20 @@ from server.status import StatusSampler
 from server.watchdog import Watchdog
 
 __all__ = [
+    "ACCESS",
     "CALLER",
     "CALLERS",
     "DRIVER",
     "ENGINE",
     "METRICS",
     "NOTIFIER",
+    "REQUEST_ID",
     "RESULTS",
     "RUNTIME",
     "SETTINGS",
     "STATUS",
     "WATCHDOG",
+    "Access",
     "CachedResult",
     "Phase",
     "Runtime",
@@ -69,6 +73,24 @@ class Runtime:
         return self.phase is Phase.READY and self.admission is AdmissionState.OK
 
 
+@dataclass(slots=True)
+class Access:
+    """One request's access line, written by the request middleware as it ends.
+
+    A handler adds to it: the generation pipeline hands over its own fields
+    (queue wait, TTFT, batch; they replace the plain ones), the error
+    middleware the refusal's code, and `status` when the outcome differs from
+    the status on the wire (a stream that failed after its headers went out).
+    `started` is the response whose headers went out (server/middleware.py).
+    """
+
+    t0: float
+    fields: dict[str, Any] | None = None
+    error: str | None = None
+    status: int | None = None
+    started: web.StreamResponse | None = None
+
+
 # A deterministic result kept by --result-cache-ttl: the choices and the
 # completion tokens they cost.
 CachedResult = tuple[tuple[ChatChoice, ...] | tuple[CompletionChoice, ...], int]
@@ -84,3 +106,5 @@ RESULTS = web.AppKey[ResultCache[CachedResult]]("results")  # --result-cache-ttl
 STATUS = web.AppKey("status", StatusSampler)  # the status page's ring buffer
 CALLERS = web.AppKey("callers", CallerDirectory)  # who is asking (server/callers.py)
 CALLER = web.RequestKey("caller", str)  # set by the auth middleware when keys name callers
+REQUEST_ID = web.RequestKey("request_id", str)  # set by the request middleware, every route
+ACCESS = web.RequestKey("access", Access)  # the request's access line (server/middleware.py)

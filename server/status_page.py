@@ -103,6 +103,7 @@ def snapshot(app: web.Application) -> Snapshot:
     host = readings.host if readings is not None else None
     ttft, sizes = metrics.drain_recent()
     state, reason = _state(app)
+    core = app[DRIVER].core
     return Snapshot(
         state,
         reason,
@@ -110,7 +111,11 @@ def snapshot(app: web.Application) -> Snapshot:
         prompt_tokens=_total(metrics.prompt_tokens),
         generated_tokens=_total(metrics.generated_tokens),
         refusals=_by_label(metrics.rejections, "reason"),
-        queued=app[DRIVER].core.queued_requests,
+        # Service per caller: the core's cumulative prompt + 2 x generated tokens
+        # (the page plots its rate); every caller seen, the default one included.
+        callers={c.name: float(c.service) for c in core.callers()},
+        queued=core.queued_requests,
+        backlog=core.backlog_generations,
         engine_running=stats.running,
         engine_waiting=stats.waiting,
         kv_cache_usage=stats.kv_cache_usage,

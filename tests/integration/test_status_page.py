@@ -16,7 +16,7 @@ import asyncio
 import math
 import os
 import shutil
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +27,12 @@ from aiohttp.test_utils import TestServer
 
 from server.callers import CallerDirectory
 from server.metrics import Metrics
-from server.middleware import auth_middleware, error_middleware
+from server.middleware import install
 from server.settings import Settings
 from server.state import CALLERS, METRICS, SETTINGS, STATUS
 from server.status import Snapshot, StatusSampler
 from server.status_page import add_status_routes
+from tests.support import SluiceProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 STATIC = ROOT / "server" / "static"
@@ -145,6 +146,13 @@ async def check_page(
     return probe
 
 
+async def give_key(page: Any, key: str) -> None:
+    """Answer the page's key form."""
+    await page.wait_for_selector("#key-form:not([hidden])")
+    await page.fill("#key", key)
+    await page.click("#key-form button")
+
+
 # ---------------------------------------------- a made-up busy server, no engine
 
 
@@ -185,7 +193,8 @@ def busy_snapshots(n: int) -> list[Snapshot]:
 def page_app(sampler: StatusSampler, key: str | None = None) -> web.Application:
     """Sluice's own page routes and middlewares around a made-up ring buffer
     (no engine): what the browser gets is what `sluice serve` sends."""
-    app = web.Application(middlewares=[error_middleware, auth_middleware])
+    app = web.Application()
+    install(app)
     settings = Settings(api_key=key)
     app[SETTINGS] = settings
     app[CALLERS] = CallerDirectory(settings.caller_table, settings.api_key)
@@ -259,17 +268,12 @@ async def test_the_key_is_asked_once_and_sent_as_a_header(
     # The first, keyless read is refused: the browser logs that 401 itself.
     console = Console(browser_page, allow=lambda text: "401" in text)
 
-    async def give_key(page: Any) -> None:
-        await page.wait_for_selector("#key-form:not([hidden])")
-        await page.fill("#key", "s3cret-key")
-        await page.click("#key-form button")
-
     await check_page(
         browser_page,
         str(harness.make_url("/")),
         charts=ALL_CHARTS,
         screenshot="harness-key.png",
-        before=give_key,
+        before=lambda page: give_key(page, "s3cret-key"),
     )
     assert auth[0] is None and set(auth[1:]) == {"Bearer s3cret-key"}
     assert not any("s3cret" in u for u in urls)
@@ -281,9 +285,12 @@ async def test_the_key_is_asked_once_and_sent_as_a_header(
 
 # ------------------------------------------------------- the real demo server
 
+CALLER_KEYS = {"chat": "sk-chat", "batch-jobs": "sk-batch"}
 
-async def _traffic(base: str, seconds: float, streams: int = 6) -> int:
-    """Chat requests from `streams` concurrent callers for `seconds`; the count."""
+
+async def _traffic(base: str, seconds: float, key: str, streams: int = 3) -> int:
+    """Chat requests from `streams` concurrent clients of the caller with API key
+    `key` for `seconds`; the count."""
     done = 0
     loop = asyncio.get_running_loop()
     end = loop.time() + seconds
@@ -293,35 +300,63 @@ async def _traffic(base: str, seconds: float, streams: int = 6) -> int:
         "max_tokens": 24,
     }
 
-    async def caller(client: httpx.AsyncClient) -> None:
+    async def client_loop(client: httpx.AsyncClient) -> None:
         nonlocal done
         while loop.time() < end:
             r = await client.post(base + "/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
             done += 1
 
-    async with httpx.AsyncClient(timeout=60) as client:
-        await asyncio.gather(*(caller(client) for _ in range(streams)))
+    headers = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(timeout=60, headers=headers) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(streams)))
     return done
 
 
+@pytest.fixture
+def callers_server(demo_cache_root: Path, tmp_path: Path) -> Iterator[SluiceProcess]:
+    """Sluice on the demo model with a callers file naming two callers."""
+    path = tmp_path / "callers.toml"
+    path.write_text("".join(f'[callers.{n}]\nkey = "{k}"\n' for n, k in CALLER_KEYS.items()))
+    path.chmod(0o600)
+    proc = SluiceProcess(
+        ["--callers", str(path), "--log-format", "plain"],
+        cache_dir=demo_cache_root,
+        log_path=tmp_path / "sluice.log",
+    )
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
 @pytest.mark.engine
-async def test_the_demo_server_status_page(sluice_server: Any, browser_page: Any) -> None:
-    """Sluice on the demo model under a little traffic: every plot it can fill
-    draws (no callers without keys), the header says ok, the console is clean."""
-    console = Console(browser_page)
-    traffic = asyncio.create_task(_traffic(sluice_server.base, seconds=15.0))
+async def test_the_demo_server_status_page(
+    callers_server: SluiceProcess, browser_page: Any
+) -> None:
+    """Sluice on the demo model with two callers' traffic: every plot draws (the
+    callers plot and the backlog series included), the header says ok, the
+    console is clean but for the keyless first read's 401."""
+    base = callers_server.base
+    console = Console(browser_page, allow=lambda text: "401" in text)
+    traffic = [
+        asyncio.create_task(_traffic(base, seconds=15.0, key=key)) for key in CALLER_KEYS.values()
+    ]
     try:
         await asyncio.sleep(8.0)  # seconds of samples with traffic in them
         probe = await check_page(
             browser_page,
-            sluice_server.base + "/",
-            charts=tuple(c for c in ALL_CHARTS if c != "callers"),
+            base + "/",
+            charts=ALL_CHARTS,
             screenshot="status-page.png",
+            before=lambda page: give_key(page, CALLER_KEYS["chat"]),
         )
     finally:
-        sent = await traffic
-    assert sent > 20
+        sent = [await t for t in traffic]
+    assert all(n > 5 for n in sent), sent
+    assert probe["charts"]["callers"]["series"] == sorted(CALLER_KEYS)
+    assert "backlog held" in probe["charts"]["queue"]["series"]
     assert probe["charts"]["memory"]["series"] == ["host available"]  # no NVML here
     assert await browser_page.text_content("#state") == "ok"
     assert await browser_page.text_content("#model") == "sluice-demo"

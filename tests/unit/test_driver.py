@@ -42,7 +42,7 @@ async def running(
     driver = Driver(Coalescer(CoalescerConfig(**config)), engine)
     try:
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(driver.run(tg), name="driver")
+            tg.create_task(driver.run(), name="driver")
             yield driver, engine
             raise _Stop  # cancels the driver and any pump task it started
     except* _Stop:
@@ -348,7 +348,7 @@ async def test_window_deadline_releases_even_when_the_timer_fires_early() -> Non
     )
     try:
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(driver.run(tg), name="driver")
+            tg.create_task(driver.run(), name="driver")
             first = submit(driver, max_tokens=30)
             await first.wait()  # dispatched at once: the engine was idle
             second = submit(driver, max_tokens=2)

@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
-from batching import AdmissionState
+from batching import DEFAULT_CALLER, AdmissionState
 from batching.pressure import EngineStats
 from server.app import drain, on_admission
 from server.state import STATUS
@@ -85,6 +85,10 @@ async def test_snapshot_counts_what_was_served(make_client: Any) -> None:
     assert sum(snap.batch_sizes) == 2
     assert (snap.engine_running, snap.engine_waiting, snap.kv_cache_usage) == (3, 1, 0.4)
     assert snap.gpu_free_bytes is None and snap.host_available_bytes is None  # no watchdog
+    # Both answered requests were the default caller's: prompt + 2 x 4 generated each.
+    assert set(snap.callers) == {DEFAULT_CALLER}
+    assert snap.callers[DEFAULT_CALLER] == snap.prompt_tokens + 2 * snap.generated_tokens
+    assert snap.backlog == 0  # measured (nothing held), not "not measured"
     again = snapshot(app)
     assert again.ttft == () and again.batch_sizes == ()  # drained
 
