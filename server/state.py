@@ -20,6 +20,7 @@ from server.driver import Driver
 from server.engine_api import Engine
 from server.metrics import Metrics
 from server.protocol import ChatChoice, CompletionChoice, Limits
+from server.response_store import ResponseStore
 from server.sdnotify import SdNotify
 from server.settings import Settings
 from server.status import StatusSampler
@@ -32,6 +33,7 @@ __all__ = [
     "ENGINE",
     "METRICS",
     "NOTIFIER",
+    "RESPONSES",
     "RESULTS",
     "RUNTIME",
     "SETTINGS",
@@ -83,4 +85,5 @@ WATCHDOG = web.AppKey("watchdog", Watchdog)
 RESULTS = web.AppKey[ResultCache[CachedResult]]("results")  # --result-cache-ttl
 STATUS = web.AppKey("status", StatusSampler)  # the status page's ring buffer
 CALLERS = web.AppKey("callers", CallerDirectory)  # who is asking (server/callers.py)
+RESPONSES = web.AppKey("responses", ResponseStore)  # /v1/responses' stored responses
 CALLER = web.RequestKey("caller", str)  # set by the auth middleware when keys name callers
