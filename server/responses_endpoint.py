@@ -2,7 +2,7 @@
 
 Why this module exists: OpenAI's Responses API is a chat request in other
 clothes. ``prepare_responses`` parses the body into a ``ChatRequest``
-(server/protocol/responses_api.py), puts a stored conversation in front when
+(server/protocol/responses_api.py, responses_events.py), puts a stored conversation in front when
 ``previous_response_id`` names one, and runs ``chat_job``: everything after
 (callers, queue, dedupe, result cache, tools, thinking, metrics under the
 ``responses`` label, drain, abort on disconnect) is the pipeline's.
@@ -28,12 +28,11 @@ from server.engine_api import CompletionDelta, Engine
 from server.errors import SluiceError
 from server.pipeline import Encoder, Job, Trace, json_response, request_id
 from server.protocol import ChatChoice, ChatRequest, Message, TokenLogprob, Usage
-from server.protocol.responses_api import (
-    ResponsesRequest,
+from server.protocol.responses_api import ResponsesRequest, parse_responses
+from server.protocol.responses_events import (
     ResponsesStream,
     conversation_after,
     output_items,
-    parse_responses,
     response_object,
     status_of,
 )
