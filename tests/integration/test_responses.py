@@ -182,18 +182,25 @@ def test_agents_sdk_runner_with_a_function_tool(sluice_server: SluiceProcess) ->
         calls.append((city, unit))
         return f"sunny in {city}"
 
-    api = openai.AsyncOpenAI(base_url=sluice_server.base + "/v1", api_key="unused", max_retries=0)
-    agent = Agent(
-        name="forecaster",
-        instructions="Answer with the weather tool.",
-        tools=[get_weather],
-        model=OpenAIResponsesModel(model=MODEL, openai_client=api),
-        model_settings=ModelSettings(
-            tool_choice="get_weather", reasoning=Reasoning(effort="none"), max_tokens=60
-        ),
-        tool_use_behavior="stop_on_first_tool",
-    )
-    result = asyncio.run(Runner.run(agent, ASK))
+    async def run() -> Any:
+        async with openai.AsyncOpenAI(
+            base_url=sluice_server.base + "/v1", api_key="unused", max_retries=0
+        ) as api:
+            return await Runner.run(agent(api), ASK)
+
+    def agent(api: openai.AsyncOpenAI) -> Agent[Any]:
+        return Agent(
+            name="forecaster",
+            instructions="Answer with the weather tool.",
+            tools=[get_weather],
+            model=OpenAIResponsesModel(model=MODEL, openai_client=api),
+            model_settings=ModelSettings(
+                tool_choice="get_weather", reasoning=Reasoning(effort="none"), max_tokens=60
+            ),
+            tool_use_behavior="stop_on_first_tool",
+        )
+
+    result = asyncio.run(run())
     assert len(calls) == 1 and result.final_output == f"sunny in {calls[0][0]}"
 
 
