@@ -63,7 +63,12 @@ async def prepare_responses(request: web.Request, tr: Trace) -> tuple[Job, Encod
             raise _not_found(rreq.previous_response_id, "previous_response_id")
         history = prev.conversation
     req = rreq.with_history(history)
-    cj = await chat_job(request, req)
+    try:
+        cj = await chat_job(request, req)
+    except SluiceError as err:
+        if err.param == "messages":  # the context check names chat's field
+            err.param = "input"
+        raise
     engine = request.app[ENGINE]
     return cj.job, ResponsesEncoder(rreq, req, history, cj, tr.rid, engine, store, owner)
 

@@ -188,6 +188,7 @@ async def test_store_get_delete_and_owner(make_client: Any) -> None:
         ({"tools": [{"type": "file_search", "vector_store_ids": []}]}, "tools[0].type"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, None),
         ({"previous_response_id": "resp_gone"}, "previous_response_id"),
+        ({"input": "x" * 400}, "input"),  # over the fake's 256-token context
     ],
 )
 async def test_refusals_name_the_field(
