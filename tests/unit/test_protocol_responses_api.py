@@ -233,3 +233,14 @@ def test_stream_error_is_an_error_event_then_failed() -> None:
     frames = stream.error(SluiceError("engine died", status=503, code="engine_dead"))
     kinds = [f.split(b"\n")[0] for f in frames.split(b"\n\n") if f]
     assert kinds == [b"event: error", b"event: response.failed"]
+
+
+@pytest.mark.parametrize("kind", ["reasoning", "content"])
+@given(text=st.text(min_size=1, max_size=12))
+def test_the_fast_delta_frame_is_the_reference(kind: str, text: str) -> None:
+    stream = ResponsesStream(parse(), "resp_x", 0)
+    stream.head()
+    stream.feed(ParsedDelta(**{kind: "open"}))  # the item opens
+    want = stream.delta_dict(text)
+    frame = stream.feed(ParsedDelta(**{kind: text}))
+    assert frame == b"event: " + want["type"].encode() + b"\ndata: " + orjson.dumps(want) + b"\n\n"
