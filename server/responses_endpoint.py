@@ -94,7 +94,7 @@ class ResponsesEncoder:
         self._owner = owner
         self._id = f"resp_{uuid.uuid4().hex}"
         self._created = int(time.time())
-        self._chat = ChatEncoder(req, rid, engine.detokenize, cj.parser, cj.prompt_ids)
+        self._chat_args = (req, rid, engine.detokenize, cj.parser, cj.prompt_ids)
         self._reader = ChoiceReader(cj.parser, cj.prompt_ids, thinking=req.enable_thinking)
         self._stream = ResponsesStream(rreq, self._id, self._created)
         self._reasoning: list[str] = []
@@ -106,7 +106,8 @@ class ResponsesEncoder:
         logprobs: Sequence[Sequence[TokenLogprob]],
         reasons: Sequence[str | None],
     ) -> tuple[ChatChoice, ...]:
-        return self._chat.choices(texts, logprobs, reasons)
+        # Whole bodies are read as chat reads them (built here: a stream needs none).
+        return ChatEncoder(*self._chat_args).choices(texts, logprobs, reasons)
 
     def body(self, choices: Sequence[ChatChoice], usage: Usage) -> bytes:
         choice = choices[0]
