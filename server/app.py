@@ -45,6 +45,7 @@ from server.errors import SluiceError
 from server.metrics import Metrics
 from server.middleware import install as install_middlewares
 from server.protocol import Limits, Sampling
+from server.response_store import ResponseStore
 from server.routes import add_routes
 from server.sdnotify import SdNotify
 from server.settings import Settings
@@ -54,6 +55,7 @@ from server.state import (
     ENGINE,
     METRICS,
     NOTIFIER,
+    RESPONSES,
     RESULTS,
     RUNTIME,
     SETTINGS,
@@ -335,6 +337,7 @@ def build_app(
         ttl=settings.result_cache_ttl,
         max_entries=1024 if settings.result_cache_ttl > 0 else 0,
     )
+    app[RESPONSES] = ResponseStore()  # /v1/responses' stored responses, lost on restart
     app[NOTIFIER] = notifier or SdNotify(None)
     app[CALLERS] = CallerDirectory(settings.caller_table, settings.api_key)
     if watchdog_factory is not None:

@@ -402,6 +402,11 @@ class EngineAdapter:
     def detokenize(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids)))
 
+    def count_tokens(self, text: str) -> int:
+        # On the loop, like detokenize: a finished answer's thinking, once per
+        # response (/v1/responses' reasoning_tokens).
+        return len(self._tokenizer.encode(text, add_special_tokens=False)) if text else 0
+
     # -- generation ---------------------------------------------------------
 
     @staticmethod

@@ -20,6 +20,7 @@ from server.errors import SluiceError
 from server.metrics import CONTENT_TYPE
 from server.pipeline import check_accepting, generation_endpoint, json_response
 from server.protocol import models_body, parse_chat
+from server.responses_endpoint import delete_response, get_response, prepare_responses
 from server.state import ENGINE, METRICS, RUNTIME, SETTINGS, Phase
 
 __all__ = ["add_routes"]
@@ -107,6 +108,10 @@ async def detokenize(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", generation_endpoint("chat", prepare_chat))
     app.router.add_post("/v1/completions", generation_endpoint("completions", prepare_completion))
+    # OpenAI Responses (server/responses_endpoint.py).
+    app.router.add_post("/v1/responses", generation_endpoint("responses", prepare_responses))
+    app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)

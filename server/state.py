@@ -21,6 +21,7 @@ from server.driver import Driver
 from server.engine_api import Engine
 from server.metrics import Metrics
 from server.protocol import ChatChoice, CompletionChoice, Limits
+from server.response_store import ResponseStore
 from server.sdnotify import SdNotify
 from server.settings import Settings
 from server.status import StatusSampler
@@ -35,6 +36,7 @@ __all__ = [
     "METRICS",
     "NOTIFIER",
     "REQUEST_ID",
+    "RESPONSES",
     "RESULTS",
     "RUNTIME",
     "SETTINGS",
@@ -105,6 +107,7 @@ WATCHDOG = web.AppKey("watchdog", Watchdog)
 RESULTS = web.AppKey[ResultCache[CachedResult]]("results")  # --result-cache-ttl
 STATUS = web.AppKey("status", StatusSampler)  # the status page's ring buffer
 CALLERS = web.AppKey("callers", CallerDirectory)  # who is asking (server/callers.py)
+RESPONSES = web.AppKey("responses", ResponseStore)  # /v1/responses' stored responses
 CALLER = web.RequestKey("caller", str)  # set by the auth middleware when keys name callers
 REQUEST_ID = web.RequestKey("request_id", str)  # set by the request middleware, every route
 ACCESS = web.RequestKey("access", Access)  # the request's access line (server/middleware.py)

@@ -109,6 +109,9 @@ class FakeEngine:
     _parsers: Any = None
     reasoning_parser: str = "qwen3"  # another: every chat request goes through chat_parser
     constraints: list[Constraint] = field(default_factory=list)
+    # Every conversation rendered (messages, template kwargs), in order: what
+    # the real engine would turn into token ids.
+    rendered: list[tuple[tuple[Message, ...], dict[str, Any]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.info = ModelInfo(
@@ -154,6 +157,7 @@ class FakeEngine:
     ) -> list[list[int]]:
         out = []
         for messages, kwargs in conversations:
+            self.rendered.append((tuple(messages), dict(kwargs)))
             text = "".join(f"<{m.role}>{m.content}" for m in messages)
             if not kwargs.get("enable_thinking", True):
                 text += "<nothink>"
@@ -165,6 +169,11 @@ class FakeEngine:
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return "".join(chr(96 + i % 26) for i in ids)
+
+    def count_tokens(self, text: str) -> int:
+        if self.tokenizer is not None:
+            return len(self.tokenizer.encode(text, add_special_tokens=False))
+        return len(text.encode())
 
     def chat_parser(self, req: ChatRequest) -> Any:
         if self.tokenizer is None:
