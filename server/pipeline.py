@@ -132,7 +132,8 @@ class Encoder(Protocol[C]):
 
     Choice indexes are `prompt index x n + output index`. A stream encoder may
     keep per-choice state (the reasoning split); one encoder serves one request.
-    A stream is `stream_head`, a `stream_delta` per output, then either
+    A stream is `stream_head` (sent with the first output), a `stream_delta`
+    per output, then either
     `stream_end` (the closing frames: usage, the API's end marker) or, when it
     fails after its headers went out, `stream_error` (the error in the API's
     own shape, then its end marker).
@@ -353,19 +354,22 @@ async def _stream(
     n = job.sampling.n
     resp = web.StreamResponse(headers={**_SSE_HEADERS, "x-request-id": tr.rid})
     await resp.prepare(request)
+    # The head (chat's role frame, an echo) goes out with the first output, as
+    # vLLM's server sends it: a client that times its first frame (vllm bench
+    # serve does) then times the first token, not the headers.
+    head: bytes | None = enc.stream_head()
     try:
-        if head := enc.stream_head():
-            await resp.write(head)
         async for pi, out in _merged(gens, tr.tickets):
             tr.first_token()
-            parts = []
+            parts = [head] if head else []
+            head = None
             for c in out.outputs:
                 tr.completion_tokens += len(c.token_ids)
                 if frame := enc.stream_delta(pi * n + c.index, c):
                     parts.append(frame)
             if parts:
                 await resp.write(b"".join(parts))
-        await resp.write(enc.stream_end(_usage(tr)))
+        await resp.write((head or b"") + enc.stream_end(_usage(tr)))
     except SluiceError as err:
         # Headers are gone: the error travels as the stream's last frames.
         tr.status, tr.error = err.status, err.code or err.message[:80]
