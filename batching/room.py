@@ -20,8 +20,9 @@ engine number, and an unknown number never holds anything back):
    (a prompt larger than that then goes alone: chunked prefill takes it in
    pieces). One step by default (config.py says why: two let released long
    prompts fill the step a chat turn needs). Together with rule 2 this keeps
-   the engine's own waiting queue at about one step of prefill; the number of unstarted requests needs no bound of
-   its own, since the engine admits them in its next steps when both hold.
+   the engine's own waiting queue at about one step of prefill; the number of
+   unstarted requests needs no bound of its own, since the engine admits them
+   in its next steps when both hold.
 4. KV room: estimated KV tokens in use plus this prompt <= `kv_tokens`. The estimate
    is `kv_usage` x `kv_tokens` from the engine's latest stats, plus the prompts the
    engine has not allocated yet: of the unstarted prompts, the share the engine
