@@ -18,11 +18,11 @@ engine number, and an unknown number never holds anything back):
 3. Step budget: prompt tokens released but not yet started (no first output yet)
    plus this one <= `step_lookahead` x `step_tokens`, unless nothing is unstarted
    (a prompt larger than that then goes alone: chunked prefill takes it in
-   pieces). Two steps by default: the one the engine is running and the next,
-   which it schedules before the driver hears that the first one's prompts have
-   started. Together with rule 2 this keeps the engine's own waiting queue at
-   about one step of prefill; the number of unstarted requests needs no bound of
-   its own, since the engine admits them in its next steps when both hold.
+   pieces). One step by default (config.py says why: two let released long
+   prompts fill the step a chat turn needs). Together with rule 2 this keeps
+   the engine's own waiting queue at about one step of prefill; the number of
+   unstarted requests needs no bound of its own, since the engine admits them
+   in its next steps when both hold.
 4. KV room: estimated KV tokens in use plus this prompt <= `kv_tokens`. The estimate
    is `kv_usage` x `kv_tokens` from the engine's latest stats, plus the prompts the
    engine has not allocated yet: of the unstarted prompts, the share the engine

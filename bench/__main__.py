@@ -78,6 +78,24 @@ def _demo_flags() -> tuple[list[str], str]:
     return flags, str(model_dir)
 
 
+def _step_flags(engine_flags: Sequence[str]) -> list[str]:
+    """The engine-step flags `sluice serve` sets when none is given
+    (server/engine_step.py), resolved by Sluice's own parser for these flags and
+    spelt out, so that vLLM's server and the raw engine run the same engine step
+    as Sluice. None when the flags already set either."""
+    if any(f.lstrip("-").removeprefix("no-").startswith(_STEP_FLAG) for f in engine_flags):
+        return []
+    from server.cli import parse_serve_args
+    from server.engine_step import StepFlags
+
+    args = parse_serve_args(list(engine_flags), {}).engine_args
+    flags = StepFlags(args.long_prefill_token_threshold, args.long_prefill_token_threshold_adaptive)
+    return list(flags.argv())
+
+
+_STEP_FLAG = "long-prefill-token-threshold"
+
+
 def _model_config(model: str) -> dict[str, object]:
     """A local model's config.json (empty for a hub id: nothing is downloaded here)."""
     cfg = Path(model) / "config.json"
@@ -200,6 +218,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         base, tokenizer = ["--model", ns.model], ns.model
         served = ns.model
     engine_flags = base + passthrough
+    step = _step_flags(engine_flags)
+    if step:
+        rn.log(f"engine step flags Sluice would set, given to every system: {' '.join(step)}")
+    engine_flags += step
     served = _flag(engine_flags, "--served-model-name") or served
     tokenizer = _flag(engine_flags, "--tokenizer") or tokenizer
     mml = _flag(engine_flags, "--max-model-len")

@@ -79,6 +79,16 @@ METRIC_TITLES: dict[str, str] = {
     "flood_req_s": "flood req/s (its whole run)",
     "medium_failed": "medium failed",
     "long_failed": "long failed",
+    "ttft_max": "TTFT max (ms)",
+    "completed": "completed",
+    "short_third_ttft_p95": "shortest third's TTFT p95 (ms)",
+    "long_third_ttft_p99": "longest third's TTFT p99 (ms)",
+    "bulk_span_completed": "bulk completed during the chat span",
+    "bulk_span_req_s": "bulk req/s during the chat span",
+    "bulk_a_span_completed": "bulk_a (weight 1) completed during the chat span",
+    "bulk_b_span_completed": "bulk_b (weight 3) completed during the chat span",
+    "bulk_b_per_a": "bulk_b / bulk_a completed (weights 3:1)",
+    "chat_beside_bulk": "chat requests sent while the bulk callers ran (share)",
 }
 
 
@@ -233,6 +243,7 @@ class RequestLog:
     ttfts: tuple[float, ...]  # seconds
     output_lens: tuple[int, ...]
     errors: tuple[str, ...]
+    input_lens: tuple[int, ...] = ()  # prompt tokens (the client's count); () if not saved
 
     @classmethod
     def from_result(cls, data: Mapping[str, Any]) -> RequestLog | None:
@@ -245,7 +256,8 @@ class RequestLog:
         ttfts = list(data.get("ttfts") or [0.0] * n)
         outs = list(data.get("output_lens") or [0] * n)
         errs = list(data.get("errors") or [""] * n)
-        if not len(lat) == len(ttfts) == len(outs) == len(errs) == n:
+        ins = list(data.get("input_lens") or [])
+        if not len(lat) == len(ttfts) == len(outs) == len(errs) == n or len(ins) not in (0, n):
             raise ValueError("client result: per-request lists of different lengths")
         return cls(
             tuple(float(x) for x in starts),
@@ -253,6 +265,7 @@ class RequestLog:
             tuple(float(x or 0.0) for x in ttfts),
             tuple(int(x or 0) for x in outs),
             tuple(str(e or "") for e in errs),
+            tuple(int(x or 0) for x in ins),
         )
 
     def ok(self) -> list[int]:
@@ -289,7 +302,9 @@ def percentile(values: Sequence[float], p: float) -> float:
 
 
 def noisy_metrics(
-    results: Mapping[str, Mapping[str, float]], logs: Mapping[str, RequestLog]
+    results: Mapping[str, Mapping[str, float]],
+    logs: Mapping[str, RequestLog],
+    floods: Sequence[str] = ("flood",),
 ) -> dict[str, float]:
     """One record of a noisy-neighbour point from its `chat` and `flood` jobs.
 
@@ -302,38 +317,93 @@ def noisy_metrics(
     inside the chat job's span (first chat request sent to last chat request
     done) and their rate, which does not depend on how long the flood runs on
     after the chat job ends; and the flood's own totals.
+
+    Several flood jobs (`floods`: the three-caller point's bulk callers) get
+    these per job, under their own role; "beside" is then from the first of
+    them starting to the last ending.
     """
     out: dict[str, float] = {}
     chat = results.get("chat", {})
     for k in ("ttft_p50", "ttft_p95", "ttft_p99", "completed", "failed"):
         if k in chat:
             out[f"chat_{k}"] = chat[k]
-    flood = results.get("flood")
-    if flood is None:
+    if not any(f in results for f in floods):
         return out
-    for k in ("completed", "failed", "req_s"):
-        if k in flood:
-            out[f"flood_{k}"] = flood[k]
-    chat_log, flood_log = logs.get("chat"), logs.get("flood")
-    if chat_log is None or flood_log is None:
+    for f in floods:
+        for k in ("completed", "failed", "req_s"):
+            if k in results.get(f, {}):
+                out[f"{f}_{k}"] = results[f][k]
+    chat_log = logs.get("chat")
+    flood_logs = [logs[f] for f in floods if f in logs]
+    if chat_log is None or len(flood_logs) != len(floods):
         return out
-    chat_span, flood_span = chat_log.span(), flood_log.span()
-    if chat_span is None or flood_span is None:
+    chat_span = chat_log.span()
+    flood_spans = [sp for fl in flood_logs if (sp := fl.span()) is not None]
+    if chat_span is None or len(flood_spans) != len(floods):
         return out
     lo, hi = chat_span
-    done = [i for i in flood_log.ok() if lo <= flood_log.starts[i] + flood_log.latencies[i] <= hi]
-    out["flood_span_completed"] = float(len(done))
-    if hi > lo:
-        out["flood_span_req_s"] = len(done) / (hi - lo)
-        out["flood_span_tok_s"] = sum(flood_log.output_lens[i] for i in done) / (hi - lo)
-    f_lo, f_hi = flood_span
+    for f, fl in zip(floods, flood_logs, strict=True):
+        done = [i for i in fl.ok() if lo <= fl.starts[i] + fl.latencies[i] <= hi]
+        out[f"{f}_span_completed"] = float(len(done))
+        if hi > lo:
+            out[f"{f}_span_req_s"] = len(done) / (hi - lo)
+            out[f"{f}_span_tok_s"] = sum(fl.output_lens[i] for i in done) / (hi - lo)
+    f_lo, f_hi = min(sp[0] for sp in flood_spans), max(sp[1] for sp in flood_spans)
     beside = [i for i, s in enumerate(chat_log.starts) if f_lo <= s <= f_hi]
-    out["chat_beside_flood"] = len(beside) / len(chat_log.starts)
+    out[f"chat_beside_{'_'.join(floods)}"] = len(beside) / len(chat_log.starts)
     answered = set(chat_log.ok())
     ttfts = [chat_log.ttfts[i] * 1000 for i in beside if i in answered]
     if ttfts:
         for p in (50, 95, 99):
             out[f"chat_ttft_p{p}"] = percentile(ttfts, p)
+    return out
+
+
+def three_caller_metrics(
+    results: Mapping[str, Mapping[str, float]],
+    logs: Mapping[str, RequestLog],
+    bulk: Sequence[str],
+) -> dict[str, float]:
+    """The noisy neighbour's view with the bulk callers as its floods, plus the
+    bulk work as one (completed and req/s during the chat span) and the second
+    bulk caller's completions per the first's (their weights' ratio, if shared
+    as weighted)."""
+    out = noisy_metrics(results, logs, bulk)
+    if f"chat_beside_{'_'.join(bulk)}" in out:
+        out["chat_beside_bulk"] = out.pop(f"chat_beside_{'_'.join(bulk)}")
+    spans = [out.get(f"{b}_span_completed") for b in bulk]
+    if all(n is not None for n in spans):
+        out["bulk_span_completed"] = sum(n or 0.0 for n in spans)
+        rates = [out.get(f"{b}_span_req_s") for b in bulk]
+        if all(r is not None for r in rates):
+            out["bulk_span_req_s"] = sum(r or 0.0 for r in rates)
+        first, second = spans[0] or 0.0, spans[-1] or 0.0
+        if first > 0:
+            out["bulk_b_per_a"] = second / first
+    return out
+
+
+def spread_metrics(result: Mapping[str, float], detail: RequestLog | None) -> dict[str, float]:
+    """One record of the spread-lengths backlog: the client's numbers plus, from
+    per-request detail, the largest TTFT and the TTFT tails of the shortest and
+    longest thirds of the answered requests by prompt length (ties at a third's
+    edge go by order)."""
+    out = dict(result)
+    if detail is None or not detail.input_lens:
+        return out
+    ok = detail.ok()
+    if not ok:
+        return out
+    out["ttft_max"] = max(detail.ttfts[i] for i in ok) * 1000
+    by_len = sorted(ok, key=lambda i: detail.input_lens[i])
+    third = len(by_len) // 3
+    if third:
+        out["short_third_ttft_p95"] = percentile(
+            [detail.ttfts[i] * 1000 for i in by_len[:third]], 95
+        )
+        out["long_third_ttft_p99"] = percentile(
+            [detail.ttfts[i] * 1000 for i in by_len[-third:]], 99
+        )
     return out
 
 

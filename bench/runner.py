@@ -42,7 +42,13 @@ from typing import IO, Any
 from bench import report as rp
 from bench.scenarios import (
     ALL,
+    BULK_CALLERS,
+    BULK_CONCURRENCY,
+    BULK_LEN,
+    CALLER_WEIGHTS,
     CHAT_LEN,
+    CHAT_MIX,
+    CHAT_MIX_CLASSES,
     CHAT_RATE,
     CONCURRENCY,
     FLOOD_CONCURRENCY,
@@ -56,7 +62,13 @@ from bench.scenarios import (
     POISSON,
     PREFIX,
     SCENARIO_TITLES,
+    SPREAD,
+    SPREAD_CONCURRENCY,
+    SPREAD_LEN,
+    SPREAD_POINT,
+    SPREAD_RANGE,
     STRUCTURED,
+    THREE,
     WIDE_POINT,
     WINDOW,
     EngineProfile,
@@ -224,6 +236,10 @@ def _combine(
 ) -> dict[str, float]:
     if point.scenario == NOISY:
         return rp.noisy_metrics(per_role, logs)
+    if point.scenario == THREE:
+        return rp.three_caller_metrics(per_role, logs, BULK_CALLERS)
+    if point.scenario == SPREAD:
+        return rp.spread_metrics(per_role[ALL], logs.get(ALL))
     if len(per_role) > 1:
         return rp.combine_mixed(per_role)
     return per_role[point.jobs[0].role]
@@ -373,7 +389,7 @@ class Runner:
         path.unlink(missing_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(callers_toml({c: self.keys[c] for c in callers}))
+            f.write(callers_toml({c: self.keys[c] for c in callers}, CALLER_WEIGHTS))
         self.commands.setdefault("Sluice callers file", self._redact(path.read_text()))
         return ["--callers", str(path)]
 
@@ -608,6 +624,38 @@ SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
     IDENTICAL: BURST_METRICS,
     STRUCTURED: ("req_s", "out_tok_s", "ttft_p50", "ttft_p99", "tpot_p50", "e2el_p99", "failed"),
 }
+SCENARIO_METRICS[SPREAD] = (
+    "ttft_p50",
+    "ttft_p99",
+    "ttft_max",
+    "short_third_ttft_p95",
+    "long_third_ttft_p99",
+    "req_s",
+    "completed",
+    "failed",
+)
+SCENARIO_METRICS[THREE] = (
+    "chat_ttft_p50",
+    "chat_ttft_p95",
+    "chat_ttft_p99",
+    "chat_completed",
+    "chat_failed",
+    "bulk_span_completed",
+    "bulk_span_req_s",
+    "bulk_a_span_completed",
+    "bulk_b_span_completed",
+    "bulk_b_per_a",
+    "chat_beside_bulk",
+)
+SCENARIO_METRICS[CHAT_MIX] = (
+    "short_ttft_p50",
+    "short_ttft_p95",
+    "short_ttft_p99",
+    "medium_ttft_p95",
+    "long_ttft_p95",
+    "req_s",
+    "failed",
+)
 SCENARIO_METRICS[PAST_CAPACITY] = (
     "short_ttft_p50",
     "short_ttft_p95",
@@ -665,6 +713,31 @@ PANELS: tuple[rp.Panel, ...] = (
         "TTFT p95 (ms, log scale)",
         log_y=True,
     ),
+    rp.BarPanel(
+        SPREAD,
+        (
+            ("p99", "ttft_p99"),
+            ("max", "ttft_max"),
+            ("shortest third p95", "short_third_ttft_p95"),
+            ("longest third p99", "long_third_ttft_p99"),
+        ),
+        f"One caller past capacity, {SPREAD_POINT}: TTFT",
+        "TTFT (ms)",
+    ),
+    rp.BarPanel(
+        THREE,
+        (("chat p95", "chat_ttft_p95"),),
+        "Three callers (KV-bound): the chat caller's TTFT p95",
+        "chat TTFT p95 (ms, log scale)",
+        log_y=True,
+    ),
+    rp.BarPanel(
+        THREE,
+        (("bulk", "bulk_span_req_s"),),
+        "Three callers: bulk req/s during the chat span",
+        "req/s",
+    ),
+    rp.BarPanel(CHAT_MIX, _CLASSES, "Chat mix 70/20/10 below capacity: TTFT p95", "TTFT p95 (ms)"),
 )
 
 
@@ -715,7 +788,19 @@ def render_markdown(
         out += ["## Targets", "", "No target could be evaluated from this run's scenarios.", ""]
     if notes:
         out += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
-    for sc in (CONCURRENCY, POISSON, MIXED, PREFIX, IDENTICAL, STRUCTURED, NOISY, PAST_CAPACITY):
+    for sc in (
+        CONCURRENCY,
+        POISSON,
+        MIXED,
+        PREFIX,
+        IDENTICAL,
+        STRUCTURED,
+        NOISY,
+        PAST_CAPACITY,
+        SPREAD,
+        THREE,
+        CHAT_MIX,
+    ):
         table = rp.aggregate(records, sc)
         if not table.points:
             continue
@@ -778,6 +863,37 @@ def render_markdown(
                 f"{KV_BOUND_CONTEXT // 128} in / 64 out, medium {KV_BOUND_CONTEXT // 16} in / "
                 f"128 out, long {KV_BOUND_CONTEXT // 2:,} in / 128 out) on the KV-bound engine "
                 f"({KV_BOUND_TOKENS:,} tokens of KV cache), offered faster than it serves.",
+                "",
+            ]
+        if sc == SPREAD:
+            out += [
+                f"One caller (no key), {SPREAD_CONCURRENCY} closed-loop streams (three times "
+                "the engine's 128 slots on CPU), prompt lengths uniform over about "
+                f"{round(SPREAD_LEN[0] * (1 - SPREAD_RANGE))}-"
+                f"{round(SPREAD_LEN[0] * (1 + SPREAD_RANGE))} tokens, {SPREAD_LEN[1]} out, "
+                "on the run's engine. The thirds are the answered requests sorted by prompt "
+                "length (per-request detail).",
+                "",
+            ]
+        if sc == THREE:
+            out += [
+                f"The KV-bound engine ({KV_BOUND_TOKENS:,} tokens of KV cache). The noisy "
+                f"neighbour's chat caller ({CHAT_LEN[0]} in / {CHAT_LEN[1]} out, Poisson at "
+                f"{CHAT_RATE:g} req/s) beside two bulk callers, each {BULK_CONCURRENCY} "
+                f"closed-loop streams of {BULK_LEN[0]:,} in / {BULK_LEN[1]} out; Sluice's "
+                "callers file weighs chat, bulk_a and bulk_b 1:1:3 (vLLM's server has no "
+                "callers). Its chat-alone yardstick is the noisy neighbour's `chat alone` "
+                "point. Bulk figures count requests completed during the chat job's span.",
+                "",
+            ]
+        if sc == CHAT_MIX:
+            mix = ", ".join(
+                f"{role} {streams} streams of {i} in / {o} out"
+                for role, streams, i, o in CHAT_MIX_CLASSES
+            )
+            out += [
+                f"Chat completions (the role frame comes with the first token), closed loop: "
+                f"{mix}; three client processes at once, on the run's engine.",
                 "",
             ]
         if sc in (PREFIX, IDENTICAL):

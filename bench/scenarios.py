@@ -35,6 +35,9 @@ IDENTICAL = "identical_burst"
 NOISY = "noisy_neighbour"
 PAST_CAPACITY = "mixed_past_capacity"
 WINDOW = "window"
+SPREAD = "backlog_spread"  # issue 21: one caller, prompt lengths spread, past capacity
+THREE = "three_callers"  # issue 21: chat beside two weighted bulk callers, KV-bound
+CHAT_MIX = "chat_mix"  # issue 21: a 70/20/10 chat mix below capacity, closed loop
 STRUCTURED = "structured"
 RAW_CEILING = "raw"  # not a scenario of its own: raw points live in CONCURRENCY
 SCENARIOS: tuple[str, ...] = (
@@ -46,10 +49,13 @@ SCENARIOS: tuple[str, ...] = (
     STRUCTURED,
     NOISY,
     PAST_CAPACITY,
+    SPREAD,
+    THREE,
+    CHAT_MIX,
     WINDOW,
     RAW_CEILING,
 )
-KV_BOUND_SCENARIOS: frozenset[str] = frozenset({NOISY, PAST_CAPACITY})
+KV_BOUND_SCENARIOS: frozenset[str] = frozenset({NOISY, PAST_CAPACITY, THREE})
 SCENARIO_TITLES: dict[str, str] = {
     CONCURRENCY: "Concurrency sweep (random prompts, closed loop)",
     POISSON: "Poisson request-rate sweep (random prompts, open loop)",
@@ -58,6 +64,9 @@ SCENARIO_TITLES: dict[str, str] = {
     IDENTICAL: "Identical-request burst (one greedy 256-token prompt repeated, all at once)",
     NOISY: "Noisy neighbour on a KV-bound engine (a chat caller, alone and beside a flood)",
     PAST_CAPACITY: "Mixed 70/20/10 load past capacity on a KV-bound engine (Poisson)",
+    SPREAD: "One caller, backlog past capacity: prompt lengths spread evenly, 32 out (closed loop)",
+    THREE: "Three callers on a KV-bound engine: chat beside two bulk callers weighted 1:3",
+    CHAT_MIX: "Chat mix 70/20/10 short/medium/long below capacity (closed loop, chat API)",
     WINDOW: "Coalescing-window sweep (Sluice only)",
     STRUCTURED: "JSON-schema constraint vs plain at c=32 (random prompts, EOS honoured)",
 }
@@ -144,6 +153,9 @@ class Sizes:
     flood_prompts: int  # the flood's prompts: enough to outlast the chat job
     past_capacity_rate: float
     past_capacity_seconds: float
+    spread_prompts: int  # the one caller's prompts, SPREAD_CONCURRENCY in flight
+    bulk_prompts: int  # each bulk caller's prompts beside the chat job (three callers)
+    chat_mix_rounds: int  # requests per stream of the chat mix's longest class
     raw_concurrency: tuple[int, ...] = (32, 128)
 
 
@@ -166,6 +178,12 @@ FULL = Sizes(
     flood_prompts=420,
     past_capacity_rate=32.0,
     past_capacity_seconds=20.0,
+    # 3 x 384: every stream sends three prompts, so the backlog lasts the run.
+    spread_prompts=1152,
+    # Two bulk callers of 16 streams at 1,500 tokens: about the flood's load
+    # (vLLM's server: ~600 bulk requests in the issue's 35 s of chat).
+    bulk_prompts=360,
+    chat_mix_rounds=8,
 )
 QUICK = Sizes(
     concurrency={1: 3, 8: 16, 32: 32, 128: 128},
@@ -183,6 +201,9 @@ QUICK = Sizes(
     flood_prompts=48,
     past_capacity_rate=32.0,
     past_capacity_seconds=3.0,
+    spread_prompts=384,
+    bulk_prompts=24,
+    chat_mix_rounds=1,
 )
 
 # The c=512 point: a backlog beyond the engine's max_num_seqs (128 by default on
@@ -208,6 +229,34 @@ FLOOD_CONCURRENCY = 32
 FLOOD_LEN = (2000, 128)
 ALONE_POINT = "chat alone"
 FLOOD_POINT = "chat + flood"
+
+# One caller, a backlog past capacity (issue 21): 384 streams in flight (three
+# times the engine's 128 slots on CPU), prompt lengths uniform over about
+# 16-700 tokens (the client's random range: 358 x (1 +- 0.955)), 32 out.
+# (The client samples lengths with the tokenizer's special tokens taken off
+# the 358, so on a model that adds some the range moves down by as many.)
+SPREAD_CONCURRENCY = 384
+SPREAD_LEN = (358, 32)
+SPREAD_RANGE = 0.955
+SPREAD_POINT = f"c={SPREAD_CONCURRENCY} (16-700 in, {SPREAD_LEN[1]} out)"
+
+# Three callers on the KV-bound engine (issue 21): the noisy neighbour's chat
+# caller and two bulk callers of 16 streams each, weights 1:1:3.
+BULK_CALLERS = ("bulk_a", "bulk_b")
+BULK_CONCURRENCY = 16
+BULK_LEN = (1500, 128)
+CALLER_WEIGHTS: dict[str, float] = {"bulk_b": 3.0}  # every other caller: 1
+THREE_POINT = "chat + 2 bulk (1:1:3)"
+
+# The chat mix below capacity (issue 21): 24 closed-loop streams split 70/20/10
+# (17 / 5 / 2), ~30 / 220 / 720-token prompts, 24 / 64 / 128 out.
+CHAT_MIX_CLASSES: tuple[tuple[str, int, int, int], ...] = (
+    # role, streams, input, output
+    ("short", 17, 30, 24),
+    ("medium", 5, 220, 64),
+    ("long", 2, 720, 128),
+)
+CHAT_MIX_POINT = "24 streams"
 
 
 def kv_bound(kv_bytes_per_token: int) -> EngineProfile:
@@ -347,6 +396,39 @@ def _noisy_points(sizes: Sizes, engine: EngineProfile) -> list[Point]:
     ]
 
 
+def _three_caller_points(sizes: Sizes, engine: EngineProfile, chat: Job) -> list[Point]:
+    """The chat caller beside two bulk callers of 16 streams each (weights 1:1:3)."""
+    bulk = tuple(
+        Job(
+            name,
+            (
+                *_random(*BULK_LEN),
+                "--num-prompts",
+                str(sizes.bulk_prompts),
+                "--max-concurrency",
+                str(BULK_CONCURRENCY),
+                "--save-detailed",
+            ),
+            caller=name,
+        )
+        for name in BULK_CALLERS
+    )
+    return [Point(THREE, THREE_POINT, (chat, *bulk), engine=engine)]
+
+
+def _chat_mix_jobs(rounds: int) -> tuple[Job, ...]:
+    """The chat mix's three closed-loop clients. Each stream sends about as many
+    output tokens as a long stream's `rounds` requests, so the classes run for
+    about the same time and the short turns see the long ones all along."""
+    longest = max(out for *_, out in CHAT_MIX_CLASSES)
+    jobs = []
+    for role, streams, input_len, output_len in CHAT_MIX_CLASSES:
+        per_stream = max(1, round(rounds * longest / output_len))
+        job = _closed_loop(input_len, output_len, streams * per_stream, streams)
+        jobs.append(Job(role, job.args, chat=True))
+    return tuple(jobs)
+
+
 def build_plan(
     scenarios: Sequence[str],
     sizes: Sizes,
@@ -379,6 +461,18 @@ def build_plan(
             points.extend(conc_points)
             job = _closed_loop(*WIDE_LEN, sizes.wide_prompts, WIDE_CONCURRENCY)
             points.append(Point(CONCURRENCY, WIDE_POINT, (job,), concurrency=WIDE_CONCURRENCY))
+    if SPREAD in sel:
+        job = _closed_loop(*SPREAD_LEN, sizes.spread_prompts, SPREAD_CONCURRENCY)
+        # Per-request detail: the report splits the requests by prompt length.
+        # A dict: a bare number would spread the output lengths too.
+        ratio = json.dumps({"input": SPREAD_RANGE, "output": 0})
+        args = (*job.args, "--random-range-ratio", ratio, "--save-detailed")
+        points.append(
+            Point(SPREAD, SPREAD_POINT, (Job(ALL, args),), concurrency=SPREAD_CONCURRENCY)
+        )
+    if CHAT_MIX in sel:
+        jobs = _chat_mix_jobs(sizes.chat_mix_rounds)
+        points.append(Point(CHAT_MIX, CHAT_MIX_POINT, jobs, concurrency=24))
     raw_points = tuple(p for p in conc_points if p.raw)
     if POISSON in sel:
         for rate in sizes.rates:
@@ -460,8 +554,13 @@ def build_plan(
         if kv_bytes_per_token is None or kv_bytes_per_token <= 0:
             raise ValueError("the KV-bound scenarios need the model's KV bytes per token")
         kv = kv_bound(kv_bytes_per_token)
+        noisy = _noisy_points(sizes, kv)
         if NOISY in sel:
-            points.extend(_noisy_points(sizes, kv))
+            points.extend(noisy)
+        elif THREE in sel:
+            points.append(noisy[0])  # chat alone: the three-caller target's yardstick
+        if THREE in sel:
+            points.extend(_three_caller_points(sizes, kv, noisy[0].jobs[0]))
         if PAST_CAPACITY in sel:
             rate = sizes.past_capacity_rate
             # One caller sends the whole mix (it shares a server with the noisy

@@ -76,14 +76,16 @@ def server_command(
     raise ValueError(f"unknown server {system!r}")
 
 
-def callers_toml(keys: Mapping[str, str]) -> str:
+def callers_toml(keys: Mapping[str, str], weights: Mapping[str, float] | None = None) -> str:
     """A Sluice callers file (`--callers`, issue 11): one table per caller, its
-    bearer key and weight 1, no limits (the benchmark measures sharing, not caps)."""
+    bearer key and weight (1 unless `weights` names it), no limits (the
+    benchmark measures sharing, not caps)."""
     out = ["# Written by the benchmark (bench/runner.py): one caller per client job."]
     for name, key in keys.items():
         if not name.replace("_", "").replace("-", "").isalnum():
             raise ValueError(f"caller name {name!r} is not a bare TOML key")
-        out += ["", f"[callers.{name}]", f"key = {json.dumps(key)}", "weight = 1"]
+        weight = (weights or {}).get(name, 1)
+        out += ["", f"[callers.{name}]", f"key = {json.dumps(key)}", f"weight = {weight:g}"]
     return "\n".join(out) + "\n"
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from bench import report as rp
 from bench.scenarios import (
     ALONE_POINT,
+    CHAT_MIX,
     CONCURRENCY,
     FLOOD_POINT,
     IDENTICAL,
@@ -24,6 +25,9 @@ from bench.scenarios import (
     NOISY,
     PAST_CAPACITY,
     PREFIX,
+    SPREAD,
+    THREE,
+    THREE_POINT,
     WIDE_POINT,
 )
 
@@ -243,7 +247,163 @@ def issue11(records: Sequence[rp.Record]) -> list[Row]:
     return rows
 
 
+def _row(
+    name: str, s: rp.Spread | None, v: rp.Spread | None, ok: Callable[[float], bool], unit: str
+) -> list[Row]:
+    """A Sluice/vLLM ratio row (`ok` judges the ratio of medians), or none without both."""
+    r = rp.ratio(s, v)
+    if r is None or s is None or v is None:
+        return []
+    fmt = _ms if unit == "ms" else (lambda x: f"{x:,.2f} {unit}")
+    return [(name, f"{fmt(s.median)} vs {fmt(v.median)} ({r:.2f}x)", _met(ok(r)))]
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def _chat_bound(alone: float) -> float:
+    """Issue 21's bound on a chat turn beside other work: 2x alone, or alone + 30 ms."""
+    return max(2 * alone, alone + 30)
+
+
+def issue21(records: Sequence[rp.Record]) -> list[Row]:
+    """Issue 21: the release key and an engine step that leaves room for a chat turn."""
+    rows: list[Row] = []
+    spread = rp.aggregate(records, SPREAD)
+    for point in spread.points:
+
+        def cmp(m: str, point: str = point) -> tuple[rp.Spread | None, rp.Spread | None]:
+            return spread.get(point, rp.SLUICE, m), spread.get(point, rp.VLLM, m)
+
+        rows += _row(
+            f"{point}: TTFT p99 <= 1.1x vLLM's", *cmp("ttft_p99"), lambda r: r <= 1.1, "ms"
+        )
+        rows += _row(
+            f"{point}: max TTFT <= 1.5x vLLM's", *cmp("ttft_max"), lambda r: r <= 1.5, "ms"
+        )
+        rows += _row(
+            f"{point}: shortest third's TTFT p95 <= 0.7x vLLM's",
+            *cmp("short_third_ttft_p95"),
+            lambda r: r <= 0.7,
+            "ms",
+        )
+        s, v = cmp("long_third_ttft_p99")
+        r = rp.ratio(s, v)
+        if r is not None and s is not None and v is not None:
+            rows.append(
+                (
+                    f"{point}: longest third's TTFT p99 (reported, no target)",
+                    f"{_ms(s.median)} vs {_ms(v.median)} ({r:.2f}x)",
+                    "–",
+                )
+            )
+        # Every stream's prompts complete in a closed loop: the rate is what differs.
+        rows += _row(
+            f"{point}: completed per second >= 0.95x vLLM's",
+            *cmp("req_s"),
+            lambda r: r >= 0.95,
+            "req/s",
+        )
+    conc = rp.aggregate(records, CONCURRENCY)
+    rows += _row(
+        f"{WIDE_POINT}: TTFT p99 <= vLLM's",
+        conc.get(WIDE_POINT, rp.SLUICE, "ttft_p99"),
+        conc.get(WIDE_POINT, rp.VLLM, "ttft_p99"),
+        lambda r: r <= 1.0,
+        "ms",
+    )
+    rows += _row(
+        f"{WIDE_POINT}: req/s >= 0.95x vLLM's",
+        conc.get(WIDE_POINT, rp.SLUICE, "req_s"),
+        conc.get(WIDE_POINT, rp.VLLM, "req_s"),
+        lambda r: r >= 0.95,
+        "req/s",
+    )
+    noisy = rp.aggregate(records, NOISY)
+    alone = noisy.get(ALONE_POINT, rp.SLUICE, "chat_ttft_p95")
+    three = rp.aggregate(records, THREE)
+    for label, tab, point in (
+        ("noisy neighbour", noisy, FLOOD_POINT),
+        ("three callers", three, THREE_POINT),
+    ):
+        beside = tab.get(point, rp.SLUICE, "chat_ttft_p95")
+        if alone is not None and beside is not None and alone.median > 0:
+            bound = _chat_bound(alone.median)
+            rows.append(
+                (
+                    f"{label}: chat TTFT p95 <= 2x alone (or alone + 30 ms)",
+                    f"{_ms(beside.median)} vs {_ms(alone.median)} alone "
+                    f"({beside.median / alone.median:.1f}x; bound {_ms(bound)})",
+                    _met(beside.median <= bound),
+                )
+            )
+    rows += _row(
+        "noisy neighbour: flood throughput >= 0.95x vLLM's",
+        noisy.get(FLOOD_POINT, rp.SLUICE, "flood_span_req_s"),
+        noisy.get(FLOOD_POINT, rp.VLLM, "flood_span_req_s"),
+        lambda r: r >= 0.95,
+        "req/s",
+    )
+    rows += _row(
+        "three callers: bulk throughput >= 0.95x vLLM's",
+        three.get(THREE_POINT, rp.SLUICE, "bulk_span_req_s"),
+        three.get(THREE_POINT, rp.VLLM, "bulk_span_req_s"),
+        lambda r: r >= 0.95,
+        "req/s",
+    )
+    share = three.get(THREE_POINT, rp.SLUICE, "bulk_b_per_a")
+    if share is not None:
+        rows.append(
+            (
+                "three callers: bulk callers' completed work within 20% of 1:3 (Sluice)",
+                f"bulk_b / bulk_a = {share.median:.2f} (bound 2.40-3.60)",
+                _met(3 / 1.2 <= share.median <= 3 * 1.2),
+            )
+        )
+    rows += _every_rep_short_p95(records)
+    mix = rp.aggregate(records, CHAT_MIX)
+    for point in mix.points:
+        rows += _row(
+            f"chat mix below capacity ({point}): short TTFT p95 <= 0.8x vLLM's",
+            mix.get(point, rp.SLUICE, "short_ttft_p95"),
+            mix.get(point, rp.VLLM, "short_ttft_p95"),
+            lambda r: r <= 0.8,
+            "ms",
+        )
+    return rows
+
+
+def _every_rep_short_p95(records: Sequence[rp.Record]) -> list[Row]:
+    """Mixed past capacity: short p95 >= 2x better than vLLM's in every repetition
+    (pairs of one repetition's Sluice and vLLM records)."""
+    rows: list[Row] = []
+    by: dict[tuple[str, int, str], float] = {}
+    for r in records:
+        if r.scenario == PAST_CAPACITY and "short_ttft_p95" in r.metrics:
+            by[(r.point, r.rep, r.system)] = r.metrics["short_ttft_p95"]
+    points = dict.fromkeys(p for p, _, _ in by)
+    for point in points:
+        reps = sorted({rep for p, rep, _ in by if p == point})
+        better = [
+            by[(point, rep, rp.VLLM)] / by[(point, rep, rp.SLUICE)]
+            for rep in reps
+            if (point, rep, rp.VLLM) in by and by.get((point, rep, rp.SLUICE), 0) > 0
+        ]
+        if better:
+            rows.append(
+                (
+                    f"mixed past capacity ({point}): short TTFT p95 >= 2x better than "
+                    "vLLM's in every repetition",
+                    ", ".join(f"{b:.2f}x" for b in better) + " better",
+                    _met(min(better) >= 2),
+                )
+            )
+    return rows
+
+
 TARGET_SETS: tuple[tuple[str, Callable[[Sequence[rp.Record]], list[Row]]], ...] = (
+    ("issue 21: the release key and the engine step", issue21),
     ("issue 11: the held backlog", issue11),
     ("issue 7", issue7),
 )

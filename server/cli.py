@@ -273,6 +273,35 @@ def _add_pressure_flags(parser: argparse.ArgumentParser) -> None:
         )
 
 
+def _set_step_flags(engine_args: Any) -> None:
+    """Sluice's prefill cap (server/engine_step.py), for the step budget vLLM resolves.
+
+    Only when neither vLLM flag was given; the start-up log says what was set.
+    """
+    from server.engine import engine_config
+    from server.engine_step import step_flags
+
+    config = engine_config(engine_args)
+    step_tokens = int(config.scheduler_config.max_num_batched_tokens)
+    flags = step_flags(step_tokens, int(config.model_config.max_model_len))
+    engine_args.long_prefill_token_threshold = flags.long_prefill_token_threshold
+    engine_args.long_prefill_token_threshold_adaptive = flags.long_prefill_token_threshold_adaptive
+    log.info(
+        "engine step: each prompt's prefill chunk capped at a quarter of the step's token "
+        "budget, so a short prompt released beside long ones starts in the next step "
+        "(set either flag to choose yourself)",
+        extra={
+            "fields": {
+                "long_prefill_token_threshold": flags.long_prefill_token_threshold,
+                "long_prefill_token_threshold_adaptive": (
+                    flags.long_prefill_token_threshold_adaptive
+                ),
+                "max_num_batched_tokens": step_tokens,
+            }
+        },
+    )
+
+
 def build_serve_parser() -> argparse.ArgumentParser:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -293,7 +322,12 @@ def build_serve_parser() -> argparse.ArgumentParser:
     _add_sluice_flags(parser)
     AsyncEngineArgs.add_cli_args(parser)
     # Sentinels, so that "not given" can get a platform-aware default below.
-    parser.set_defaults(model=None, gpu_memory_utilization=None)
+    parser.set_defaults(
+        model=None,
+        gpu_memory_utilization=None,
+        long_prefill_token_threshold=None,
+        long_prefill_token_threshold_adaptive=None,
+    )
     result: argparse.ArgumentParser = parser
     return result
 
@@ -347,7 +381,23 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
         # The watchdog and /metrics read KV-cache use through a stat logger.
         log.warning("--disable-log-stats ignored: Sluice needs the engine's stats")
         ns.disable_log_stats = False
+    if ns.engine_priority == "order" and ns.scheduling_policy != "priority":
+        parser.error(
+            "--engine-priority order needs the engine's --scheduling-policy priority: "
+            f"with {ns.scheduling_policy!r} vLLM ignores the priority it is given"
+        )
+    auto_step = (
+        ns.long_prefill_token_threshold is None and ns.long_prefill_token_threshold_adaptive is None
+    )
+    if ns.long_prefill_token_threshold is None:
+        ns.long_prefill_token_threshold = AsyncEngineArgs.long_prefill_token_threshold
+    if ns.long_prefill_token_threshold_adaptive is None:
+        ns.long_prefill_token_threshold_adaptive = (
+            AsyncEngineArgs.long_prefill_token_threshold_adaptive
+        )
     engine_args = AsyncEngineArgs.from_cli_args(ns)
+    if auto_step:
+        _set_step_flags(engine_args)
 
     names = ns.served_model_name or [ns.model]
     served = names[0] if isinstance(names, list) else names

@@ -125,7 +125,8 @@ class Encoder(Protocol[C]):
 
     Choice indexes are `prompt index x n + output index`. A stream encoder may
     keep per-choice state (the reasoning split); one encoder serves one request.
-    A stream is `stream_head`, a `stream_delta` per output, then either
+    A stream is `stream_head` (sent with the first output), a `stream_delta`
+    per output, then either
     `stream_end` (the closing frames: usage, the API's end marker) or, when it
     fails after its headers went out, `stream_error` (the error in the API's
     own shape, then its end marker).
@@ -369,22 +370,26 @@ async def _stream(
     n = job.sampling.n
     resp = web.StreamResponse(headers=_SSE_HEADERS)
     await resp.prepare(request)
+    # The head (chat's role frame, an echo) goes out with the first output, as
+    # vLLM's server sends it: a client that times its first frame (vllm bench
+    # serve does) then times the first token, not the headers.
+    head: bytes | None = enc.stream_head()
+
+    async def send(pi: int, out: EngineOutput) -> None:
+        nonlocal head
+        tr.first_token()
+        parts = [head] if head else []
+        head = None
+        for c in out.outputs:
+            tr.completion_tokens += len(c.token_ids)
+            if frame := enc.stream_delta(pi * n + c.index, c):
+                parts.append(frame)
+        if parts:
+            await resp.write(b"".join(parts))
+
     try:
-        if head := enc.stream_head():
-            await resp.write(head)
-
-        async def send(pi: int, out: EngineOutput) -> None:
-            tr.first_token()
-            parts = []
-            for c in out.outputs:
-                tr.completion_tokens += len(c.token_ids)
-                if frame := enc.stream_delta(pi * n + c.index, c):
-                    parts.append(frame)
-            if parts:
-                await resp.write(b"".join(parts))
-
         await _each_output(gens, tr.tickets, send)
-        await resp.write(enc.stream_end(_usage(tr)))
+        await resp.write((head or b"") + enc.stream_end(_usage(tr)))
     except ConnectionResetError:
         tr.status, tr.error = 499, "client went away"  # mid-write: nobody to tell
     except Exception as exc:
@@ -396,7 +401,7 @@ async def _stream(
             err = SluiceError("internal server error", status=500)
         tr.status, tr.error = err.status, err.code or err.message[:80]
         with contextlib.suppress(ConnectionResetError):
-            await resp.write(enc.stream_error(err))
+            await resp.write((head or b"") + enc.stream_error(err))
     return resp
 
 

@@ -112,6 +112,10 @@ class FakeEngine:
     # Every conversation rendered (messages, template kwargs), in order: what
     # the real engine would turn into token ids.
     rendered: list[tuple[tuple[Message, ...], dict[str, Any]]] = field(default_factory=list)
+    # Set: each request's first output waits for this event (a prefill that
+    # has not finished); `held` names the requests waiting on it.
+    first_output: asyncio.Event | None = None
+    held: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.info = ModelInfo(
@@ -212,6 +216,12 @@ class FakeEngine:
         words = self.script or ("<think>", "hmm", "</think>", "Hello", " world")
         steps = params.max_tokens if self.script is None else min(len(words), params.max_tokens)
         try:
+            if self.first_output is not None:
+                self.held.add(rid)
+                try:
+                    await self.first_output.wait()
+                finally:
+                    self.held.discard(rid)
             for i in range(steps):
                 await asyncio.sleep(self.step)
                 last = i == steps - 1

@@ -777,3 +777,259 @@ def test_report_renders_the_backlog_targets_notes_and_sections(tmp_path: Path) -
     pytest.importorskip("matplotlib")
     tables = {NOISY: rp.aggregate(recs, NOISY)}
     assert rp.write_panels(tables, rn.PANELS, tmp_path / "p.png", "t").startswith("plot written")
+
+
+# ------------------------------------------------------- issue 21's scenarios
+
+
+def test_plan_issue21_scenarios() -> None:
+    from bench.scenarios import (
+        BULK_CALLERS,
+        CHAT_MIX,
+        SPREAD,
+        SPREAD_CONCURRENCY,
+        THREE,
+        kv_bound,
+    )
+
+    plan = build_plan([SPREAD, THREE, CHAT_MIX], FULL, max_model_len=8192, kv_bytes_per_token=1024)
+    spread = next(p for p in plan.points if p.scenario == SPREAD)
+    args = spread.jobs[0].args
+    assert _arg(args, "--max-concurrency") == str(SPREAD_CONCURRENCY) == "384"
+    assert int(_arg(args, "--num-prompts")) >= SPREAD_CONCURRENCY
+    ratio = json.loads(_arg(args, "--random-range-ratio"))
+    lo = int(_arg(args, "--random-input-len")) * (1 - ratio["input"])
+    hi = int(_arg(args, "--random-input-len")) * (1 + ratio["input"])
+    assert (round(lo), round(hi), ratio["output"]) == (16, 700, 0)  # outputs stay at 32
+    assert _arg(args, "--random-output-len") == "32" and "--save-detailed" in args
+    assert spread.engine is None  # the run's engine, as the issue measured it
+    # three callers: the noisy neighbour's chat job (and its alone point) on the KV-bound engine
+    three = next(p for p in plan.points if p.scenario == THREE)
+    assert three.callers == ("chat", *BULK_CALLERS)
+    assert three.engine == kv_bound(1024)
+    assert [(p.scenario, p.name) for p in plan.points if p.scenario == NOISY] == [
+        (NOISY, ALONE_POINT)
+    ]
+    for job in three.jobs[1:]:
+        assert _arg(job.args, "--max-concurrency") == "16"
+        assert _arg(job.args, "--random-input-len") == "1500"
+        assert "--save-detailed" in job.args
+    # the chat mix: 24 streams, 70/20/10, chat API, each class about as long
+    mix = next(p for p in plan.points if p.scenario == CHAT_MIX)
+    assert [j.role for j in mix.jobs] == ["short", "medium", "long"]
+    assert all(j.chat for j in mix.jobs)
+    streams = [int(_arg(j.args, "--max-concurrency")) for j in mix.jobs]
+    assert streams == [17, 5, 2] and sum(streams) == 24
+    lens = [
+        (_arg(j.args, "--random-input-len"), _arg(j.args, "--random-output-len")) for j in mix.jobs
+    ]
+    assert lens == [("30", "24"), ("220", "64"), ("720", "128")]
+    tokens_per_stream = [
+        int(_arg(j.args, "--num-prompts")) / s * int(o)
+        for j, s, (_, o) in zip(mix.jobs, streams, lens, strict=True)
+    ]
+    assert max(tokens_per_stream) / min(tokens_per_stream) < 1.1
+    # with the noisy neighbour selected too, its alone point appears once
+    both = build_plan([NOISY, THREE], QUICK, max_model_len=8192, kv_bytes_per_token=1024)
+    assert [p.name for p in both.points].count(ALONE_POINT) == 1
+
+
+def test_spread_metrics_split_the_answered_requests_by_prompt_length() -> None:
+    # 7 requests: lengths 700..100 (sent longest first), TTFT = length / 10 ms;
+    # the shortest refused (no TTFT)
+    lens = [700, 600, 500, 400, 300, 200, 100]
+    d = _detail(
+        [0.0] * 7,
+        [1.0] * 7,
+        ["", "", "", "", "", "", "Busy"],
+        ttfts=[n / 10_000 for n in lens[:-1]] + [0.0],
+    )
+    log = rp.RequestLog.from_result({**d, "input_lens": lens})
+    assert log is not None and log.input_lens == tuple(lens)
+    m = rp.spread_metrics({"ttft_p99": 1.0, "completed": 6.0}, log)
+    assert m["ttft_p99"] == 1.0 and m["completed"] == 6.0  # the client's own, kept
+    assert m["ttft_max"] == pytest.approx(70.0)
+    # 6 answered: thirds of 2: (200, 300) and (600, 700)
+    assert m["short_third_ttft_p95"] == pytest.approx(20 + 10 * 0.95)
+    assert m["long_third_ttft_p99"] == pytest.approx(60 + 10 * 0.99)
+    assert rp.spread_metrics({"req_s": 2.0}, None) == {"req_s": 2.0}
+    with pytest.raises(ValueError, match="different lengths"):
+        rp.RequestLog.from_result({**d, "input_lens": [1, 2]})
+
+
+def test_three_caller_metrics_count_each_bulk_caller_inside_the_chat_span() -> None:
+    chat = rp.RequestLog.from_result(_detail([10.0, 15.0], [1.0, 5.0], ["", ""]))  # span 10..20
+    # bulk_a: one end inside (12); bulk_b: three inside (11, 14, 19), one after (25)
+    a = rp.RequestLog.from_result(_detail([0.0, 2.0], [12.0, 30.0], ["", ""]))
+    b = rp.RequestLog.from_result(_detail([5.0, 6.0, 7.0, 8.0], [6.0, 8.0, 12.0, 17.0], [""] * 4))
+    assert chat is not None and a is not None and b is not None
+    results = {
+        "chat": {"ttft_p95": 20.0},
+        "bulk_a": {"completed": 2.0},
+        "bulk_b": {"completed": 4.0},
+    }
+    m = rp.three_caller_metrics(
+        results, {"chat": chat, "bulk_a": a, "bulk_b": b}, ("bulk_a", "bulk_b")
+    )
+    assert (m["bulk_a_span_completed"], m["bulk_b_span_completed"]) == (1.0, 3.0)
+    assert m["bulk_span_completed"] == 4.0
+    assert m["bulk_span_req_s"] == pytest.approx(0.4)
+    assert m["bulk_b_per_a"] == 3.0
+    assert m["chat_beside_bulk"] == 1.0 and "chat_beside_bulk_a_bulk_b" not in m
+    assert m["bulk_a_completed"] == 2.0
+
+
+def _issue21_records(
+    *, s_p99: float, s_short: float, s_three: float, s_bulk: float, per_a: float
+) -> list[rp.Record]:
+    from bench.scenarios import CHAT_MIX, SPREAD, SPREAD_POINT, THREE, THREE_POINT
+
+    recs = []
+    for rep in (1, 2, 3):
+        recs += [
+            rp.Record(
+                SPREAD,
+                SPREAD_POINT,
+                rp.SLUICE,
+                rep,
+                {
+                    "ttft_p99": s_p99,
+                    "ttft_max": 9000.0,
+                    "short_third_ttft_p95": s_short,
+                    "long_third_ttft_p99": 8000.0,
+                    "req_s": 20.0,
+                },
+            ),
+            rp.Record(
+                SPREAD,
+                SPREAD_POINT,
+                rp.VLLM,
+                rep,
+                {
+                    "ttft_p99": 6000.0,
+                    "ttft_max": 7000.0,
+                    "short_third_ttft_p95": 5000.0,
+                    "long_third_ttft_p99": 6000.0,
+                    "req_s": 20.0,
+                },
+            ),
+            rp.Record(NOISY, ALONE_POINT, rp.SLUICE, rep, {"chat_ttft_p95": 17.0}),
+            rp.Record(
+                THREE,
+                THREE_POINT,
+                rp.SLUICE,
+                rep,
+                {"chat_ttft_p95": s_three, "bulk_span_req_s": s_bulk, "bulk_b_per_a": per_a},
+            ),
+            rp.Record(
+                THREE, THREE_POINT, rp.VLLM, rep, {"chat_ttft_p95": 1400.0, "bulk_span_req_s": 10.0}
+            ),
+            rp.Record(CHAT_MIX, "24 streams", rp.SLUICE, rep, {"short_ttft_p95": 40.0}),
+            rp.Record(CHAT_MIX, "24 streams", rp.VLLM, rep, {"short_ttft_p95": 60.0}),
+            # past capacity: 3x, 3x, then 1.5x better in the third repetition
+            rp.Record(
+                PAST_CAPACITY,
+                "32 req/s",
+                rp.SLUICE,
+                rep,
+                {"short_ttft_p95": 1000.0 if rep < 3 else 2000.0},
+            ),
+            rp.Record(PAST_CAPACITY, "32 req/s", rp.VLLM, rep, {"short_ttft_p95": 3000.0}),
+        ]
+    return recs
+
+
+def test_issue21_targets() -> None:
+    from bench.scenarios import SPREAD_POINT
+
+    recs = _issue21_records(s_p99=6300.0, s_short=3000.0, s_three=45.0, s_bulk=9.6, per_a=3.3)
+    by = {t: (m, v) for t, m, v in tg.issue21(recs)}
+    assert by[f"{SPREAD_POINT}: TTFT p99 <= 1.1x vLLM's"] == (
+        "6,300 ms vs 6,000 ms (1.05x)",
+        "met",
+    )
+    assert by[f"{SPREAD_POINT}: max TTFT <= 1.5x vLLM's"][1] == "met"  # 1.29x
+    assert by[f"{SPREAD_POINT}: shortest third's TTFT p95 <= 0.7x vLLM's"][1] == "met"  # 0.6x
+    assert by[f"{SPREAD_POINT}: longest third's TTFT p99 (reported, no target)"][1] == "–"
+    assert by[f"{SPREAD_POINT}: completed per second >= 0.95x vLLM's"][1] == "met"
+    # 45 ms against 17 ms alone: within alone + 30 ms (47), though above 2x (34)
+    assert by["three callers: chat TTFT p95 <= 2x alone (or alone + 30 ms)"] == (
+        "45 ms vs 17 ms alone (2.6x; bound 47 ms)",
+        "met",
+    )
+    assert by["three callers: bulk throughput >= 0.95x vLLM's"] == (
+        "9.60 req/s vs 10.00 req/s (0.96x)",
+        "met",
+    )
+    share = by["three callers: bulk callers' completed work within 20% of 1:3 (Sluice)"]
+    assert share == ("bulk_b / bulk_a = 3.30 (bound 2.40-3.60)", "met")
+    every = by[
+        "mixed past capacity (32 req/s): short TTFT p95 >= 2x better than "
+        "vLLM's in every repetition"
+    ]
+    assert every == ("3.00x, 3.00x, 1.50x better", "MISSED")  # the median alone would pass
+    assert by["chat mix below capacity (24 streams): short TTFT p95 <= 0.8x vLLM's"][1] == "met"
+    assert not any("noisy neighbour" in t for t in by)  # no flood point: no rows
+
+    recs = _issue21_records(s_p99=7000.0, s_short=4000.0, s_three=48.0, s_bulk=9.0, per_a=2.0)
+    by = {t: (m, v) for t, m, v in tg.issue21(recs)}
+    assert by[f"{SPREAD_POINT}: TTFT p99 <= 1.1x vLLM's"][1] == "MISSED"  # 1.17x
+    assert by[f"{SPREAD_POINT}: shortest third's TTFT p95 <= 0.7x vLLM's"][1] == "MISSED"
+    assert by["three callers: chat TTFT p95 <= 2x alone (or alone + 30 ms)"][1] == "MISSED"
+    assert by["three callers: bulk throughput >= 0.95x vLLM's"][1] == "MISSED"
+    assert by["three callers: bulk callers' completed work within 20% of 1:3 (Sluice)"][1] == (
+        "MISSED"
+    )
+    assert tg.issue21([]) == []
+
+
+def test_callers_file_carries_the_weights() -> None:
+    import tomllib
+
+    from bench.scenarios import CALLER_WEIGHTS
+    from bench.servers import callers_toml
+
+    text = callers_toml({"chat": "k1", "bulk_a": "k2", "bulk_b": "k3"}, CALLER_WEIGHTS)
+    weights = {n: c["weight"] for n, c in tomllib.loads(text)["callers"].items()}
+    assert weights == {"chat": 1, "bulk_a": 1, "bulk_b": 3}
+
+
+def test_report_renders_issue21_sections(tmp_path: Path) -> None:
+    from bench import runner as rn
+    from bench.scenarios import CHAT_MIX, SPREAD, THREE
+
+    recs = _issue21_records(s_p99=6300.0, s_short=3000.0, s_three=45.0, s_bulk=9.6, per_a=3.3)
+    md = rn.render_markdown(
+        "t",
+        recs,
+        quick=False,
+        repeat=3,
+        info={},
+        commands={},
+        start_times=[],
+        plot_msg="plot skipped",
+        wall_seconds=None,
+    )
+    assert "## Targets (issue 21: the release key and the engine step)" in md
+    for sc in (SPREAD, THREE, CHAT_MIX):
+        assert f"## {rn.SCENARIO_TITLES[sc]}" in md
+    assert "| shortest third's TTFT p95 (ms) | 3,000 | 5,000 | 0.60x |" in md
+    back = rp.tables_from_markdown(md, rn.SCENARIO_TITLES, 3)
+    assert back[THREE].get("chat + 2 bulk (1:1:3)", rp.VLLM, "chat_ttft_p95") is not None
+    pytest.importorskip("matplotlib")
+    tables = {sc: rp.aggregate(recs, sc) for sc in (SPREAD, THREE, CHAT_MIX)}
+    assert rp.write_panels(tables, rn.PANELS, tmp_path / "p.png", "t").startswith("plot written")
+
+
+def test_bench_gives_every_system_the_step_flags_sluice_would_set(demo_model_dir: Path) -> None:
+    from bench.__main__ import _step_flags
+
+    flags = ["--model", str(demo_model_dir), "--max-model-len", "4096"]
+    assert _step_flags(flags) == [
+        "--long-prefill-token-threshold",
+        "512",
+        "--long-prefill-token-threshold-adaptive",
+    ]
+    # a user's choice goes to every system as given: nothing added
+    assert _step_flags([*flags, "--long-prefill-token-threshold", "0"]) == []
+    assert _step_flags([*flags, "--no-long-prefill-token-threshold-adaptive"]) == []

@@ -123,13 +123,14 @@ def test_step_budget_counts_unstarted_prompts_until_their_first_output() -> None
     assert co.engine_waiting == 0
 
 
-def test_the_engine_gets_two_steps_of_prompts_and_a_few_spare_requests() -> None:
-    # By default: unstarted prompts up to two step budgets (the step the engine
-    # runs and the next), and 1/16 more requests than it has slots.
+def test_the_engine_gets_one_step_of_prompts_and_a_few_spare_requests() -> None:
+    # By default: unstarted prompts up to one step budget (issue 21: two let
+    # long prompts fill the step a chat turn needs), and 1/16 more requests
+    # than the engine has slots.
     co = co_(step=100)
     for r in "abcd":
-        co.add(req(r, prompt=60), 0.0)
-    assert ids(co.due(0.0)) == ["a", "b", "c"]  # 180 <= 200; 240 is not
+        co.add(req(r, prompt=40), 0.0)
+    assert ids(co.due(0.0)) == ["a", "b"]  # 80 <= 100; 120 is not
     co = co_(seqs=32)
     for i in range(40):
         co.add(req(f"r{i}"), 0.0)

@@ -188,6 +188,32 @@ async def test_chat_stream_shape_reasoning_usage_and_done(make_client: Any) -> N
     assert body_chunks[-1].choices[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("n", [1, 2])
+async def test_chat_stream_first_frame_comes_with_the_first_token(make_client: Any, n: int) -> None:
+    """No frame with `choices` before the engine's first output (vLLM's server
+    sends the role frame with it): a client timing its first frame times the
+    first token, not the headers."""
+    gate = asyncio.Event()
+    client, _, engine = await make_client(engine=FakeEngine(first_output=gate), warmup=False)
+    resp = await client.post(CHAT, json=chat(stream=True, n=n))
+    assert resp.status == 200  # the headers are out
+    await until(lambda: len(engine.held) == 1, what="the first output held back")
+    # Two round trips on the same server: whatever the stream's handler wrote
+    # before waiting on the engine has reached this client by now.
+    for _ in range(2):
+        assert (await client.get("/health")).status == 200
+    early = resp.content.read_nowait()
+    assert early == b"", early
+    gate.set()
+    chunks = chat_chunks(await stream_events(resp))
+    # One role frame per choice, then that choice's text, as vLLM sends them.
+    heads = chunks[:n]
+    assert [c.choices[0].index for c in heads] == list(range(n))
+    assert all(c.choices[0].delta.role == "assistant" for c in heads)
+    assert all(c.choices[0].delta.content == "" for c in heads)
+    assert all(c.choices[0].delta.role is None for c in chunks[n:])
+
+
 async def test_chat_stream_without_include_usage_has_no_usage_chunk(make_client: Any) -> None:
     client, _, _ = await make_client()
     chunks = chat_chunks(await stream_events(await client.post(CHAT, json=chat(stream=True))))
