@@ -245,7 +245,7 @@ class BacklogMachine(RuleBasedStateMachine):
     @rule(
         caller=st.sampled_from(NAMES),
         plen=st.integers(0, 30),
-        new=st.integers(0, 10),
+        new=st.integers(0, 400),
         priority=st.integers(-1, 1),
         ttl=st.none() | st.sampled_from([0.01, 0.05]),
         fp=st.sampled_from([None, None, "g"]),
@@ -426,7 +426,7 @@ class BacklogMachine(RuleBasedStateMachine):
         self.flying[gid].started = True
 
     @precondition(lambda self: bool(self.flying))
-    @rule(data=st.data(), every=st.booleans(), tokens=st.integers(0, 10))
+    @rule(data=st.data(), every=st.booleans(), tokens=st.integers(0, 300))
     def finished(self, data: st.DataObject, every: bool, tokens: int) -> None:
         done = sorted(self.flying) if every else [data.draw(st.sampled_from(sorted(self.flying)))]
         for gid in done:
@@ -607,6 +607,53 @@ class FairnessMachine(RuleBasedStateMachine):
 
 TestFairnessMachine = FairnessMachine.TestCase
 TestFairnessMachine.settings = settings(
+    max_examples=200,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+class AgingMachine(BacklogMachine):
+    """The backlog machine's checks, aimed at the aging bound: mostly one caller and
+    one priority, prompts of 1-120 tokens that often do not fit a small engine's step
+    and KV room, and a clock that moves between arrivals, so that short prompts pass
+    long ones and a long head waits for room (backlog.py rule 3)."""
+
+    @initialize(
+        seqs=st.integers(1, 3),
+        step=st.sampled_from([0, 40, 100]),
+        kv=st.sampled_from([0, 150, 300]),
+        delay=st.sampled_from([0.0, 0.02, 0.1]),
+        rate=st.sampled_from([100.0, 1000.0]),
+        lclass=st.sampled_from([1, 16]),
+    )
+    def setup(  # type: ignore[override]
+        self, seqs: int, step: int, kv: int, delay: float, rate: float, lclass: int
+    ) -> None:
+        plain = CallerPolicy("x")
+        super().setup(seqs, step, kv, 0.0, delay, rate, lclass, [plain] * 3, False, 1.0, 0.0)
+
+    @rule(
+        caller=st.sampled_from(["a", "a", "a", "b"]),
+        plen=st.integers(1, 120),
+        new=st.integers(0, 400),
+        dt=st.sampled_from([0.0, 0.01, 0.05]),
+        open_ended=st.booleans(),
+    )
+    def add(  # type: ignore[override]
+        self, caller: str, plen: int, new: int, dt: float, open_ended: bool
+    ) -> None:
+        self.now += dt
+        BacklogMachine.add(self, caller, plen, new, 0, None, None, open_ended)
+
+    @rule()
+    def cancel(self) -> None:  # type: ignore[override]
+        """No cancels here: every generation stays until it is released."""
+
+
+TestAgingMachine = AgingMachine.TestCase
+TestAgingMachine.settings = settings(
     max_examples=200,
     stateful_step_count=60,
     deadline=None,
