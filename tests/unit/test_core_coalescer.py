@@ -455,3 +455,18 @@ def test_reject_queued_ends_everything_queued() -> None:
     assert co.next_deadline() is None and co.due(10.0) == []
     assert co.counters.rejected == 2
     assert isinstance(co.add(req("a", 0.3), 0.3), Admitted)  # the ids are free again
+
+
+def test_next_deadline_is_a_query_and_skips_what_left() -> None:
+    co = Coalescer(cfg())
+    co.add(req("a", 0.0, deadline=5.0), 0.0)
+    co.add(req("b", 0.004), 0.004)
+    heaps = (list(co._wheap), list(co._xheap))
+    assert co.next_deadline() == pytest.approx(0.010)
+    assert co.next_deadline() == pytest.approx(0.010)
+    assert (list(co._wheap), list(co._xheap)) == heaps  # nothing was touched
+    # A cancel leaves the heaps' tops live: the next deadline is b's window.
+    assert co.cancel("a", 0.005)
+    assert co.next_deadline() == pytest.approx(0.014)
+    co.due(0.014)
+    assert co.next_deadline() is None
