@@ -94,8 +94,8 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
         choices=("request", "order"),
         default=d.engine_priority,
         help="the priority each request gets in the engine: its own `priority`, or "
-        "Sluice's order (priority, then the shorter prompt; for vLLM's "
-        "--scheduling-policy priority) (default: %(default)s)",
+        "Sluice's release key (priority, then short-first with aging: batching/order.py; "
+        "for vLLM's --scheduling-policy priority) (default: %(default)s)",
     )
     g.add_argument(
         "--kv-reserve-short",

@@ -74,6 +74,17 @@ def ids(batches: list[Batch]) -> list[str]:
     return [e.request.id for b in batches for e in b.entries]
 
 
+def one_at_a_time(co: Coalescer, running: str, n: int, t: float) -> list[str]:
+    """With one engine slot: finish what runs and take the next release, n times,
+    one second apart from `t`; the order the backlog released them in."""
+    order = []
+    for i in range(n):
+        co.finished(running, t + i)
+        [running] = ids(co.due(t + i))
+        order.append(running)
+    return order
+
+
 def release_all(co: Coalescer, now: float, load: EngineLoad | None = None) -> list[str]:
     """One due() call; every released generation is reported started at once."""
     got = ids(co.due(now, load))
@@ -198,12 +209,7 @@ def test_priority_then_shorter_prompt_then_arrival_across_the_whole_backlog() ->
     co.add(req("p0-short-2", 0.3, prompt=3), 0.3)
     co.add(req("urgent", 0.4, prompt=500, priority=-1), 0.4)
     co.due(0.4)
-    order = []
-    done = "first"
-    for i in range(5):
-        co.finished(done, 1.0 + i)
-        [done] = ids(co.due(1.0 + i))
-        order.append(done)
+    order = one_at_a_time(co, "first", 5, 1.0)
     assert order == ["urgent", "p0-short-1", "p0-short-2", "p0-long", "p1-short"]
 
 
@@ -324,13 +330,7 @@ def test_a_later_short_prompt_overtakes_only_within_the_max_delay() -> None:
     co.add(req("soon", 1.8, prompt=4), 1.8)
     co.add(req("late", 2.1, prompt=4), 2.1)  # arrived over 2 s later: never first
     co.due(2.1)
-    order = []
-    done = "run"
-    for i in range(3):
-        co.finished(done, 3.0 + i)
-        [done] = ids(co.due(3.0 + i))
-        order.append(done)
-    assert order == ["soon", "long", "late"]
+    assert one_at_a_time(co, "run", 3, 3.0) == ["soon", "long", "late"]
 
 
 def test_a_head_waiting_for_room_is_passed_only_within_the_max_delay() -> None:
