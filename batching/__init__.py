@@ -4,10 +4,10 @@ Pure Python in the style of h11: no asyncio, no vLLM, no clock of its own. The
 server passes time in (`now`) and acts on what the core returns.
 
 Modules: keys (GroupKey), types (requests, batches, outcomes), config, callers (caller
-policies and limits), coalescer (admission and the window), backlog (fair release
-order), room (engine room), drain (drain-rate estimate for Retry-After), cache (TTL
-result cache), events (observability records). Everything public is re-exported here;
-import from `batching`, not from the modules.
+policies and limits), order (the release key), coalescer (admission and the window),
+backlog (fair release order), room (engine room), drain (drain-rate estimate for
+Retry-After), cache (TTL result cache), events (observability records). Everything
+public is re-exported here; import from `batching`, not from the modules.
 """
 
 from .cache import ResultCache
@@ -17,6 +17,7 @@ from .config import CoalescerConfig
 from .drain import DrainRate
 from .events import Counters, DedupeHit, Ended, Event, Refusal, Released
 from .keys import GroupKey, group_key
+from .order import ReleaseOrder, engine_priority
 from .room import EngineCapacity
 from .types import (
     AdmissionState,
@@ -54,9 +55,11 @@ __all__ = [
     "Refusal",
     "RefusalReason",
     "Refused",
+    "ReleaseOrder",
     "ReleaseReason",
     "Released",
     "Request",
     "ResultCache",
+    "engine_priority",
     "group_key",
 ]

@@ -4,8 +4,8 @@ Why this module exists: several services share one engine, and one of them must 
 be able to push the others' work behind its own. The server names the caller of every
 request (`Request.caller`: its API key's name, or the OpenAI `user` field); this
 module holds what the core knows about each name, as frozen values the server builds
-from its callers file (and rebuilds on SIGHUP), plus the small mutable state the core
-keeps per caller.
+from its callers file (and rebuilds on SIGHUP). The mutable state the core keeps per
+caller (counters, heaps, token bucket) is in _records.py with the other records.
 
 Rules:
 
@@ -25,8 +25,10 @@ Rules:
   max_queued: nothing else needs it, and it costs time on the hot path).
 * `tokens_per_minute` (>= 1 or None) is a token bucket: capacity tokens_per_minute,
   refilled at tokens_per_minute / 60 per second, full at the start. Admission takes
-  prompt + max_new_tokens; `finished(tokens=...)` gives back the unused part of
-  max_new_tokens, and a request that leaves before dispatch gets all of it back. A
+  the generation's charge (prompt + max_new_tokens, or, for a client that set no
+  max_tokens, prompt + the caller's estimate: coalescer.py rule 12); `finished(
+  tokens=...)` reconciles it with what was generated (gives back the unused part, or
+  takes the excess), and a request that leaves before dispatch gets all of it back. A
   request that does not fit is refused (CALLER_LIMIT) with Retry-After the time until
   the bucket holds enough; one larger than the whole bucket can never fit (TOO_LARGE).
   A duplicate that joins a queued generation costs nothing.
@@ -39,14 +41,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from .drain import DrainRate
-
-if TYPE_CHECKING:
-    from ._records import Gen
-
-__all__ = ["DEFAULT_CALLER", "CallerPolicy", "CallerStats", "Callers", "TokenBucket"]
+__all__ = ["DEFAULT_CALLER", "CallerPolicy", "CallerStats", "Callers"]
 
 DEFAULT_CALLER = "default"
 
@@ -105,118 +101,3 @@ class CallerStats:
     prompt_tokens: int  # of released generations
     generated_tokens: int  # reported by finished()
     service: int  # prompt + 2 x generated: the service received, unweighted
-
-
-class TokenBucket:
-    """tokens_per_minute as a bucket (see the module docstring)."""
-
-    __slots__ = ("at", "capacity", "level", "rate")
-
-    def __init__(self, per_minute: int) -> None:
-        self.capacity = float(per_minute)
-        self.rate = per_minute / 60.0
-        self.level = self.capacity
-        self.at = -math.inf  # full until first used: refilling from -inf stays full
-
-    def _refill(self, now: float) -> None:
-        if now > self.at:
-            self.level = min(self.capacity, self.level + (now - self.at) * self.rate)
-            self.at = now
-
-    def wait(self, cost: int, now: float) -> float:
-        """Seconds until `cost` tokens fit (0.0: they fit now)."""
-        self._refill(now)
-        missing = cost - self.level
-        return missing / self.rate if missing > 0 else 0.0
-
-    def take(self, cost: int) -> None:
-        self.level -= cost
-
-    def give(self, tokens: int) -> None:
-        self.level = min(self.capacity, self.level + tokens)
-
-    def resize(self, per_minute: int) -> None:
-        self.capacity = float(per_minute)
-        self.rate = per_minute / 60.0
-        self.level = min(self.level, self.capacity)
-
-
-class CallerState:
-    """The core's mutable record of one caller (private to batching/).
-
-    `levels` maps a priority to a heap of (prompt tokens, admission seq, backlog seq,
-    generation); `prios` lists the priorities with a heap, sorted; `aged` is a heap of
-    (admission seq, backlog seq, generation), oldest first, for the age bound. Entries
-    go stale when a generation leaves the backlog and are skipped (their backlog seq
-    no longer matches the generation's).
-    """
-
-    __slots__ = (
-        "admitted",
-        "aged",
-        "backlog",
-        "bucket",
-        "counter",
-        "drain",
-        "generated_tokens",
-        "in_flight",
-        "levels",
-        "name",
-        "policy",
-        "prios",
-        "prompt_tokens",
-        "queued",
-        "refused",
-        "weight",
-    )
-
-    def __init__(self, policy: CallerPolicy, name: str) -> None:
-        self.name = name
-        self.policy = policy
-        self.weight = policy.weight
-        tpm = policy.tokens_per_minute
-        self.bucket = None if tpm is None else TokenBucket(tpm)
-        self.drain = DrainRate()
-        self.counter = 0.0
-        self.levels: dict[int, list[tuple[int, int, int, Gen]]] = {}
-        self.prios: list[int] = []
-        self.aged: list[tuple[int, int, Gen]] = []
-        self.backlog = 0
-        self.queued = 0
-        self.in_flight = 0
-        self.admitted = 0
-        self.refused = 0
-        self.prompt_tokens = 0
-        self.generated_tokens = 0
-
-    def set_policy(self, policy: CallerPolicy) -> None:
-        if self.policy.max_queued is None and policy.max_queued is not None:
-            self.drain = DrainRate()  # it was not measured without the limit
-        self.policy = policy
-        self.weight = policy.weight
-        tpm = policy.tokens_per_minute
-        if tpm is None:
-            self.bucket = None
-        elif self.bucket is None:
-            self.bucket = TokenBucket(tpm)
-        else:
-            self.bucket.resize(tpm)
-
-    def capped(self) -> bool:
-        mc = self.policy.max_concurrency
-        return mc is not None and self.in_flight >= mc
-
-    def stats(self) -> CallerStats:
-        return CallerStats(
-            self.name,
-            self.weight,
-            self.queued,
-            self.backlog,
-            self.in_flight,
-            self.counter,
-            self.admitted,
-            self.refused,
-            self.prompt_tokens,
-            self.generated_tokens,
-            self.prompt_tokens + 2 * self.generated_tokens,
-        )

@@ -34,9 +34,11 @@ Rules:
    never idles while Sluice holds work). With the engine capacity unknown (all 0)
    and no caller's max_concurrency in the way, nothing is held: eligible means
    released, in the order it became eligible.
-6. Order of release: fair share between callers (virtual token counters), then
-   priority (lower first), then the shorter prompt, then admission order; an age
-   bound against starvation and no head-of-line blocking; see backlog.py.
+6. Order of release: fair share between callers (virtual token counters), then the
+   release key (order.py: priority, then short-first with continuous aging capped at
+   `order.max_delay`, then admission order), computed once at admission and used by
+   the window's cut, the backlog and the engine priority; no head-of-line blocking;
+   see backlog.py.
 7. Batches: when everything that became eligible goes at once (empty backlog, room
    for all of it, no max_concurrency), each cut of rule 3 is one batch. Otherwise the
    generations one `due()` releases are grouped by (GroupKey, reason), in order of
@@ -66,6 +68,17 @@ Rules:
    and `due()` releases nothing (expiry still runs; `next_deadline()` then reports
    expiry times only, so a driver does not spin); DRAINING refuses (DRAINING) and keeps
    releasing. After changing the state, the driver should call `due()` again.
+12. Open-ended requests (`Request.open_ended`: the client set no max_tokens, so
+   max_new_tokens is the rest of the context): admission charges prompt + the
+   caller's running mean of generated tokens of its open-ended generations (256
+   before the first finishes; weight 1/16 per finish), bounded by max_new_tokens,
+   against the caller's tokens_per_minute and max_pending_tokens, instead of the
+   whole context. `finished()` reconciles: the caller's bucket gets back what was
+   charged and not generated, or gives up the excess (it may go below 0 and refills
+   from there). The pending-token count drops by the charge, as before.
+
+Queries (`next_deadline()`, the gauges) have no side effects: the calls that change
+state (`due()`, `cancel()`) leave the window and expiry heaps' tops live.
 
 Performance: the hot path (add + due + finished) uses plain dicts, lists and heaps and
 allocates, per request, one internal record, one subscriber dict, two backlog entries,
@@ -80,9 +93,9 @@ from dataclasses import replace
 from heapq import heappop, heappush
 
 from . import _fast
-from ._records import BACKLOG, GONE, QUEUED, Gen, Group
+from ._records import BACKLOG, GONE, QUEUED, CallerState, Gen, Group
 from .backlog import Backlog
-from .callers import Callers, CallerState, CallerStats
+from .callers import Callers, CallerStats
 from .config import CoalescerConfig
 from .drain import DrainRate
 from .events import (
@@ -122,8 +135,8 @@ _LONE = ReleaseReason.LONE
 _BACKLOG = ReleaseReason.BACKLOG
 
 
-def _order(g: Gen) -> tuple[int, int, int]:
-    return (g.request.priority, g.ptok, g.seq)
+def _order(g: Gen) -> tuple[int, float, int]:
+    return g.key
 
 
 def _batch_end(gens: list[Gen], i: int, max_seqs: int, max_tok: int) -> tuple[int, int]:
@@ -173,7 +186,7 @@ class Coalescer:
         self._events: list[Event] = []
         self._drain = DrainRate()
         self._callers: dict[str, CallerState] = {}
-        self._backlog = Backlog(config.age_bound)
+        self._backlog = Backlog(config.order.max_delay)
         # What became eligible in the current due() call: (generations, reason) cuts,
         # each within the batch caps, in order.
         self._fresh: list[tuple[list[Gen], ReleaseReason]] = []
@@ -210,11 +223,11 @@ class Coalescer:
     @config.setter
     def config(self, value: CoalescerConfig) -> None:
         """Replace the tunables (the server does once the engine has resolved its
-        limits). Queued work stays; a new age bound applies to what becomes eligible
-        afterwards."""
+        limits). Queued work stays and keeps its release key; a new order applies
+        to what is admitted afterwards."""
         self._config = value
         self._known = value.engine.known
-        self._backlog.age_bound = value.age_bound
+        self._backlog.max_delay = value.order.max_delay
         self._apply_callers()
 
     @property
@@ -345,7 +358,8 @@ class Coalescer:
                 self._last_add = now
                 return self._join(gen, request, c)
         ptok = len(request.prompt_tokens)
-        tokens = ptok + request.max_new_tokens
+        new = c.expect(request.max_new_tokens) if request.open_ended else request.max_new_tokens
+        tokens = ptok + new
         bucket = c.bucket
         if bucket is not None:
             wait = bucket.wait(tokens, now)
@@ -356,7 +370,8 @@ class Coalescer:
                         rid,
                         RefusalReason.TOO_LARGE,
                         0.0,
-                        f"request needs {tokens} tokens (prompt + max_tokens); caller "
+                        f"request needs {tokens} tokens (prompt + max_tokens, or an "
+                        f"estimate without it); caller "
                         f"{c.name!r} may use {policy.tokens_per_minute} per minute",
                         now,
                     )
@@ -397,7 +412,8 @@ class Coalescer:
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = Group(key)
-        gen = Gen(request, group, c, seq, ptok, tokens, dkey)
+        order = cfg.order.key(request.priority, ptok, request.arrival, seq)
+        gen = Gen(request, group, c, seq, ptok, new, order, dkey)
         group.gens.append(gen)
         group.n += 1
         group.ptok += ptok
@@ -547,6 +563,7 @@ class Coalescer:
         )
         if not gen.subs:
             self._drop(gen)
+        self._tidy()
         return True
 
     def _drop(self, gen: Gen) -> None:
@@ -622,39 +639,46 @@ class Coalescer:
 
         May lie in the past (a cap was reached, or `due()` was not called): call
         `due()` at once then. In CRITICAL only expiry times count. The backlog is
-        released on events, not on time (rule 5).
+        released on events, not on time (rule 5). A query: it reads the heaps' tops,
+        which `_tidy()` keeps live.
         """
-        best: float | None = None
         xheap = self._xheap
-        while xheap:
-            req = xheap[0][2]
-            gen = self._subs.get(req.id)
-            if gen is not None and gen.subs.get(req.id) is req:
-                best = xheap[0][0]
-                break
-            heappop(xheap)
+        best = xheap[0][0] if xheap else None
         if self._state is _CRITICAL:
             return best
+        if self._ready and (best is None or self._ready_at < best):
+            best = self._ready_at
+        if self._lone and (best is None or self._lone_at < best):
+            best = self._lone_at
+        wheap = self._wheap
+        if wheap and (best is None or wheap[0][0] < best):
+            best = wheap[0][0]
+        return best
+
+    def _tidy(self) -> None:
+        """Drop what went stale at the tops of the deadline heaps and lists, so that
+        `next_deadline()` reads only live times and a driver is not woken for
+        nothing. Called at the end of every call that can make them stale."""
+        xheap = self._xheap
+        subs = self._subs
+        while xheap:
+            req = xheap[0][2]
+            gen = subs.get(req.id)
+            if gen is not None and gen.subs.get(req.id) is req:
+                break
+            heappop(xheap)
         if self._ready:
-            # Drop groups that fell under the caps again (cancels, expiries), so that
-            # a driver is not woken for nothing.
+            # Groups that fell under the caps again (cancels, expiries).
             cfg = self._config
             for group in self._ready:
                 if group.n < cfg.max_batch_seqs and group.ptok < cfg.max_batch_tokens:
                     group.ready = False
             self._ready = [g for g in self._ready if g.ready]
-            if self._ready and (best is None or self._ready_at < best):
-                best = self._ready_at
         if self._lone:
             self._lone = [g for g in self._lone if g.state == QUEUED]
-            if self._lone and (best is None or self._lone_at < best):
-                best = self._lone_at
         wheap = self._wheap
         while wheap and wheap[0][2].state != QUEUED:
             heappop(wheap)
-        if wheap and (best is None or wheap[0][0] < best):
-            best = wheap[0][0]
-        return best
 
     def due(self, now: float, load: EngineLoad | None = None) -> list[Batch]:
         """Expire, make due work eligible, then release what the engine has room for."""
@@ -663,6 +687,7 @@ class Coalescer:
         if xheap and xheap[0][0] <= now:
             self._expire(now)
         if self._state is _CRITICAL:
+            self._tidy()
             return out
         if load is not None:
             self._kv_usage = load.kv_usage
@@ -718,6 +743,7 @@ class Coalescer:
             self._release(now, out)
         if out:
             self._drain.busy(now)
+        self._tidy()
         return out
 
     def _cut(self, group: Group, reason: ReleaseReason | None) -> None:
@@ -763,7 +789,7 @@ class Coalescer:
         backlog = self._backlog
         room = self._room()
         released: list[Gen] = []
-        serve = self._serve
+        serve = backlog.served
         for g in backlog.pick(now, room):
             room.take(g.ptok)
             serve(g)
@@ -805,19 +831,11 @@ class Coalescer:
         of eligibility; each cut is already within the caps and goes as one batch.
         Skipping the backlog's heaps keeps the common case cheap.
         """
-        backlog = self._backlog
+        served = self._backlog.served
         for gens, why in fresh:
-            for g in gens:  # Backlog.served, inlined
-                c = g.caller
-                backlog.vt = c.counter
-                c.counter += g.ptok / c.weight
-                c.in_flight += 1
-                c.prompt_tokens += g.ptok
+            for g in gens:
+                served(g)
             self._emit(gens, why, now, out)
-
-    def _serve(self, g: Gen) -> None:
-        self._backlog.served(g)
-        g.caller.prompt_tokens += g.ptok
 
     def _round_done(self, released: list[Gen], now: float, out: list[Batch]) -> None:
         """Emit this round's batches (rule 7)."""
@@ -895,7 +913,7 @@ class Coalescer:
             nsubs += len(subs)
             tokens += g.tokens
             ptok += g.ptok
-            entries.append(_fast.entry(req, tuple(subs)))
+            entries.append(_fast.entry(req, tuple(subs), g.key))
         self._q_reqs -= nsubs
         self._f_reqs += nsubs
         self._q_tokens -= tokens
@@ -930,7 +948,8 @@ class Coalescer:
 
         Frees its pending capacity, charges its generated tokens to its caller's fair
         share (2 per token), gives the unused part of max_new_tokens back to the
-        caller's tokens_per_minute, and feeds the drain-rate estimators. `tokens` is
+        caller's tokens_per_minute (or takes what an open-ended one generated beyond
+        its estimate, rule 12), and feeds the drain-rate estimators. `tokens` is
         how many tokens it generated (the driver's completion count); the core adds
         the prompt itself, so the rate is in the same unit as admission (prompt +
         output). None means "unknown" and counts max_new_tokens; pass 0 for a
@@ -947,14 +966,20 @@ class Coalescer:
         if not gen.started:
             self._unstarted_n -= 1
             self._unstarted_tokens -= gen.ptok
-        max_new = gen.request.max_new_tokens
-        generated = max_new if tokens is None else tokens
+        req = gen.request
+        generated = req.max_new_tokens if tokens is None else tokens
         c = gen.caller
         c.in_flight -= 1
         c.generated_tokens += generated
-        c.counter += 2 * generated / c.weight
-        if c.bucket is not None and generated < max_new:
-            c.bucket.give(max_new - generated)
+        c.charge(2 * generated)
+        charged = gen.new
+        if c.bucket is not None and generated != charged:  # rule 12's reconcile too
+            if generated < charged:
+                c.bucket.give(charged - generated)
+            else:
+                c.bucket.take(generated - charged)
+        if req.open_ended and tokens is not None:
+            c.learn(tokens)
         drained = gen.ptok + generated
         self._drain.finished(drained, n, now, not self._in_flight)
         if c.policy.max_queued is not None:  # its drain only prices its own 429s

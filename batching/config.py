@@ -16,10 +16,9 @@ Rules:
 * `callers` is the caller policy table (callers.py); `engine` the engine's capacity
   (room.py; all 0 = unknown: eligible work is released at once, as before the
   backlog existed). Both can be replaced at run time (`set_callers`, `capacity`).
-* `age_bound` (seconds, > 0, may be inf) is the backlog's anti-starvation bound
-  (backlog.py rule 3). 10 s: far above a chat turn's wait, and long enough that it
-  does not turn a caller's own short-first order into first-come-first-served while
-  its long requests wait their normal turn under load.
+* `order` is the release key's tunables (order.py): short-first at `exchange_rate`
+  prompt tokens per second of waiting, never more than `max_delay` seconds behind
+  first-come-first-served within a caller and priority.
 * `kv_reserve_short` (0 <= x < 1) is the share of the KV cache that prompts longer
   than `short_prompt_tokens` may not use (room.py rule 5); 0 turns it off.
 * `step_lookahead` (>= 1) and `slot_spare` (>= 0) size the engine's own queue
@@ -33,16 +32,17 @@ Rules:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from .callers import Callers
+from .order import ReleaseOrder
 from .room import EngineCapacity
 
 __all__ = ["CoalescerConfig"]
 
 _NO_CALLERS = Callers()  # every caller gets the default policy: weight 1, no limits
 _UNKNOWN_ENGINE = EngineCapacity()  # nothing held back
+_ORDER = ReleaseOrder()
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +63,7 @@ class CoalescerConfig:
     retry_after_min: float = 1.0
     callers: Callers = _NO_CALLERS
     engine: EngineCapacity = _UNKNOWN_ENGINE
-    age_bound: float = 10.0  # seconds a backlogged request waits before it goes first
+    order: ReleaseOrder = _ORDER  # the release key (order.py)
     kv_reserve_short: float = 0.0  # KV share long prompts leave free for short ones
     short_prompt_tokens: int = 256  # a prompt this long or shorter counts as short
     step_lookahead: float = 1.0  # engine step budgets of unstarted prompts (issue 21)
@@ -80,8 +80,6 @@ class CoalescerConfig:
             raise ValueError("need 0 <= retry_after_min <= retry_after_max")
         if self.retry_after_default < 0:
             raise ValueError("retry_after_default must be >= 0")
-        if not (self.age_bound > 0 and not math.isnan(self.age_bound)):
-            raise ValueError("age_bound must be > 0 seconds (inf: no bound)")
         if not 0.0 <= self.kv_reserve_short < 1.0:
             raise ValueError("kv_reserve_short must be in [0, 1)")
         if self.short_prompt_tokens < 0:

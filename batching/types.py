@@ -13,8 +13,13 @@ Rules:
   to vLLM's priority scheduler unchanged and orders each caller's backlog.
 * `Request.caller` names who sent it (callers.py); it decides the request's fair
   share and limits. Requests without a name belong to `DEFAULT_CALLER`.
-* `Request.tokens` (prompt + max_new_tokens) is the admission cost of a generation;
-  the batch token cap counts prompt tokens only (the engine's per-step prefill budget).
+* `Request.tokens` (prompt + max_new_tokens) is the admission cost of a generation,
+  except for an `open_ended` one (the client set no max_tokens, so max_new_tokens is
+  the context's room): it is charged prompt + its caller's running estimate
+  (coalescer.py rule 12). The batch token cap counts prompt tokens only (the
+  engine's per-step prefill budget).
+* `Entry.order` is the generation's release key (order.py), for the driver to hand
+  to vLLM (`--engine-priority order`).
 * `Request.fingerprint` is set by the server only when sampling is deterministic
   (greedy, or a fixed seed) and must cover every sampling parameter including
   max_new_tokens. None means "never deduplicate".
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 
 from .callers import DEFAULT_CALLER
 from .keys import GroupKey
+from .order import Key
 
 __all__ = [
     "AdmissionState",
@@ -56,6 +62,7 @@ class Request:
     deadline: float | None = None  # absolute; expires if not dispatched by then
     fingerprint: Hashable | None = None  # deterministic sampling digest, else None
     caller: str = DEFAULT_CALLER  # who sent it (fair share and limits)
+    open_ended: bool = False  # no max_tokens from the client: charge an estimate
 
     @property
     def tokens(self) -> int:
@@ -124,6 +131,7 @@ class Entry:
 
     request: Request
     subscribers: tuple[str, ...]
+    order: Key = (0, 0.0, 0)  # its release key (order.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,6 +58,7 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
 
     d = Settings()
     c = d.core
+    o = c.order
     g = parser.add_argument_group("Sluice (HTTP front, coalescer, watchdog)")
     g.add_argument("--host", default=d.host, help="address to bind (default: %(default)s)")
     g.add_argument("--port", type=int, default=d.port, help="port (default: %(default)s)")
@@ -99,8 +100,8 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
         choices=("request", "order"),
         default=d.engine_priority,
         help="the priority each request gets in the engine: its own `priority`, or "
-        "Sluice's order (priority, then the shorter prompt; for vLLM's "
-        "--scheduling-policy priority) (default: %(default)s)",
+        "Sluice's release key (priority, then short-first with aging: batching/order.py; "
+        "for vLLM's --scheduling-policy priority) (default: %(default)s)",
     )
     g.add_argument(
         "--kv-reserve-short",
@@ -130,11 +131,19 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
         "is filled at once (default: %(default)s)",
     )
     g.add_argument(
-        "--backlog-age-bound",
+        "--short-first-rate",
         type=float,
-        default=c.age_bound,
-        help="seconds after which a backlogged request goes ahead of its caller's shorter "
-        "and higher-priority ones (default: %(default)s)",
+        default=o.exchange_rate,
+        help="short-first exchange rate: prompt tokens one second of waiting is worth; a "
+        "prompt N tokens longer waits about N / rate seconds more (default: %(default)s)",
+    )
+    g.add_argument(
+        "--short-first-max-delay",
+        type=float,
+        default=o.max_delay,
+        help="seconds: the most a request falls behind first-come-first-served within "
+        "its caller and priority, however long its prompt; 0 = first-come-first-served "
+        "(default: %(default)s)",
     )
     g.add_argument(
         "--max-pending-requests",
@@ -338,7 +347,7 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.platforms import current_platform
 
-    from batching import CoalescerConfig
+    from batching import CoalescerConfig, ReleaseOrder
     from batching.pressure import PressureConfig
     from server import demo_model
     from server import vllm_parsers as parser_names
@@ -438,7 +447,7 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
             max_pending_tokens=ns.max_pending_tokens,
             dedupe=ns.dedupe,
             callers=callers.policies if callers is not None else CoalescerConfig().callers,
-            age_bound=ns.backlog_age_bound,
+            order=ReleaseOrder(ns.short_first_rate, ns.short_first_max_delay),
             kv_reserve_short=ns.kv_reserve_short,
             short_prompt_tokens=ns.short_prompt_tokens,
             step_lookahead=ns.backlog_step_lookahead,

@@ -39,11 +39,13 @@ from batching import (
     Coalescer,
     Ended,
     EngineLoad,
+    Entry,
     Event,
     Outcome,
     RefusalReason,
     Refused,
     Request,
+    engine_priority,
 )
 from server.engine_api import Engine, EngineOutput, OutputStream, SamplingParamsLike
 from server.errors import SluiceError
@@ -58,21 +60,19 @@ _REFUSAL_STATUS = {
     RefusalReason.CALLER_LIMIT: 429,
 }
 
-# Prompt lengths below this fit in the low bits of an "order" engine priority.
-_PROMPT_SPAN = 1 << 20
+
+def request_priority(entry: Entry) -> int:
+    """The engine priority of a generation: its request's own `priority`, as vLLM
+    takes it."""
+    return entry.request.priority
 
 
-def request_priority(req: Request) -> int:
-    """The engine priority of a request: its own `priority`, as vLLM takes it."""
-    return req.priority
-
-
-def order_priority(req: Request) -> int:
-    """Sluice's order within a caller as one engine priority: `priority` first, then
-    the shorter prompt. For vLLM's `--scheduling-policy priority`, which orders its
-    waiting queue by it and preempts running requests with a larger value for an
-    arrival with a smaller one (--engine-priority order)."""
-    return req.priority * _PROMPT_SPAN + min(len(req.prompt_tokens), _PROMPT_SPAN - 1)
+def order_priority(entry: Entry) -> int:
+    """Sluice's release key (batching/order.py) as one engine priority, for vLLM's
+    `--scheduling-policy priority`, which orders its waiting queue by it and preempts
+    running requests with a larger value for an arrival with a smaller one
+    (--engine-priority order)."""
+    return engine_priority(entry.order)
 
 
 # While the backlog holds work: how often to re-read the engine's stats. An
@@ -256,7 +256,7 @@ class Driver:
         engine: Engine,
         on_events: Callable[[Sequence[Event]], None] | None = None,
         clock: Callable[[], float] | None = None,
-        engine_priority: Callable[[Request], int] = request_priority,
+        engine_priority: Callable[[Entry], int] = request_priority,
     ) -> None:
         self.core = core
         self.engine = engine
@@ -493,7 +493,7 @@ class Driver:
             now = self.now()
             try:
                 collector = await self.engine.add(
-                    req.id, req.prompt_tokens, params, self._engine_priority(req)
+                    req.id, req.prompt_tokens, params, self._engine_priority(entry)
                 )
             except SluiceError as exc:
                 self._fail_entry(req.id, subscribers, exc)

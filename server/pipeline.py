@@ -271,6 +271,8 @@ def _submit(request: web.Request, tr: Trace, job: Job) -> list[Ticket]:
                 deadline=now + settings.queue_timeout,
                 fingerprint=fp,
                 caller=tr.caller or DEFAULT_CALLER,
+                # No max_tokens: admission charges an estimate, not the context's room.
+                open_ended=sampling.max_tokens is None,
             )
             params = engine.sampling_params(sampling, job.max_tokens[i])
             tickets.append(driver.submit(core_req, params))

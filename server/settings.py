@@ -64,7 +64,7 @@ class Settings:
     max_batch_tokens: int | None = None
     hold_backlog: bool = True
     # What the engine gets as a request's priority: "request" (its own field) or
-    # "order" (priority, then the shorter prompt: server/driver.py order_priority).
+    # "order" (the release key, batching/order.py: server/driver.py order_priority).
     engine_priority: str = "request"
     queue_timeout: float = 60.0
     result_cache_ttl: float = 0.0

@@ -168,5 +168,10 @@ async def test_engine_priority_is_the_requests_own_or_sluices_order(make_client:
     engine = FakeEngine()
     client, _, _ = await make_client(engine=engine, engine_priority="order", warmup=False)
     assert (await client.post(CHAT, json=chat(priority=-1))).status == 200
-    # HI is 8 prompt tokens in the fake engine: priority first, then prompt length.
-    assert list(engine.priorities.values()) == [-(1 << 20) + 8]
+    assert (await client.post(CHAT, json=chat(priority=0))).status == 200
+    # The release key as one int: priority in the high part, the virtual start
+    # (arrival + the prompt's delay, batching/order.py) in ms below it.
+    first, second = engine.priorities.values()
+    assert divmod(first, 1 << 42)[0] == -1
+    assert divmod(second, 1 << 42)[0] == 0
+    assert divmod(second, 1 << 42)[1] >= divmod(first, 1 << 42)[1]

@@ -21,6 +21,7 @@ from batching import (
     Outcome,
     Refused,
     Released,
+    ReleaseOrder,
     ReleaseReason,
     Request,
     group_key,
@@ -71,6 +72,17 @@ def co_(
 
 def ids(batches: list[Batch]) -> list[str]:
     return [e.request.id for b in batches for e in b.entries]
+
+
+def one_at_a_time(co: Coalescer, running: str, n: int, t: float) -> list[str]:
+    """With one engine slot: finish what runs and take the next release, n times,
+    one second apart from `t`; the order the backlog released them in."""
+    order = []
+    for i in range(n):
+        co.finished(running, t + i)
+        [running] = ids(co.due(t + i))
+        order.append(running)
+    return order
 
 
 def release_all(co: Coalescer, now: float, load: EngineLoad | None = None) -> list[str]:
@@ -192,18 +204,13 @@ def test_priority_then_shorter_prompt_then_arrival_across_the_whole_backlog() ->
     co.due(0.0)  # the one slot is taken; what follows waits in the backlog
     co.add(req("p1-short", 0.1, prompt=2, priority=1), 0.1)
     co.due(0.1)
-    co.add(req("p0-long", 0.2, prompt=9), 0.2)
+    co.add(req("p0-long", 0.2, prompt=200), 0.2)
     co.due(0.2)
     co.add(req("p0-short-1", 0.3, prompt=3), 0.3)
     co.add(req("p0-short-2", 0.3, prompt=3), 0.3)
-    co.add(req("urgent", 0.4, prompt=50, priority=-1), 0.4)
+    co.add(req("urgent", 0.4, prompt=500, priority=-1), 0.4)
     co.due(0.4)
-    order = []
-    done = "first"
-    for i in range(5):
-        co.finished(done, 1.0 + i)
-        [done] = ids(co.due(1.0 + i))
-        order.append(done)
+    order = one_at_a_time(co, "first", 5, 1.0)
     assert order == ["urgent", "p0-short-1", "p0-short-2", "p0-long", "p1-short"]
 
 
@@ -315,21 +322,31 @@ def test_a_blocked_caller_is_skipped_by_at_most_one_request_worth() -> None:
     assert release_all(co, 0.3, EngineLoad(7, 0, 0.1)) == ["big", "b6", "b7", "b8", "b9"]
 
 
-def test_age_bound_puts_an_old_request_first_and_waits_for_its_room() -> None:
-    co = co_(kv=1000, age_bound=5.0)
+def test_a_later_short_prompt_overtakes_only_within_the_max_delay() -> None:
+    co = co_(seqs=1, order=ReleaseOrder(exchange_rate=100.0, max_delay=2.0))
+    co.add(req("run"), 0.0)
+    co.due(0.0)
+    co.add(req("long", 0.0, prompt=1000), 0.0)  # 10 s of handicap, capped at 2 s
+    # Its virtual start is 1.8 + 16 / 100 = 1.96 s, before the long one's 2 s.
+    co.add(req("soon", 1.8, prompt=4), 1.8)
+    co.add(req("late", 2.1, prompt=4), 2.1)  # arrived over 2 s later: never first
+    co.due(2.1)
+    assert one_at_a_time(co, "run", 3, 3.0) == ["soon", "long", "late"]
+
+
+def test_a_head_waiting_for_room_is_passed_only_within_the_max_delay() -> None:
+    co = co_(kv=1000, order=ReleaseOrder(max_delay=1.0))
     co.add(req("x", prompt=10), 0.0)
     release_all(co, 0.0)
     co.add(req("old", 0.0, prompt=300), 0.0)
-    t = 0.0
-    # Shorter requests keep arriving and keep filling what room there is.
-    while t < 4.5:
-        t += 0.5
+    # Shorter requests keep arriving and keep filling what room there is (250 free).
+    passed = []
+    for t in (0.5, 1.0, 1.5, 2.0):
         co.add(req(f"s{t}", t, prompt=50), t)
-        assert "old" not in release_all(co, t, EngineLoad(1, 0, 0.75))  # 250 free
-    co.add(req("late", 5.0, prompt=50), 5.0)
-    # Overdue: it goes first; it does not fit, so nothing of its caller goes instead.
-    assert release_all(co, 5.0, EngineLoad(1, 0, 0.75)) == []
-    assert release_all(co, 5.1, EngineLoad(1, 0, 0.6)) == ["old", "late"]
+        passed += release_all(co, t, EngineLoad(1, 0, 0.75))
+    # Those that arrived within 1 s of "old" went past it; the later ones wait for it.
+    assert passed == ["s0.5", "s1.0"]
+    assert release_all(co, 2.1, EngineLoad(1, 0, 0.6)) == ["old", "s1.5", "s2.0"]
 
 
 def test_capped_caller_waits_without_blocking_others() -> None:
@@ -415,22 +432,24 @@ def test_batches_group_one_round_by_key_and_reason_and_respect_the_caps() -> Non
     co.add(Request("l", lora, (1, 2), 4, 0.0), 0.0)
     co.add(req("c"), 0.0)
     first = co.due(0.0)
-    # Two callers ("a", and "default" for l): l is shorter, then a by counter.
-    assert [(b.key, ids([b])) for b in first] == [(lora, ["l"]), (M, ["a"])]
+    # Two callers ("a", and "default" for l), equal counters and one length class:
+    # a arrived first.
+    assert [(b.key, ids([b])) for b in first] == [(M, ["a"]), (lora, ["l"])]
     for r in ids(first):
         co.finished(r, 0.1)
     later = co.due(0.1)
     assert [(b.key, b.reason, ids([b])) for b in later] == [(M, ReleaseReason.BACKLOG, ["b", "c"])]
 
 
-def test_capacity_and_age_bound_validation() -> None:
+def test_capacity_and_order_validation() -> None:
     with pytest.raises(ValueError):
         EngineCapacity(max_seqs=-1)
-    with pytest.raises(ValueError):
-        CoalescerConfig(age_bound=0.0)
+    for bad in ({"exchange_rate": 0.0}, {"max_delay": -1.0}, {"max_delay": math.inf}):
+        with pytest.raises(ValueError):
+            ReleaseOrder(**bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         CoalescerConfig(kv_reserve_short=1.0)
-    assert CoalescerConfig(age_bound=math.inf).age_bound == math.inf
+    assert ReleaseOrder(exchange_rate=math.inf).delay(10_000) == 0.0
     co = co_()
     co.capacity = EngineCapacity(max_seqs=1)
     co.add(req("a"), 0.0)

@@ -12,16 +12,24 @@ after every step:
 * work conservation: after due(), nothing that could go is left behind: either the
   engine has no slot, or every backlogged caller that is not capped and has work that
   fits the room is held back only by the fairness floor (a blocked caller's counter
-  plus its head's cost, backlog.py rule 4); with nothing in flight, the backlog is empty;
-* age bound: if a caller's oldest backlogged request is past the age bound after a
-  due(), nothing younger of that caller was released by it (the old one goes first);
+  plus its head's cost, backlog.py rule 3); with nothing in flight, the backlog is empty;
+* the aging bound (order.py rule 3, backlog.py rule 3): no generation is released
+  while one of its caller's same-priority generations that arrived more than
+  max_delay before it is still held: nobody waits more than its bound beyond
+  first-come-first-served within its caller;
+* release order: each caller's releases of a round go in release-key order among
+  what fitted (the key recomputed here from its definition, not from order.py);
+* open-ended charges (coalescer.py rule 12): pending tokens equal the sum of each
+  held or flying generation's charge, prompt + max_new or prompt + the caller's
+  running estimate, which this model keeps itself;
 * no starvation: a drain (finish everything, call due()) empties the backlog in at most
   one round per backlogged generation.
 
 A second machine keeps two equal-weight callers backlogged the whole time and checks
 the fairness bound of backlog.py: their counters never differ by more than
 (2 + S) x U, S the engine's slots (a bound on either caller's generations in flight)
-and U the largest request's cost, prompt + 2 x max_new.
+and U the largest request's cost, prompt + 2 x max_new. Some requests are open-ended
+(charged an estimate): the bound is unchanged (backlog.py, "Open-ended requests").
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from batching import (
     Outcome,
     RefusalReason,
     Refused,
+    ReleaseOrder,
     ReleaseReason,
     Request,
     group_key,
@@ -61,6 +70,7 @@ NAMES = ("a", "b", "c")
 class Gen:
     request: Request
     seq: int
+    charge: int  # prompt + charged new tokens
     subs: list[str] = field(default_factory=list)
 
     @property
@@ -77,7 +87,17 @@ class Flying:
     caller: str
     ptok: int
     subs: int
+    charge: int
+    open_ended: bool
     started: bool = False
+
+
+def release_key(order: ReleaseOrder, r: Request, seq: int) -> tuple[int, float, int]:
+    """order.py rules 1-2, written out again: priority, then arrival plus the length
+    class's tokens over the exchange rate, capped at max_delay, then admission."""
+    lc = order.length_class
+    cls = math.ceil(len(r.prompt_tokens) / lc) * lc
+    return (r.priority, r.arrival + min(cls / order.exchange_rate, order.max_delay), seq)
 
 
 POLICY = st.builds(
@@ -104,7 +124,9 @@ class BacklogMachine(RuleBasedStateMachine):
         step=st.sampled_from([0, 12, 40]),
         kv=st.sampled_from([0, 60, 150]),
         reserve=st.sampled_from([0.0, 0.0, 0.4]),
-        age=st.sampled_from([0.02, 0.05, math.inf]),
+        delay=st.sampled_from([0.0, 0.02, 0.05, 10.0]),
+        rate=st.sampled_from([100.0, 1000.0, math.inf]),
+        lclass=st.sampled_from([1, 16]),
         policies=st.lists(POLICY, min_size=3, max_size=3),
         dedupe=st.booleans(),
         lookahead=st.sampled_from([1.0, 2.0]),
@@ -116,7 +138,9 @@ class BacklogMachine(RuleBasedStateMachine):
         step: int,
         kv: int,
         reserve: float,
-        age: float,
+        delay: float,
+        rate: float,
+        lclass: int,
         policies: list[CallerPolicy],
         dedupe: bool,
         lookahead: float,
@@ -129,7 +153,7 @@ class BacklogMachine(RuleBasedStateMachine):
             release_lone=False,
             callers=self.callers,
             engine=EngineCapacity(max_seqs=seqs, step_tokens=step, kv_tokens=kv),
-            age_bound=age,
+            order=ReleaseOrder(rate, delay, lclass),
             kv_reserve_short=reserve,
             short_prompt_tokens=8,
             step_lookahead=lookahead,
@@ -148,6 +172,7 @@ class BacklogMachine(RuleBasedStateMachine):
         self.ended: set[str] = set()
         self.dispatched_now: set[str] = set()
         self.eligible = False  # a due() ran outside CRITICAL since the last add
+        self.estimate = {n: 256.0 for n in NAMES}  # coalescer.py rule 12, modelled
 
     # -- model helpers ---------------------------------------------------------
 
@@ -220,13 +245,21 @@ class BacklogMachine(RuleBasedStateMachine):
     @rule(
         caller=st.sampled_from(NAMES),
         plen=st.integers(0, 30),
-        new=st.integers(0, 10),
+        new=st.integers(0, 400),
         priority=st.integers(-1, 1),
         ttl=st.none() | st.sampled_from([0.01, 0.05]),
         fp=st.sampled_from([None, None, "g"]),
+        open_ended=st.booleans(),
     )
     def add(
-        self, caller: str, plen: int, new: int, priority: int, ttl: float | None, fp: str | None
+        self,
+        caller: str,
+        plen: int,
+        new: int,
+        priority: int,
+        ttl: float | None,
+        fp: str | None,
+        open_ended: bool,
     ) -> None:
         self.n += 1
         rid = f"r{self.n}"
@@ -241,6 +274,7 @@ class BacklogMachine(RuleBasedStateMachine):
             deadline=None if ttl is None else self.now + ttl,
             fingerprint=fp,
             caller=caller,
+            open_ended=open_ended,
         )
         got = self.co.add(r, self.now)
         p = self._policy(caller)
@@ -268,7 +302,8 @@ class BacklogMachine(RuleBasedStateMachine):
         assert got.joined == join
         if join is None:
             self.seq += 1
-            self.queued[rid] = Gen(r, self.seq)
+            est = min(new, max(1, round(self.estimate[caller])))
+            self.queued[rid] = Gen(r, self.seq, plen + (est if open_ended else new))
             self.eligible = False
         gid = join or rid
         self.queued[gid].subs.append(rid)
@@ -312,7 +347,9 @@ class BacklogMachine(RuleBasedStateMachine):
                 released.append(g)
         self._absorb(events)
         for g in released:
-            self.flying[g.request.id] = Flying(g.caller, g.ptok, len(g.subs))
+            self.flying[g.request.id] = Flying(
+                g.caller, g.ptok, len(g.subs), g.charge, g.request.open_ended
+            )
         self.eligible = True
         if released and self.queued:
             event("released some, held some")
@@ -322,15 +359,24 @@ class BacklogMachine(RuleBasedStateMachine):
             mc = self._policy(name).max_concurrency
             if got and mc is not None:
                 assert before[name] + got <= mc, (name, before[name], got, mc)
-        # Age bound: an overdue oldest request goes before anything younger of its caller.
+        # The aging bound: nothing released while a same-caller, same-priority
+        # generation that arrived more than max_delay before it is still held.
+        delay = self.cfg.order.max_delay
+        for g in released:
+            r = g.request
+            for h in self._backlog_of(g.caller):
+                hr = h.request
+                if hr.priority == r.priority and hr.arrival < r.arrival:
+                    event("released past an older held request")
+                    assert not hr.arrival + delay < r.arrival, (hr, r, delay)
+        # Release order within a caller: by key, among what fitted in its turn; a
+        # release with a larger key than a held one is only one the room let pass.
         for name in NAMES:
-            mine = self._backlog_of(name)
-            if not mine:
-                continue
-            oldest = min(mine, key=lambda g: g.seq)
-            if oldest.request.arrival + self.cfg.age_bound <= self.now:
-                event("overdue request held")
-                assert all(g.seq < oldest.seq for g in released if g.caller == name)
+            mine = [g for g in released if g.caller == name]
+            keys = [release_key(self.cfg.order, g.request, g.seq) for g in mine]
+            held = [release_key(self.cfg.order, h.request, h.seq) for h in self._backlog_of(name)]
+            if keys != sorted(keys) or (held and keys and max(keys) > min(held)):
+                event("key order bent by the room")
         self._check_work_conserving(released)
 
     def _check_work_conserving(self, released: list[Gen]) -> None:
@@ -347,24 +393,30 @@ class BacklogMachine(RuleBasedStateMachine):
             mine = self._backlog_of(name)
             if not mine or self._capped(name):
                 continue
-            oldest = min(mine, key=lambda g: g.seq)
-            overdue = oldest.request.arrival + self.cfg.age_bound <= self.now
-            head = (
-                oldest if overdue else min(mine, key=lambda g: (g.request.priority, g.ptok, g.seq))
-            )
-            if overdue:
-                blocked = not room.fits(head.ptok)
-            else:
-                blocked = not any(room.fits(g.ptok) for g in mine)
+            ranked = sorted(mine, key=lambda g: release_key(self.cfg.order, g.request, g.seq))
+            head = ranked[0]
+            blocked = not self._fits_rule_3(ranked, room)
             if blocked:
                 w = self._policy(name).weight
-                cost = (head.ptok + 2 * head.request.max_new_tokens) / w
+                cost = (head.ptok + 2 * (head.charge - head.ptok)) / w
                 floor = min(floor, self._counter(name) + max(cost, 1.0 / w))
             else:
                 unblocked.append(name)
         for name in unblocked:
             event("held: fairness floor")
             assert self._counter(name) >= floor, (name, self._counter(name), floor)
+
+    def _fits_rule_3(self, ranked: list[Gen], room: Room) -> bool:
+        """backlog.py rule 3: something among the first 32 in key order fits, that
+        arrived at most max_delay after each one before it."""
+        barrier = math.inf
+        for g in ranked[:32]:
+            if g.request.arrival > barrier:
+                return False
+            if room.fits(g.ptok):
+                return True
+            barrier = min(barrier, g.request.arrival + self.cfg.order.max_delay)
+        return False
 
     @precondition(lambda self: any(not f.started for f in self.flying.values()))
     @rule(data=st.data())
@@ -374,12 +426,15 @@ class BacklogMachine(RuleBasedStateMachine):
         self.flying[gid].started = True
 
     @precondition(lambda self: bool(self.flying))
-    @rule(data=st.data(), every=st.booleans(), tokens=st.integers(0, 10))
+    @rule(data=st.data(), every=st.booleans(), tokens=st.integers(0, 300))
     def finished(self, data: st.DataObject, every: bool, tokens: int) -> None:
         done = sorted(self.flying) if every else [data.draw(st.sampled_from(sorted(self.flying)))]
         for gid in done:
             assert self.co.finished(gid, self.now, tokens) is True
-            del self.flying[gid]
+            f = self.flying.pop(gid)
+            if f.open_ended:
+                est = self.estimate[f.caller]
+                self.estimate[f.caller] = est + (tokens - est) / 16
         assert self.co.finished("nope", self.now) is False
 
     @rule(state=st.sampled_from([AdmissionState.OK] * 6 + list(AdmissionState)))
@@ -396,9 +451,12 @@ class BacklogMachine(RuleBasedStateMachine):
         """No starvation: with the engine finishing everything, the backlog empties."""
         self.co.state = AdmissionState.OK
         for _ in range(len(self.queued) + 2):
-            for gid in list(self.flying):
+            for gid, f in list(self.flying.items()):
                 self.co.started(gid, self.now)
                 self.co.finished(gid, self.now, 1)
+                if f.open_ended:
+                    est = self.estimate[f.caller]
+                    self.estimate[f.caller] = est + (1 - est) / 16
             self.flying.clear()
             self.due(0.01, 0.0)
             if not self.queued:
@@ -426,6 +484,9 @@ class BacklogMachine(RuleBasedStateMachine):
             assert s.in_flight == self._flying_of(name)
             if self.eligible:
                 assert s.backlog == len(self._backlog_of(name))
+        charged = sum(g.charge for g in self.queued.values())
+        charged += sum(f.charge for f in self.flying.values())
+        assert co.pending_tokens == charged, (co.pending_tokens, charged)
         c = co.counters
         assert c.dispatched + c.cancelled + c.expired + c.rejected == len(self.ended)
         assert c.admitted == len(self.ended) + len(self.sub_gen)
@@ -450,16 +511,16 @@ class FairnessMachine(RuleBasedStateMachine):
         seqs=st.integers(1, 4),
         step=st.sampled_from([0, 20, 60]),
         kv=st.sampled_from([0, 80, 200]),
-        age=st.sampled_from([0.05, math.inf]),
+        delay=st.sampled_from([0.0, 0.05, 10.0]),
     )
-    def setup(self, seqs: int, step: int, kv: int, age: float) -> None:
+    def setup(self, seqs: int, step: int, kv: int, delay: float) -> None:
         self.slots = seqs
         self.co = Coalescer(
             CoalescerConfig(
                 window=0.0,
                 release_lone=False,
                 engine=EngineCapacity(max_seqs=seqs, step_tokens=step, kv_tokens=kv),
-                age_bound=age,
+                order=ReleaseOrder(max_delay=delay),
             )
         )
         self.now = 0.0
@@ -487,7 +548,10 @@ class FairnessMachine(RuleBasedStateMachine):
                     plen //= 3  # that finds no room while b still fits
                 self.n += 1
                 rid = f"{name}{self.n}"
-                r = Request(rid, M, (self.n,) * plen, new, self.now, caller=name)
+                # Every third request is open-ended: charged its caller's estimate.
+                r = Request(
+                    rid, M, (self.n,) * plen, new, self.now, caller=name, open_ended=self.n % 3 == 0
+                )
                 assert isinstance(self.co.add(r, self.now), Admitted)
                 self.owner[rid] = name
                 self.backlog[name] += 1
@@ -543,6 +607,53 @@ class FairnessMachine(RuleBasedStateMachine):
 
 TestFairnessMachine = FairnessMachine.TestCase
 TestFairnessMachine.settings = settings(
+    max_examples=200,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+class AgingMachine(BacklogMachine):
+    """The backlog machine's checks, aimed at the aging bound: mostly one caller and
+    one priority, prompts of 1-120 tokens that often do not fit a small engine's step
+    and KV room, and a clock that moves between arrivals, so that short prompts pass
+    long ones and a long head waits for room (backlog.py rule 3)."""
+
+    @initialize(
+        seqs=st.integers(1, 3),
+        step=st.sampled_from([0, 40, 100]),
+        kv=st.sampled_from([0, 150, 300]),
+        delay=st.sampled_from([0.0, 0.02, 0.1]),
+        rate=st.sampled_from([100.0, 1000.0]),
+        lclass=st.sampled_from([1, 16]),
+    )
+    def setup(  # type: ignore[override]
+        self, seqs: int, step: int, kv: int, delay: float, rate: float, lclass: int
+    ) -> None:
+        plain = CallerPolicy("x")
+        super().setup(seqs, step, kv, 0.0, delay, rate, lclass, [plain] * 3, False, 1.0, 0.0)
+
+    @rule(
+        caller=st.sampled_from(["a", "a", "a", "b"]),
+        plen=st.integers(1, 120),
+        new=st.integers(0, 400),
+        dt=st.sampled_from([0.0, 0.01, 0.05]),
+        open_ended=st.booleans(),
+    )
+    def add(  # type: ignore[override]
+        self, caller: str, plen: int, new: int, dt: float, open_ended: bool
+    ) -> None:
+        self.now += dt
+        BacklogMachine.add(self, caller, plen, new, 0, None, None, open_ended)
+
+    @rule()
+    def cancel(self) -> None:  # type: ignore[override]
+        """No cancels here: every generation stays until it is released."""
+
+
+TestAgingMachine = AgingMachine.TestCase
+TestAgingMachine.settings = settings(
     max_examples=200,
     stateful_step_count=60,
     deadline=None,

@@ -149,3 +149,49 @@ def test_set_callers_applies_new_limits_and_keeps_queued_work() -> None:
     assert [e.request.id for b in co.due(1.1) for e in b.entries] == ["a1", "a2"]
     co.set_callers(Callers((CallerPolicy("a", tokens_per_minute=60),)))
     refused(co.add(req("big", prompt=50, new=20), 1.2), RefusalReason.TOO_LARGE)
+
+
+def open_ended(rid: str, caller: str = "a", prompt: int = 100, now: float = 0.0) -> Request:
+    """A request without max_tokens: it may run to the end of a 40k context."""
+    return Request(
+        rid, M, tuple(range(prompt)), 40_000 - prompt, now, caller=caller, open_ended=True
+    )
+
+
+def test_a_request_without_max_tokens_is_charged_its_callers_estimate() -> None:
+    # Below the context length: charged prompt + max_new it would be TOO_LARGE.
+    co = co_(CallerPolicy("a", tokens_per_minute=6000), max_pending_tokens=1000)
+    assert isinstance(co.add(open_ended("a1"), 0.0), Admitted)
+    assert co.pending_tokens == 100 + 256  # no finish yet: the default estimate
+    co.due(0.0)
+    co.finished("a1", 1.0, tokens=16)  # the mean moves 1/16 of the way to 16
+    assert isinstance(co.add(open_ended("a2", now=1.0), 1.0), Admitted)
+    assert co.pending_tokens == 100 + 241  # 256 + (16 - 256) / 16 = 241
+    # Requests with max_tokens are charged it, and do not move the estimate.
+    assert isinstance(co.add(req("a3", prompt=10, new=5, now=1.0), 1.0), Admitted)
+    co.due(1.0)
+    co.finished("a3", 2.0, tokens=5)
+    assert co.pending_tokens == 100 + 241
+
+
+def test_the_estimate_is_settled_at_finish_both_ways() -> None:
+    co = co_(CallerPolicy("a", tokens_per_minute=600))  # 10 tokens per second
+    assert isinstance(co.add(open_ended("a1"), 0.0), Admitted)  # takes 356 of 600
+    co.due(0.0)
+    co.finished("a1", 0.0, tokens=500)  # 244 more than charged: the bucket pays them
+    # 600 - 356 - 244 = 0 left: even a 1-token request waits for the refill.
+    r = refused(co.add(req("b", prompt=1, new=0), 0.0))
+    assert r.retry_after == pytest.approx(0.1)
+    co2 = co_(CallerPolicy("a", tokens_per_minute=600))
+    co2.add(open_ended("c1"), 0.0)
+    co2.due(0.0)
+    co2.finished("c1", 0.0, tokens=6)  # 250 unused come back: 600 - 106 = 494 left
+    assert isinstance(co2.add(req("c2", prompt=400, new=94), 0.0), Admitted)
+    refused(co2.add(req("c3", prompt=1, new=0), 0.0))
+
+
+def test_the_estimate_is_bounded_by_what_the_request_may_generate() -> None:
+    co = co_()
+    r = Request("short", M, (1, 2, 3), 5, 0.0, open_ended=True)  # 5 tokens of context left
+    assert isinstance(co.add(r, 0.0), Admitted)
+    assert co.pending_tokens == 3 + 5

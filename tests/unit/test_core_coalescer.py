@@ -270,13 +270,23 @@ def test_batches_never_mix_group_keys() -> None:
 
 def test_order_is_priority_then_shorter_prompt_then_arrival() -> None:
     co = Coalescer(cfg())
-    co.add(req("p1-long", prompt=9, priority=1), 0.0)
-    co.add(req("p0-long", prompt=9), 0.0)
+    co.add(req("p1-long", prompt=100, priority=1), 0.0)
+    co.add(req("p0-long", prompt=100), 0.0)
     co.add(req("p0-short-1", prompt=3), 0.0)
     co.add(req("p0-short-2", prompt=3), 0.0)
-    co.add(req("urgent", prompt=50, priority=-1), 0.0)
+    co.add(req("urgent", prompt=500, priority=-1), 0.0)
     [b] = co.due(0.010)
     assert ids(b) == ["urgent", "p0-short-1", "p0-short-2", "p0-long", "p1-long"]
+
+
+def test_the_window_cut_keeps_near_equal_prompts_first_come_first_served() -> None:
+    # 64 and 60 tokens are one length class (16 tokens): arrival order decides.
+    co = Coalescer(cfg())
+    co.add(req("64-first", prompt=64), 0.0)
+    co.add(req("60-second", 0.001, prompt=60), 0.001)
+    co.add(req("65-third", 0.002, prompt=65), 0.002)
+    [b] = co.due(0.010)
+    assert ids(b) == ["64-first", "60-second", "65-third"]
 
 
 def test_split_takes_in_order() -> None:
@@ -284,7 +294,7 @@ def test_split_takes_in_order() -> None:
     co.add(req("low", priority=5), 0.0)
     co.add(req("high", priority=0), 0.0)
     co.add(req("x", priority=5), 0.0)
-    co.add(req("y", priority=1, prompt=9), 0.0)
+    co.add(req("y", priority=1, prompt=90), 0.0)
     co.add(req("z", priority=1, prompt=2), 0.0)
     # Caps were reached; the rest (under the caps) keeps waiting for its window.
     got = co.due(0.0)
@@ -445,3 +455,18 @@ def test_reject_queued_ends_everything_queued() -> None:
     assert co.next_deadline() is None and co.due(10.0) == []
     assert co.counters.rejected == 2
     assert isinstance(co.add(req("a", 0.3), 0.3), Admitted)  # the ids are free again
+
+
+def test_next_deadline_is_a_query_and_skips_what_left() -> None:
+    co = Coalescer(cfg())
+    co.add(req("a", 0.0, deadline=5.0), 0.0)
+    co.add(req("b", 0.004), 0.004)
+    heaps = (list(co._wheap), list(co._xheap))
+    assert co.next_deadline() == pytest.approx(0.010)
+    assert co.next_deadline() == pytest.approx(0.010)
+    assert (list(co._wheap), list(co._xheap)) == heaps  # nothing was touched
+    # A cancel leaves the heaps' tops live: the next deadline is b's window.
+    assert co.cancel("a", 0.005)
+    assert co.next_deadline() == pytest.approx(0.014)
+    co.due(0.014)
+    assert co.next_deadline() is None

@@ -9,7 +9,9 @@ configs, and checks after every step:
 * refusals happen exactly when the model says they must (no spurious ones), dedupe
   joins exactly the generation the model expects;
 * no batch mixes keys or exceeds the caps (except a lone oversize request), and each
-  batch is ordered by (priority, prompt length, admission order);
+  batch is ordered by the release key (priority, then arrival + the prompt's length
+  class over the exchange rate, capped at max_delay, then admission order: order.py,
+  recomputed here from that definition);
 * after `due(now)` no subscriber is left queued past its window, unless the state is
   CRITICAL; the same holds from the first `due()` on for a generation admitted after a quiet
   spell longer than the window (the lone-arrival rule);
@@ -41,6 +43,7 @@ from batching import (
     Outcome,
     RefusalReason,
     Refused,
+    ReleaseOrder,
     ReleaseReason,
     Request,
     group_key,
@@ -72,6 +75,12 @@ class CoalescerMachine(RuleBasedStateMachine):
         dedupe=st.booleans(),
         adaptive=st.booleans(),
         lone=st.booleans(),
+        order=st.builds(
+            ReleaseOrder,
+            st.sampled_from([100.0, 1000.0, math.inf]),
+            st.sampled_from([0.0, 0.005, 1.0]),
+            st.sampled_from([1, 16]),
+        ),
     )
     def setup(
         self,
@@ -83,8 +92,10 @@ class CoalescerMachine(RuleBasedStateMachine):
         dedupe: bool,
         adaptive: bool,
         lone: bool,
+        order: ReleaseOrder,
     ) -> None:
         self.cfg = CoalescerConfig(
+            order=order,
             window=window,
             max_batch_seqs=seqs,
             max_batch_tokens=toks,
@@ -171,10 +182,14 @@ class CoalescerMachine(RuleBasedStateMachine):
         prompt = sum(len(e.request.prompt_tokens) for e in b.entries)
         assert prompt <= cfg.max_batch_tokens or len(b.entries) == 1
         assert b.tokens == sum(e.request.tokens for e in b.entries)
-        order = [
-            (e.request.priority, len(e.request.prompt_tokens), self.queued[e.request.id].seq)
-            for e in b.entries
-        ]
+        o = cfg.order
+        order = []
+        for e in b.entries:
+            r = e.request
+            cls = math.ceil(len(r.prompt_tokens) / o.length_class) * o.length_class
+            start = r.arrival + min(cls / o.exchange_rate, o.max_delay)
+            order.append((r.priority, start, self.queued[r.id].seq))
+            assert e.order[:2] == order[-1][:2]  # the key the driver hands to vLLM
         assert order == sorted(order)
         for e in b.entries:
             gid = e.request.id

@@ -68,7 +68,7 @@ def test_config_rejects_invalid_values(kwargs: dict[str, float]) -> None:
 def test_fast_constructors_match_the_dataclasses() -> None:
     key = group_key("m")
     req = Request("r", key, (1,), 1, 0.0)
-    e = _fast.entry(req, ("r",))
+    e = _fast.entry(req, ("r",), (0, 0.0, 0))
     assert e == Entry(req, ("r",)) and type(e) is Entry
     assert _fast.ended("r", Outcome.EXPIRED, 0.5, 1.0, "c") == Ended(
         "r", Outcome.EXPIRED, 0.5, 1.0, "c"

@@ -1,0 +1,117 @@
+"""The release key on the real engine: short-first, but a long prompt is never
+passed by work that arrived more than `--short-first-max-delay` after it.
+
+The demo engine gets one running slot (`--max-num-seqs 1`), so Sluice releases
+one generation at a time and the order in which requests finish is the order of
+release. A blocker holds the slot while a long prompt and then a short request
+every 0.25 s arrive; closing the blocker's stream aborts it, and the backlog
+drains in key order. With 100 tokens per second of exchange rate and a 2 s
+ceiling, a 16-token class costs 0.16 s and the 400-token prompt 2 s: the short
+requests sent in the first ~1.8 s after it go first, every one sent more than
+2 s after it goes after it (order.py rule 3). No timing bound on the engine is
+assumed: the checks are on order only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support import SluiceProcess, metric
+
+pytestmark = pytest.mark.engine
+
+MODEL = "sluice-demo"
+MAX_DELAY = 2.0
+SHORTS = 16
+GAP = 0.25  # seconds between short requests
+SLACK = 0.3  # around the bound: client and server clocks differ by a hop
+
+
+@pytest.fixture(scope="module")
+def one_slot(
+    demo_cache_root: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SluiceProcess]:
+    tmp = tmp_path_factory.mktemp("order")
+    proc = SluiceProcess(
+        [
+            "--max-num-seqs",
+            "1",
+            "--short-first-rate",
+            "100",
+            "--short-first-max-delay",
+            str(MAX_DELAY),
+            "--log-format",
+            "plain",
+        ],
+        cache_dir=demo_cache_root,
+        log_path=tmp / "sluice.log",
+    )
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+async def _one(
+    client: httpx.AsyncClient, base: str, prompt: int, finished: list[str], name: str
+) -> None:
+    body = {"model": MODEL, "prompt": [11 + i % 900 for i in range(prompt)], "max_tokens": 1}
+    r = await client.post(base + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    finished.append(name)
+
+
+async def test_a_long_prompt_is_passed_only_within_the_max_delay(one_slot: SluiceProcess) -> None:
+    base = one_slot.base
+    finished: list[str] = []
+    sent: dict[str, float] = {}
+    async with httpx.AsyncClient(timeout=120) as client:
+        blocker_body = {
+            "model": MODEL,
+            "prompt": [5, 6, 7],
+            "max_tokens": 4000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        async with client.stream("POST", base + "/v1/completions", json=blocker_body) as blocker:
+            assert blocker.status_code == 200
+            lines = blocker.aiter_lines()
+            async for line in lines:  # it runs: the one slot is taken
+                if line.startswith("data: {"):
+                    break
+            tasks = []
+            sent["long"] = time.monotonic()
+            tasks.append(asyncio.create_task(_one(client, base, 400, finished, "long")))
+            for i in range(SHORTS):
+                # Wait on the clock, not a fixed sleep for sequencing: each short
+                # request goes at its own offset from the long one.
+                due = sent["long"] + (i + 1) * GAP
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
+                sent[f"s{i}"] = time.monotonic()
+                tasks.append(asyncio.create_task(_one(client, base, 8, finished, f"s{i}")))
+            held = await asyncio.to_thread(metric, base, "sluice_backlog_generations")
+            assert not finished, "the blocker did not hold the slot"
+        # Leaving the stream aborts the blocker; the backlog drains in key order.
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+
+    at = finished.index("long")
+    before = [n for n in finished[:at] if n != "long"]
+    after = finished[at + 1 :]
+    offset = {n: sent[n] - sent["long"] for n in sent}
+    print(
+        f"backlog held {held:.0f}; finished before the long prompt: "
+        f"{[f'{offset[n]:.2f}' for n in before]}; after: {[f'{offset[n]:.2f}' for n in after]}"
+    )
+    assert held >= SHORTS  # they all waited in Sluice's backlog
+    # Short-first: those sent soon after the long prompt went ahead of it ...
+    assert any(offset[n] > 0 for n in before), finished
+    # ... but none sent more than the bound after it did.
+    assert all(offset[n] <= MAX_DELAY + SLACK for n in before), (before, offset)
+    assert all(n in after for n in offset if offset[n] > MAX_DELAY + SLACK), (after, offset)
