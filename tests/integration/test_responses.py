@@ -70,8 +70,11 @@ def test_create_get_delete(client: openai.OpenAI) -> None:
 
 
 def test_thinking_comes_back_as_a_reasoning_item(client: openai.OpenAI) -> None:
-    # The demo model never writes </think>: all its output is thinking.
-    r = client.responses.create(model=MODEL, input=ASK, max_output_tokens=8)
+    # The demo model never writes </think>: all its output is thinking (asked
+    # for: thinking is off by default for the demo model).
+    r = client.responses.create(
+        model=MODEL, input=ASK, reasoning={"effort": "medium"}, max_output_tokens=8
+    )
     assert r.status == "incomplete" and r.incomplete_details is not None
     assert r.incomplete_details.reason == "max_output_tokens"
     assert [o.type for o in r.output] == ["reasoning"]
