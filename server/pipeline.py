@@ -22,12 +22,13 @@ several tokens in one write rather than a backlog of small ones.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from aiohttp import web
 
@@ -53,6 +54,7 @@ from server.state import (
 __all__ = [
     "Encoder",
     "Job",
+    "KeepAlive",
     "Trace",
     "generation_endpoint",
     "json_response",
@@ -98,6 +100,7 @@ class Trace:
     stream: bool = False
     error: str | None = None
     caller: str | None = None  # None until known (from the key, or after parsing)
+    cached: dict[int, int] = field(default_factory=dict)  # prefix-cache hits per prompt
 
     def first_token(self) -> None:
         if self.ttft is None:
@@ -149,6 +152,17 @@ class Encoder(Protocol[C]):
     def stream_delta(self, choice: int, delta: CompletionDelta) -> bytes: ...
     def stream_end(self, usage: Usage) -> bytes: ...
     def stream_error(self, err: SluiceError) -> bytes: ...
+
+
+@runtime_checkable
+class KeepAlive(Protocol):
+    """An encoder whose API wants a frame while a stream is quiet (Anthropic's `ping`).
+
+    `keepalive()` gives the idle seconds after which the frame goes out, and
+    the frame. Encoders without it (OpenAI's) send nothing between tokens.
+    """
+
+    def keepalive(self) -> tuple[float, bytes]: ...
 
 
 # An endpoint's own step: parse the body and tokenize, into a Job and its encoder.
@@ -249,7 +263,13 @@ async def _run(request: web.Request, tr: Trace, job: Job, enc: Encoder[Any]) -> 
 
 
 def _usage(tr: Trace) -> Usage:
-    return Usage(tr.prompt_tokens, tr.completion_tokens)
+    return Usage(tr.prompt_tokens, tr.completion_tokens, sum(tr.cached.values()))
+
+
+def _note_cached(tr: Trace, prompt: int, out: EngineOutput) -> None:
+    """Keep the engine's prefix-cache hits of a prompt (every output repeats them)."""
+    if out.num_cached_tokens:
+        tr.cached[prompt] = out.num_cached_tokens
 
 
 def _submit(request: web.Request, tr: Trace, job: Job) -> list[Ticket]:
@@ -336,6 +356,7 @@ async def _gather(
     reasons: list[str | None] = [None] * total
     async for pi, out in _merged(gens, tr.tickets):
         tr.first_token()
+        _note_cached(tr, pi, out)
         for c in out.outputs:
             idx = pi * n + c.index
             texts[idx].append(c.text)
@@ -353,24 +374,67 @@ async def _stream(
     n = job.sampling.n
     resp = web.StreamResponse(headers={**_SSE_HEADERS, "x-request-id": tr.rid})
     await resp.prepare(request)
+    keepalive = enc.keepalive() if isinstance(enc, KeepAlive) else None
     try:
-        if head := enc.stream_head():
-            await resp.write(head)
-        async for pi, out in _merged(gens, tr.tickets):
-            tr.first_token()
-            parts = []
-            for c in out.outputs:
-                tr.completion_tokens += len(c.token_ids)
-                if frame := enc.stream_delta(pi * n + c.index, c):
-                    parts.append(frame)
-            if parts:
-                await resp.write(b"".join(parts))
+        async with _keepalive(resp, keepalive) as wrote:
+            if head := enc.stream_head():
+                await resp.write(head)
+            async for pi, out in _merged(gens, tr.tickets):
+                tr.first_token()
+                _note_cached(tr, pi, out)
+                parts = []
+                for c in out.outputs:
+                    tr.completion_tokens += len(c.token_ids)
+                    if frame := enc.stream_delta(pi * n + c.index, c):
+                        parts.append(frame)
+                if parts:
+                    await resp.write(b"".join(parts))
+                    wrote()
+        # After the beat stopped: nothing may follow the closing frames.
         await resp.write(enc.stream_end(_usage(tr)))
     except SluiceError as err:
         # Headers are gone: the error travels as the stream's last frames.
         tr.status, tr.error = err.status, err.code or err.message[:80]
         await resp.write(enc.stream_error(err))
     return resp
+
+
+@contextlib.asynccontextmanager
+async def _keepalive(
+    resp: web.StreamResponse, keepalive: tuple[float, bytes] | None
+) -> AsyncIterator[Callable[[], None]]:
+    """Write the keepalive frame whenever the stream has been quiet for its
+    idle time, until the block ends; the block calls the yielded function
+    after each write of its own. The beat task is owned here: cancelled and
+    awaited on the way out (not a TaskGroup, which would wrap the block's
+    SluiceError in an ExceptionGroup)."""
+    if keepalive is None:
+        yield lambda: None
+        return
+    idle, frame = keepalive
+    last = time.monotonic()
+
+    def wrote() -> None:
+        nonlocal last
+        last = time.monotonic()
+
+    async def beat() -> None:
+        while True:
+            wait = last + idle - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue
+            await resp.write(frame)
+            wrote()
+
+    task = asyncio.create_task(beat())
+    try:
+        yield wrote
+    finally:
+        task.cancel()
+        await asyncio.wait([task])
+        if not task.cancelled():
+            task.exception()  # a failed write: the block's own write reports it
 
 
 def _finish_trace(request: web.Request, tr: Trace) -> None:

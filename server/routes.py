@@ -16,6 +16,7 @@ from aiohttp import web
 
 from server.endpoints import check_model, prepare_chat, prepare_completion, read_body
 from server.errors import SluiceError
+from server.messages import count_tokens, prepare_messages
 from server.metrics import CONTENT_TYPE
 from server.pipeline import check_accepting, generation_endpoint, json_response, request_id
 from server.protocol import models_body, parse_chat
@@ -108,6 +109,8 @@ async def detokenize(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", generation_endpoint("chat", prepare_chat))
     app.router.add_post("/v1/completions", generation_endpoint("completions", prepare_completion))
+    app.router.add_post("/v1/messages", generation_endpoint("messages", prepare_messages))
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
