@@ -19,7 +19,9 @@ tokens as through vLLM's server):
    before the turn's text; an assistant's ``tool_use`` blocks become its tool
    calls and its ``thinking`` blocks its reasoning; ``redacted_thinking`` is
    dropped. ``image``, ``document`` and any other block: a 400 naming it.
-3. ``max_tokens`` is required (except for count_tokens), as in Anthropic's API.
+3. ``max_tokens`` is required (except for count_tokens), as in Anthropic's API,
+   and is a ceiling: the server's cap and the context's room lower it
+   (Claude Code sends 32000 whatever the model) instead of a 400.
 4. ``thinking``: ``enabled`` / ``adaptive`` turn Qwen3's thinking on,
    ``disabled`` off, absent keeps the server default; ``budget_tokens`` is
    accepted and ignored (the template has a switch, not a budget).
@@ -307,9 +309,11 @@ def _stop_sequences(obj: dict[str, Any], limits: Limits) -> tuple[str, ...]:
 
 
 def _max_tokens(obj: dict[str, Any], limits: Limits, required: bool) -> int | None:
-    value = get_int(obj, "max_tokens", MISSING, lo=1, hi=limits.max_tokens_cap or 2**63 - 1)
+    """A ceiling, not a demand: above the server's cap it is the cap (and the
+    context's room lowers it further, see `chat_job(fit_context=True)`)."""
+    value = get_int(obj, "max_tokens", MISSING, lo=1)
     if value is not MISSING:
-        return int(value)
+        return min(int(value), limits.max_tokens_cap or int(value))
     if required:
         raise SluiceError(
             "'max_tokens' is required",
