@@ -279,14 +279,29 @@ pieces = st.lists(
 
 
 def _assembled(frames: bytes) -> Any:
+    """The client's snapshot, after checking the order the API promises: one
+    block open at a time, each started and stopped once, in index order, all
+    closed before message_delta."""
     snapshot = None
     bufs: dict[int, bytes] = {}
+    open_block: int | None = None
+    started = 0
     for frame in frames.decode().split("\n\n"):
         if not frame:
             continue
         kind, data = frame.split("\n")
         payload = orjson.loads(data.removeprefix("data: "))
         assert kind == f"event: {payload['type']}"
+        if payload["type"] == "content_block_start":
+            assert open_block is None and payload["index"] == started
+            open_block, started = started, started + 1
+        elif payload["type"] == "content_block_delta":
+            assert payload["index"] == open_block
+        elif payload["type"] == "content_block_stop":
+            assert payload["index"] == open_block
+            open_block = None
+        elif payload["type"] == "message_delta":
+            assert open_block is None
         snapshot = accumulate_event(
             event=_EVENTS.validate_python(payload), current_snapshot=snapshot, json_bufs=bufs
         )
