@@ -23,6 +23,7 @@ from server.protocol.anthropic import (
     MessagesChoice,
     MessagesStream,
     cut_stop,
+    event,
     message_body,
     parse_messages,
     stop_reason,
@@ -258,6 +259,20 @@ def test_stop_reasons() -> None:
     assert cut_stop("abc END", "stop", ("X", "END", "D")) == ("abc ", "END")
     assert cut_stop("abc END", "length", ("END",)) == ("abc END", None)
     assert cut_stop("abc", "stop", ("END",)) == ("abc", None)
+
+
+@given(st.text(), st.sampled_from(["text", "thinking"]), st.integers(0, 3))
+def test_spliced_deltas_equal_the_general_event(text: str, kind: str, blocks: int) -> None:
+    enc = MessagesStream("msg_1", "m")
+    for _ in range(blocks):
+        enc.tool_calls([ToolCallDelta(len(enc._calls), "i", "f")])
+    frames = enc.text(text) if kind == "text" else enc.thinking(text)
+    if text:
+        delta = {"type": f"{kind}_delta", kind: text}
+        want = event({"type": "content_block_delta", "index": blocks, "delta": delta})
+        assert frames.endswith(want)
+    else:
+        assert frames == b""
 
 
 def test_body_is_a_valid_anthropic_message() -> None:
