@@ -252,3 +252,24 @@ async def test_max_tokens_above_the_room_left_is_lowered_to_it(make_client: Any)
         counted = await ac.messages.count_tokens(model="fake", messages=HI)
     assert msg.stop_reason == "max_tokens"
     assert msg.usage.output_tokens == engine.max_model_len - counted.input_tokens
+
+
+async def test_engine_death_mid_stream_is_an_error_event(make_client: Any) -> None:
+    client, _, engine = await make_client(engine=FakeEngine(step=0.02), warmup=False)
+    resp = await client.post(
+        "/v1/messages",
+        json={"model": "fake", "max_tokens": 200, "messages": HI, "stream": True},
+    )
+    assert resp.status == 200
+    head = await resp.content.readline()  # message_start is out: headers are gone
+    for _ in range(250):
+        if [r for r in engine._producers if not r.startswith("warmup-")]:
+            break
+        await asyncio.sleep(0.02)
+    engine.kill()
+    frames = [f for f in (head + await resp.content.read()).decode().split("\n\n") if f]
+    kind, data = frames[-1].split("\n")
+    assert kind == "event: error"
+    err = orjson.loads(data.removeprefix("data: "))
+    assert err["type"] == "error" and err["error"]["type"] == "overloaded_error"
+    assert "died" in err["error"]["message"]
