@@ -23,14 +23,14 @@ from server.engine_api import ChatParser, ChoiceParser, CompletionDelta
 from server.errors import SluiceError
 from server.pipeline import Encoder, Job, Trace, check_accepting, json_response, request_id
 from server.protocol import ChatRequest, TokenLogprob, Usage
-from server.protocol.anthropic import (
+from server.protocol.anthropic import parse_messages
+from server.protocol.anthropic_events import (
     PING,
     MessagesChoice,
     MessagesStream,
     StopReason,
     cut_stop,
     message_body,
-    parse_messages,
     stop_reason,
 )
 from server.reasoning import ReasoningSplitter, split_reasoning

@@ -19,13 +19,13 @@ from pydantic import TypeAdapter
 
 from server.errors import SluiceError
 from server.protocol import Limits, Message, ToolCall, ToolChoice, Usage, parse_chat
-from server.protocol.anthropic import (
+from server.protocol.anthropic import parse_messages
+from server.protocol.anthropic_events import (
     MessagesChoice,
     MessagesStream,
     cut_stop,
     event,
     message_body,
-    parse_messages,
     stop_reason,
 )
 from server.protocol.responses import ToolCallDelta
