@@ -273,3 +273,19 @@ async def test_engine_death_mid_stream_is_an_error_event(make_client: Any) -> No
     err = orjson.loads(data.removeprefix("data: "))
     assert err["type"] == "error" and err["error"]["type"] == "overloaded_error"
     assert "died" in err["error"]["message"]
+
+
+async def test_stop_sequence_is_named_and_cut_from_the_text(make_client: Any) -> None:
+    # As vLLM with include_stop_str_in_output: the text ends with the stop string
+    # (the fake says at most three pieces when a request has stop strings).
+    client, _, _ = await make_client(FakeEngine(script=("Hello wor", "ld", " END")))
+    async with client_for(client) as ac:
+        msg = await ac.messages.create(
+            model="fake",
+            max_tokens=20,
+            messages=HI,
+            stop_sequences=["END", "ld END"],
+            thinking={"type": "disabled"},
+        )
+    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == "ld END"
+    assert msg.content[0].text == "Hello wor"  # type: ignore[union-attr]
