@@ -190,6 +190,10 @@ class CallerDirectory:
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer":
             return None
+        return self.identify(token)
+
+    def identify(self, token: str) -> str | None:
+        """The caller whose key is `token` (a bearer token or an `x-api-key`); None: 401."""
         token = token.strip()
         if self.table is not None:
             return self.table.identify(token)

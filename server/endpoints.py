@@ -119,11 +119,15 @@ class ChatJob:
     prompt_ids: tuple[int, ...]
 
 
-async def chat_job(request: web.Request, req: ChatRequest) -> ChatJob:
+async def chat_job(request: web.Request, req: ChatRequest, *, fit_context: bool = False) -> ChatJob:
     """The steps every chat-shaped API shares once its body is a ChatRequest:
     the model check, the tool parser, the constraint check, rendering and
     tokenizing through the engine's chat template, and the context check.
-    OpenAI chat, Anthropic Messages and OpenAI Responses all come through here."""
+    OpenAI chat, Anthropic Messages and OpenAI Responses all come through here.
+
+    `fit_context`: max_tokens is a ceiling that the room left in the context
+    lowers instead of a 400 (Anthropic's reading: Claude Code asks for 32000
+    whatever the model); the prompt itself must still fit."""
     check_model(request, req.model)
     engine = request.app[ENGINE]
     # With tools, vLLM's parsers read the output (calls and the thinking
@@ -138,7 +142,10 @@ async def chat_job(request: web.Request, req: ChatRequest) -> ChatJob:
     if sampling.constraint is not None:
         await engine.check_constraint(sampling.constraint)
     ids = (await engine.tokenize_chat([(req.messages, req.template_kwargs())]))[0]
-    max_tokens = check_context(len(ids), sampling.max_tokens, engine.info.max_model_len)
+    limit = sampling.max_tokens
+    if fit_context and limit is not None:
+        limit = min(limit, max(1, engine.info.max_model_len - len(ids)))
+    max_tokens = check_context(len(ids), limit, engine.info.max_model_len)
     job = Job(
         model=req.model,
         prompts=(tuple(ids),),

@@ -74,6 +74,8 @@ class CompletionDelta(Protocol):
     def finish_reason(self) -> str | None: ...
     @property
     def logprobs(self) -> Any: ...  # vLLM: list of {token_id: Logprob} per token, or None
+    @property
+    def stop_reason(self) -> int | str | None: ...  # the stop string or token that ended it
 
 
 class EngineOutput(Protocol):
@@ -83,6 +85,8 @@ class EngineOutput(Protocol):
     def outputs(self) -> Sequence[CompletionDelta]: ...
     @property
     def finished(self) -> bool: ...
+    @property
+    def num_cached_tokens(self) -> int | None: ...  # prompt tokens the prefix cache held
 
 
 class OutputStream(Protocol):

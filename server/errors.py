@@ -2,7 +2,9 @@
 
 Like h11's ``error_status_hint``: the code that detects a problem says which
 status it deserves; one middleware (server/middleware.py) turns any SluiceError into
-an OpenAI-shaped body ``{"error": {"message", "type", "param", "code"}}``.
+an OpenAI-shaped body ``{"error": {"message", "type", "param", "code"}}``, or on
+Anthropic's paths (/v1/messages*) Anthropic's ``{"type": "error", "error":
+{"type", "message"}}`` with Anthropic's statuses (``anthropic_status``).
 Anything else that escapes a handler becomes a 500 without a stack trace.
 """
 
@@ -21,6 +23,20 @@ _TYPES = {
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
+}
+
+# Anthropic's error "type" strings, by the status Anthropic answers with
+# (docs.anthropic.com/en/api/errors). 529 is Anthropic's "overloaded", the
+# status its clients retry where OpenAI's API answers 503.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
 }
 
 
@@ -58,6 +74,21 @@ class SluiceError(Exception):
                 "code": self.code,
             }
         }
+
+    @property
+    def anthropic_status(self) -> int:
+        """The status on Anthropic's paths: 503 (draining, shedding, no engine) is 529."""
+        return 529 if self.status == 503 else self.status
+
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's shape has no ``param``: the message names the field
+        first, as Anthropic's own do (``messages.0.content: ...``)."""
+        status = self.anthropic_status
+        kind = _ANTHROPIC_TYPES.get(
+            status, "api_error" if status >= 500 else "invalid_request_error"
+        )
+        message = f"{self.param}: {self.message}" if self.param else self.message
+        return {"type": "error", "error": {"type": kind, "message": message}}
 
     def headers(self) -> dict[str, str]:
         if self.retry_after is None:

@@ -3,9 +3,11 @@ errors, then the API key.
 
 Why this module exists: a request's id is assigned, echoed and logged in one
 place for every route (probes, /metrics and the page included); a refusal is
-made in one place (`SluiceError`, raised anywhere) and turned into an
-OpenAI-shaped JSON body in one place (here); authentication is checked once
-for every protected path rather than by each handler remembering to.
+made in one place (`SluiceError`, raised anywhere) and turned into a JSON
+error body in one place (here), in the shape of the path's API: Anthropic's
+on /v1/messages*, OpenAI's everywhere else; authentication is checked once
+for every protected path rather than by each handler remembering to (the key
+arrives as `Authorization: Bearer` or as Anthropic's `x-api-key`).
 `install` wires all of it into an app, in that order.
 """
 
@@ -26,6 +28,7 @@ from server.errors import SluiceError
 from server.state import ACCESS, CALLER, CALLERS, METRICS, REQUEST_ID, Access
 
 __all__ = [
+    "ANTHROPIC_PREFIX",
     "PROTECTED_PREFIXES",
     "auth_middleware",
     "error_middleware",
@@ -42,6 +45,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # status page itself (/, /static/) holds no data; what it shows, /status.json,
 # is behind the key.
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/status.json")
+# Paths whose clients read Anthropic's error shape and statuses.
+ANTHROPIC_PREFIX = "/v1/messages"
 
 # Paths read by machines every few seconds (probes, scrapes, the page's
 # once-a-second poll): their access lines are at debug level while they
@@ -116,10 +121,11 @@ async def _echo_request_id(request: web.Request, response: web.StreamResponse) -
         access.started = access.started or response
 
 
-def _json_error(err: SluiceError) -> web.Response:
+def _json_error(err: SluiceError, path: str = "") -> web.Response:
+    anthropic = path.startswith(ANTHROPIC_PREFIX)
     return web.Response(
-        body=orjson.dumps(err.body()),
-        status=err.status,
+        body=orjson.dumps(err.anthropic_body() if anthropic else err.body()),
+        status=err.anthropic_status if anthropic else err.status,
         content_type="application/json",
         headers=err.headers(),
     )
@@ -127,7 +133,7 @@ def _json_error(err: SluiceError) -> web.Response:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every refusal leaves as an OpenAI-shaped JSON error; nothing else does.
+    """Every refusal leaves as a JSON error in its API's shape; nothing else does.
 
     A response whose headers already went out gets no second answer: the
     failure is logged and the started response is ended as it stands (the
@@ -149,7 +155,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         err = _error(request, exc)
         if access is not None:
             access.error = err.code or err.message[:80]
-        return _json_error(err)
+        return _json_error(err, request.path)
 
 
 def _error(request: web.Request, exc: Exception) -> SluiceError:
@@ -167,7 +173,10 @@ def _error(request: web.Request, exc: Exception) -> SluiceError:
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """401 for a protected path without a known bearer key; else name its caller.
+    """401 for a protected path without a known key; else name its caller.
+
+    The key is Anthropic's `x-api-key` when that header is present, else the
+    `Authorization: Bearer` token; either names the same caller.
 
     The compare is constant-time and keys never reach a log line (see
     server/callers.py); a refusal is counted, and logged (path and status
@@ -177,7 +186,12 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     directory = request.app[CALLERS]
     if directory.open or not request.path.startswith(PROTECTED_PREFIXES):
         return await handler(request)
-    caller = directory.authenticate(request.headers.get("Authorization", ""))
+    api_key = request.headers.get("x-api-key")
+    caller = (
+        directory.identify(api_key)
+        if api_key is not None
+        else directory.authenticate(request.headers.get("Authorization", ""))
+    )
     if caller is not None:
         request[CALLER] = caller
         return await handler(request)

@@ -26,9 +26,9 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from aiohttp import web
 
@@ -55,6 +55,7 @@ from server.state import (
 __all__ = [
     "Encoder",
     "Job",
+    "KeepAlive",
     "Trace",
     "generation_endpoint",
     "json_response",
@@ -91,6 +92,7 @@ class Trace:
     stream: bool = False
     error: str | None = None
     caller: str | None = None  # None until known (from the key, or after parsing)
+    cached: dict[int, int] = field(default_factory=dict)  # prefix-cache hits per prompt
 
     def first_token(self) -> None:
         if self.ttft is None:
@@ -143,6 +145,17 @@ class Encoder(Protocol[C]):
     def stream_delta(self, choice: int, delta: CompletionDelta) -> bytes: ...
     def stream_end(self, usage: Usage) -> bytes: ...
     def stream_error(self, err: SluiceError) -> bytes: ...
+
+
+@runtime_checkable
+class KeepAlive(Protocol):
+    """An encoder whose API wants a frame while a stream is quiet (Anthropic's `ping`).
+
+    `keepalive()` gives the idle seconds after which the frame goes out, and
+    the frame. Encoders without it (OpenAI's) send nothing between tokens.
+    """
+
+    def keepalive(self) -> tuple[float, bytes]: ...
 
 
 # An endpoint's own step: parse the body and tokenize, into a Job and its encoder.
@@ -243,7 +256,13 @@ async def _run(request: web.Request, tr: Trace, job: Job, enc: Encoder[Any]) -> 
 
 
 def _usage(tr: Trace) -> Usage:
-    return Usage(tr.prompt_tokens, tr.completion_tokens)
+    return Usage(tr.prompt_tokens, tr.completion_tokens, sum(tr.cached.values()))
+
+
+def _note_cached(tr: Trace, prompt: int, out: EngineOutput) -> None:
+    """Keep the engine's prefix-cache hits of a prompt (every output repeats them)."""
+    if out.num_cached_tokens:
+        tr.cached[prompt] = out.num_cached_tokens
 
 
 def _submit(request: web.Request, tr: Trace, job: Job) -> list[Ticket]:
@@ -353,6 +372,7 @@ async def _gather(
 
     async def take(pi: int, out: EngineOutput) -> None:
         tr.first_token()
+        _note_cached(tr, pi, out)
         for c in out.outputs:
             idx = pi * n + c.index
             texts[idx].append(c.text)
@@ -372,26 +392,38 @@ async def _stream(
     n = job.sampling.n
     resp = web.StreamResponse(headers=_SSE_HEADERS)
     await resp.prepare(request)
-    # The head (chat's role frame, an echo) goes out with the first output, as
-    # vLLM's server sends it: a client that times its first frame (vllm bench
-    # serve does) then times the first token, not the headers.
+    # The head (chat's role frame, an echo, Messages' message_start) goes out
+    # with the first output, as vLLM's server sends it: a client that times
+    # its first frame (vllm bench serve does) then times the first token, not
+    # the headers. A keepalive (Anthropic's ping) before it carries it along.
     head: bytes | None = enc.stream_head()
 
-    async def send(pi: int, out: EngineOutput) -> None:
+    def take_head() -> bytes:
         nonlocal head
+        out, head = head or b"", None
+        return out
+
+    keepalive = enc.keepalive() if isinstance(enc, KeepAlive) else None
+    beat = None if keepalive is None else (keepalive[0], lambda: take_head() + keepalive[1])
+    wrote: Callable[[], None] = lambda: None  # noqa: E731 (replaced by the beat's)
+
+    async def send(pi: int, out: EngineOutput) -> None:
         tr.first_token()
-        parts = [head] if head else []
-        head = None
+        _note_cached(tr, pi, out)
+        parts = [take_head()]
         for c in out.outputs:
             tr.completion_tokens += len(c.token_ids)
             if frame := enc.stream_delta(pi * n + c.index, c):
                 parts.append(frame)
-        if parts:
-            await resp.write(b"".join(parts))
+        if data := b"".join(parts):
+            await resp.write(data)
+            wrote()
 
     try:
-        await _each_output(gens, tr.tickets, send)
-        await resp.write((head or b"") + enc.stream_end(_usage(tr)))
+        async with _keepalive(resp, beat) as wrote:
+            await _each_output(gens, tr.tickets, send)
+        # After the beat stopped: nothing may follow the closing frames.
+        await resp.write(take_head() + enc.stream_end(_usage(tr)))
     except ConnectionResetError:
         tr.status, tr.error = 499, "client went away"  # mid-write: nobody to tell
     except Exception as exc:
@@ -403,8 +435,46 @@ async def _stream(
             err = SluiceError("internal server error", status=500)
         tr.status, tr.error = err.status, err.code or err.message[:80]
         with contextlib.suppress(ConnectionResetError):
-            await resp.write((head or b"") + enc.stream_error(err))
+            await resp.write(take_head() + enc.stream_error(err))
     return resp
+
+
+@contextlib.asynccontextmanager
+async def _keepalive(
+    resp: web.StreamResponse, keepalive: tuple[float, Callable[[], bytes]] | None
+) -> AsyncIterator[Callable[[], None]]:
+    """Write the keepalive frame (made when due) whenever the stream has been
+    quiet for its idle time, until the block ends; the block calls the yielded
+    function after each write of its own. The beat task is owned here: cancelled and
+    awaited on the way out (not a TaskGroup, which would wrap the block's
+    SluiceError in an ExceptionGroup)."""
+    if keepalive is None:
+        yield lambda: None
+        return
+    idle, frame = keepalive
+    last = time.monotonic()
+
+    def wrote() -> None:
+        nonlocal last
+        last = time.monotonic()
+
+    async def beat() -> None:
+        while True:
+            wait = last + idle - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue
+            await resp.write(frame())
+            wrote()
+
+    task = asyncio.create_task(beat())
+    try:
+        yield wrote
+    finally:
+        task.cancel()
+        await asyncio.wait([task])
+        if not task.cancelled():
+            task.exception()  # a failed write: the block's own write reports it
 
 
 def _finish_trace(request: web.Request, tr: Trace) -> None:

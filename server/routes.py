@@ -17,6 +17,7 @@ from aiohttp import web
 
 from server.endpoints import check_model, prepare_chat, prepare_completion, read_body
 from server.errors import SluiceError
+from server.messages import count_tokens, prepare_messages
 from server.metrics import CONTENT_TYPE
 from server.pipeline import check_accepting, generation_endpoint, json_response
 from server.protocol import models_body, parse_chat
@@ -112,6 +113,9 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/responses", generation_endpoint("responses", prepare_responses))
     app.router.add_get("/v1/responses/{response_id}", get_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
+    # Anthropic Messages (server/messages.py).
+    app.router.add_post("/v1/messages", generation_endpoint("messages", prepare_messages))
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)

@@ -31,6 +31,7 @@ class FakeCompletion:
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: Any = None
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -38,6 +39,7 @@ class FakeOutput:
     request_id: str
     outputs: list[FakeCompletion]
     finished: bool
+    num_cached_tokens: int | None = None
 
     def add(self, later: FakeOutput) -> None:
         """Merge a later delta into this one (vLLM's ``RequestOutput.add``)."""

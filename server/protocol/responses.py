@@ -99,8 +99,12 @@ class ParsedDelta:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
+    """Token counts of one request. ``cached_tokens``: prompt tokens the
+    engine's prefix cache already held (vLLM's ``num_cached_tokens``)."""
+
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {

@@ -207,8 +207,9 @@ class ToolCall:
 class Message:
     """One chat message, text only; list-of-parts content is joined with newlines.
 
-    An assistant message may carry ``tool_calls``; a ``tool`` message answers
-    the call ``tool_call_id``.
+    An assistant message may carry ``tool_calls`` and ``reasoning`` (a past
+    turn's thinking, which the chat template renders as it renders thoughts);
+    a ``tool`` message answers the call ``tool_call_id``.
     """
 
     role: Role
@@ -216,6 +217,7 @@ class Message:
     name: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
+    reasoning: str | None = None
 
     def template_dict(self) -> dict[str, Any]:
         """The message in OpenAI's shape, as vLLM's renderer parses it for the
@@ -236,6 +238,9 @@ class Message:
             ]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning is not None:
+            # vLLM's renderer hands it to the template as reasoning_content too.
+            out["reasoning"] = self.reasoning
         return out
 
 
