@@ -253,6 +253,7 @@ def _live(app: web.Application) -> dict[str, Any]:
         "engine_running": stats.running,
         "engine_waiting": stats.waiting,
         "kv_cache_usage": stats.kv_cache_usage,
+        "ranks": stats.ranks,
         "preemptions": stats.preemptions_total,
         "prefix_queries": stats.prefix_cache_queries_total,
         "prefix_hits": stats.prefix_cache_hits_total,
