@@ -122,8 +122,10 @@ async def _boot(app: web.Application) -> None:
                 "model": settings.model_name,
                 "startup_s": took,
                 "url": f"http://{settings.host}:{settings.port}/v1",
+                # Each data-parallel rank's; Sluice counts dp_ranks x these slots.
                 "max_num_seqs": info.max_num_seqs,
                 "max_num_batched_tokens": info.max_num_batched_tokens,
+                "dp_ranks": info.dp_ranks,
             }
         },
     )

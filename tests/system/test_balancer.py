@@ -11,8 +11,9 @@ engine starts on two cores cost a minute or more:
    and Retry-After (asked directly, it says so), yet every request through the
    balancer succeeds, served by `b`, while `a` counts the refusals.
 3. SIGTERM drains `a`: its two streams finish, new requests go to `b`, none fails.
-4. `a` restarted on its port gets nothing until its warm-up is done, then
-   serves again.
+4. `a` restarted on its port gets nothing until its warm-up is done (its
+   access log has no request; a refused one would be retried and hide it),
+   then serves again.
 
 X-Sluice-Instance (set by the config) says which instance answered.
 """
@@ -208,6 +209,12 @@ async def test_two_instances_behind_haproxy(
                 await asyncio.sleep(0.05)
             during = Counter([await _short(client, lb.base) for _ in range(6)])
             assert during == {"200 b": 6}, during
+            # The health check took it out of rotation (the retries alone would
+            # hide a check that never notices a drain).
+            deadline = time.monotonic() + 15
+            while "Server sluice/a is DOWN" not in lb.log_path.read_text():
+                assert time.monotonic() < deadline, lb.log_path.read_text()
+                await asyncio.sleep(0.1)
             results = await asyncio.wait_for(asyncio.gather(*(t for _, t in streams)), 300)
             for lines in results:
                 assert _finished(lines), lines[-3:]
@@ -231,6 +238,8 @@ async def test_two_instances_behind_haproxy(
                 warmup[await _short(client, lb.base)] += 1
                 await asyncio.sleep(0.2)
             assert set(warmup) <= {"200 b"}, warmup
+            # Not even a refused one: the balancer sent it nothing while it warmed up.
+            assert '"endpoint":"chat"' not in a.tail(1 << 20), a.tail()
             after: Counter[str] = Counter()
             deadline = time.monotonic() + 30
             while after["200 a"] == 0:
