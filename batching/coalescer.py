@@ -193,6 +193,7 @@ class Coalescer:
         self._uncapped = self._no_caps()
         self._known = config.engine.known  # any engine number known: room.py applies
         self._kv_usage = 0.0  # from the latest EngineLoad
+        self._kv_usage_least: float | None = None  # its least-used DP rank's (room rule 6)
         self._engine_queue = 0  # its waiting count
         self._unstarted_n = 0  # released generations without a first output yet
         self._unstarted_tokens = 0  # their prompt tokens
@@ -691,6 +692,7 @@ class Coalescer:
             return out
         if load is not None:
             self._kv_usage = load.kv_usage
+            self._kv_usage_least = load.kv_usage_least
             self._engine_queue = load.waiting
         # Decided before this call releases anything (see rule 10).
         idle = (
@@ -809,6 +811,7 @@ class Coalescer:
             cfg.short_prompt_tokens,
             cfg.step_lookahead,
             cfg.slot_spare,
+            self._kv_usage_least,
         )
 
     def _room_for(self, fresh: list[tuple[list[Gen], ReleaseReason]]) -> bool:

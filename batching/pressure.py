@@ -86,8 +86,22 @@ class HostMemory:
 
 
 @dataclass(frozen=True, slots=True)
+class RankStats:
+    """One data-parallel rank's scheduler, from its latest step."""
+
+    kv_cache_usage: float  # 0..1
+    running: int
+    waiting: int
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
-    """The engine adapter's latest stats snapshot (counters are cumulative)."""
+    """The engine adapter's latest stats snapshot (counters are cumulative).
+
+    With data-parallel ranks, `running` and `waiting` are summed over them and
+    `kv_cache_usage` is their mean (ranks have equal caches), and `ranks` holds
+    each rank's own numbers, in rank order; with one rank, `ranks` is empty.
+    """
 
     kv_cache_usage: float  # 0..1, fraction of KV-cache blocks in use
     running: int
@@ -95,6 +109,12 @@ class EngineStats:
     preemptions_total: int
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    ranks: tuple[RankStats, ...] = ()
+
+    @property
+    def kv_usage_least(self) -> float | None:
+        """The least-used rank's KV use (None with one rank)."""
+        return min(r.kv_cache_usage for r in self.ranks) if self.ranks else None
 
 
 # Before the engine has reported anything: nothing in use, nothing counted.
@@ -477,6 +497,7 @@ __all__ = [
     "HostReading",
     "PressureConfig",
     "PressurePolicy",
+    "RankStats",
     "Readings",
     "Reason",
     "State",

@@ -33,6 +33,14 @@ engine number, and an unknown number never holds anything back):
 5. Headroom for short requests (optional, `reserve` > 0): a prompt longer than
    `short_prompt` tokens may only use (1 - reserve) of the KV cache, so a short chat
    turn finds room at the next step instead of waiting for a long request to end.
+6. Data-parallel ranks (`ranks` > 1; vLLM's --data-parallel-size): each rank has
+   its own scheduler and KV cache, and the capacity numbers are one rank's. Slots
+   and step budgets add up (each rank runs its own steps), so rules 2 and 3 use
+   `ranks` x each. KV adds up for the total in use (rule 4 on `ranks` x
+   `kv_tokens`, `kv_usage` being the ranks' mean), but a prompt's blocks live
+   on one rank: it also needs `kv_tokens` x (1 - the least-used rank's usage)
+   free on that rank. vLLM's coordinator places each request (server/engine.py
+   says why Sluice leaves it to it), so pending prompts are not booked per rank.
 """
 
 from __future__ import annotations
@@ -49,10 +57,13 @@ class EngineCapacity:
     max_seqs: int = 0  # vLLM max_num_seqs
     step_tokens: int = 0  # vLLM max_num_batched_tokens
     kv_tokens: int = 0  # KV cache size in tokens: num_gpu_blocks x block_size
+    ranks: int = 1  # data-parallel ranks, each with the numbers above (rule 6)
 
     def __post_init__(self) -> None:
         if min(self.max_seqs, self.step_tokens, self.kv_tokens) < 0:
             raise ValueError("engine capacity numbers must be >= 0 (0 = unknown)")
+        if self.ranks < 1:
+            raise ValueError("data-parallel ranks must be >= 1")
 
     @property
     def known(self) -> bool:
@@ -66,6 +77,7 @@ class Room:
         "in_flight",
         "kv_long",
         "kv_pending",
+        "kv_rank_free",
         "kv_tokens",
         "kv_used",
         "limited",
@@ -88,12 +100,15 @@ class Room:
         short_prompt: int,
         step_lookahead: float,
         slot_spare: float,
+        kv_usage_least: float | None = None,
     ) -> None:
         self.limited = capacity.known
-        seqs = capacity.max_seqs
+        ranks = capacity.ranks
+        seqs = capacity.max_seqs * ranks
         self.seq_limit = seqs + int(seqs * slot_spare) if seqs else 0
-        self.step_tokens = capacity.step_tokens * step_lookahead
-        self.kv_tokens = kv = capacity.kv_tokens
+        self.step_tokens = capacity.step_tokens * ranks * step_lookahead
+        self.kv_tokens = kv = capacity.kv_tokens * ranks
+        self.kv_rank_free = _rank_free(capacity, kv_usage, kv_usage_least)
         self.kv_long = kv * (1.0 - reserve)
         self.kv_used = kv_usage * kv
         waiting = min(1.0, engine_waiting / unstarted_n) if unstarted_n else 0.0
@@ -121,6 +136,8 @@ class Room:
             limit = kv if ptok <= self.short_prompt else self.kv_long
             if self.kv_used + self.kv_pending + ptok > limit:
                 return False
+            if ptok > self.kv_rank_free:
+                return False
         return True
 
     def take(self, ptok: int) -> None:
@@ -128,3 +145,11 @@ class Room:
         self.unstarted_n += 1
         self.unstarted_tokens += ptok
         self.kv_pending += ptok
+
+
+def _rank_free(capacity: EngineCapacity, kv_usage: float, least: float | None) -> float:
+    """Rule 6: KV tokens free on the least-used rank (no bound with one rank)."""
+    if capacity.ranks == 1 or not capacity.kv_tokens:
+        return float("inf")
+    usage = kv_usage if least is None else least
+    return capacity.kv_tokens * (1.0 - usage)

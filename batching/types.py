@@ -153,3 +153,6 @@ class EngineLoad:
     running: int  # requests the engine is running
     waiting: int  # requests in the engine's own waiting queue (preempted ones included)
     kv_usage: float = 0.0  # 0..1, fraction of KV-cache blocks in use
+    # Data-parallel ranks: the least-used rank's KV use (None: one rank, or
+    # unknown; batching/room.py rule 6).
+    kv_usage_least: float | None = None

@@ -27,6 +27,8 @@ from pathlib import Path
 
 from bench import report as rp
 from bench.scenarios import (
+    DATA_PARALLEL,
+    DEFAULT_SCENARIOS,
     FULL,
     KV_BOUND_SCENARIOS,
     QUICK,
@@ -126,8 +128,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--name", help="results name (default: demo-cpu, or the model's name)")
     ap.add_argument(
         "--scenarios",
-        default=",".join(SCENARIOS),
-        help=f"comma-separated subset of {','.join(SCENARIOS)} (default: all)",
+        default=",".join(DEFAULT_SCENARIOS),
+        help=f"comma-separated subset of {','.join(SCENARIOS)} (default: all but {DATA_PARALLEL})",
     )
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny counts, 1 repetition")
     ap.add_argument("--repeat", type=int, help="repetitions per point (default 3; 1 with --quick)")

@@ -39,6 +39,7 @@ SPREAD = "backlog_spread"  # issue 21: one caller, prompt lengths spread, past c
 THREE = "three_callers"  # issue 21: chat beside two weighted bulk callers, KV-bound
 CHAT_MIX = "chat_mix"  # issue 21: a 70/20/10 chat mix below capacity, closed loop
 STRUCTURED = "structured"
+DATA_PARALLEL = "data_parallel"
 RAW_CEILING = "raw"  # not a scenario of its own: raw points live in CONCURRENCY
 SCENARIOS: tuple[str, ...] = (
     CONCURRENCY,
@@ -53,8 +54,12 @@ SCENARIOS: tuple[str, ...] = (
     THREE,
     CHAT_MIX,
     WINDOW,
+    DATA_PARALLEL,
     RAW_CEILING,
 )
+# Run when --scenarios is not given: all but data parallelism, which starts two
+# engine cores per server (issue 19's targets; ask for it by name).
+DEFAULT_SCENARIOS: tuple[str, ...] = tuple(s for s in SCENARIOS if s != DATA_PARALLEL)
 KV_BOUND_SCENARIOS: frozenset[str] = frozenset({NOISY, PAST_CAPACITY, THREE})
 SCENARIO_TITLES: dict[str, str] = {
     CONCURRENCY: "Concurrency sweep (random prompts, closed loop)",
@@ -69,6 +74,7 @@ SCENARIO_TITLES: dict[str, str] = {
     CHAT_MIX: "Chat mix 70/20/10 short/medium/long below capacity (closed loop, chat API)",
     WINDOW: "Coalescing-window sweep (Sluice only)",
     STRUCTURED: "JSON-schema constraint vs plain at c=32 (random prompts, EOS honoured)",
+    DATA_PARALLEL: "Data parallelism: --data-parallel-size 2, 64 in / 64 out, closed loop",
 }
 STRUCTURED_CONCURRENCY = 32
 # Bounded (enums, a boolean, a small integer range): a random-weight model
@@ -157,6 +163,9 @@ class Sizes:
     bulk_prompts: int  # each bulk caller's prompts beside the chat job (three callers)
     chat_mix_rounds: int  # requests per stream of the chat mix's longest class
     raw_concurrency: tuple[int, ...] = (32, 128)
+    # DATA_PARALLEL: (concurrency, prompts); 3 x the concurrency outlasts the
+    # ramp (issue 19 measured 43-93 running at c=256 for a whole run).
+    data_parallel: tuple[tuple[int, int], ...] = ((256, 768), (512, 1536))
 
 
 FULL = Sizes(
@@ -204,6 +213,7 @@ QUICK = Sizes(
     spread_prompts=384,
     bulk_prompts=24,
     chat_mix_rounds=1,
+    data_parallel=((256, 256), (512, 512)),
 )
 
 # The c=512 point: a backlog beyond the engine's max_num_seqs (128 by default on
@@ -214,6 +224,10 @@ WIDE_POINT = f"c={WIDE_CONCURRENCY} ({WIDE_LEN[0]} in, {WIDE_LEN[1]} out)"
 
 # The KV-bound engine of issue 11: a KV cache of about 16k tokens (a handful of
 # long prompts fill it, as Qwen3-14B's does on a 24 GB card) and a 4,096 context.
+# Issue 19: two data-parallel ranks, each with its own scheduler (both servers).
+DP_ENGINE = EngineProfile("DP=2", ("--data-parallel-size", "2"))
+DP_LEN = (64, 64)
+
 KV_BOUND_TOKENS = 16_384
 KV_BOUND_CONTEXT = 4096
 
@@ -573,6 +587,11 @@ def build_plan(
                 caller=MIXED_CALLER,
             )
             points.append(Point(PAST_CAPACITY, f"{rate:g} req/s", jobs, engine=kv))
+    if DATA_PARALLEL in sel:
+        for c, n in sizes.data_parallel:
+            job = _closed_loop(*DP_LEN, n, c)
+            name = f"c={c} ({DP_LEN[0]} in, {DP_LEN[1]} out)"
+            points.append(Point(DATA_PARALLEL, name, (job,), concurrency=c, engine=DP_ENGINE))
     check_callers(points)
     window_points: list[Point] = []
     if WINDOW in sel:

@@ -124,8 +124,10 @@ async def _boot(app: web.Application) -> None:
                 "model": settings.model_name,
                 "startup_s": took,
                 "url": f"http://{settings.host}:{settings.port}/v1",
+                # Each data-parallel rank's; Sluice counts dp_ranks x these slots.
                 "max_num_seqs": info.max_num_seqs,
                 "max_num_batched_tokens": info.max_num_batched_tokens,
+                "dp_ranks": info.dp_ranks,
             }
         },
     )
@@ -255,6 +257,7 @@ def _live(app: web.Application) -> dict[str, Any]:
         "engine_running": stats.running,
         "engine_waiting": stats.waiting,
         "kv_cache_usage": stats.kv_cache_usage,
+        "ranks": stats.ranks,
         "preemptions": stats.preemptions_total,
         "prefix_queries": stats.prefix_cache_queries_total,
         "prefix_hits": stats.prefix_cache_hits_total,

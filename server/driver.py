@@ -344,7 +344,12 @@ class Driver:
 
     def load(self) -> EngineLoad:
         s = self.engine.stats()
-        return EngineLoad(running=s.running, waiting=s.waiting, kv_usage=s.kv_cache_usage)
+        return EngineLoad(
+            running=s.running,
+            waiting=s.waiting,
+            kv_usage=s.kv_cache_usage,
+            kv_usage_least=s.kv_usage_least,
+        )
 
     def set_state(self, state: AdmissionState) -> None:
         if self.core.state is AdmissionState.DRAINING and state is not AdmissionState.DRAINING:

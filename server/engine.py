@@ -57,14 +57,21 @@ from server.vllm_parsers import (
     check_constraint,
     to_structured_outputs,
 )
-from server.watchdog import ENGINE_IDLE, EngineStats
+from server.watchdog import ENGINE_IDLE, EngineStats, RankStats
 
 if TYPE_CHECKING:
     from server.settings import Settings
 
 log = logging.getLogger("sluice.engine")
 
-__all__ = ["USAGE_CONTEXT", "EngineAdapter", "EngineDeadError", "EngineStats", "engine_config"]
+__all__ = [
+    "USAGE_CONTEXT",
+    "EngineAdapter",
+    "EngineDeadError",
+    "EngineStats",
+    "dp_ranks",
+    "engine_config",
+]
 
 # The usage context `vllm serve` builds its engine with
 # (build_async_engine_client_from_engine_args, vLLM 0.32). vLLM picks its batch
@@ -91,12 +98,15 @@ class _StatsBox:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._stats = ENGINE_IDLE
+        # Data-parallel ranks' latest scheduler numbers, by engine index: each
+        # rank's logger reports only its own (vLLM's PerEngineStatLoggerAdapter).
+        self._ranks: dict[int, RankStats] = {}
 
     def get(self) -> EngineStats:
         with self._lock:
             return self._stats
 
-    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+    def record(self, scheduler_stats: Any, iteration_stats: Any, rank: int = 0) -> None:
         with self._lock:
             s = self._stats
             preempted = getattr(iteration_stats, "num_preempted_reqs", 0) if iteration_stats else 0
@@ -107,13 +117,20 @@ class _StatsBox:
                     )
                 return
             pc = scheduler_stats.prefix_cache_stats
-            self._stats = EngineStats(
+            self._ranks[rank] = RankStats(
                 kv_cache_usage=float(scheduler_stats.kv_cache_usage),
                 running=int(scheduler_stats.num_running_reqs),
                 waiting=int(scheduler_stats.num_waiting_reqs),
+            )
+            ranks = tuple(self._ranks[i] for i in sorted(self._ranks))
+            self._stats = EngineStats(
+                kv_cache_usage=sum(r.kv_cache_usage for r in ranks) / len(ranks),
+                running=sum(r.running for r in ranks),
+                waiting=sum(r.waiting for r in ranks),
                 preemptions_total=s.preemptions_total + preempted,
                 prefix_cache_queries_total=s.prefix_cache_queries_total + int(pc.queries),
                 prefix_cache_hits_total=s.prefix_cache_hits_total + int(pc.hits),
+                ranks=ranks if len(ranks) > 1 else (),
             )
 
 
@@ -131,7 +148,7 @@ def _stat_logger_factory(box: _StatsBox) -> Callable[..., StatLoggerBase]:
             mm_cache_stats: Any = None,
             engine_idx: int = 0,
         ) -> None:
-            box.record(scheduler_stats, iteration_stats)
+            box.record(scheduler_stats, iteration_stats, self.engine_index)
 
         def log_engine_initialized(self) -> None:
             pass
@@ -149,6 +166,22 @@ def engine_config(engine_args: Any) -> VllmConfig:
         usage_context=USAGE_CONTEXT
     )
     return config
+
+
+def dp_ranks(config: VllmConfig) -> int:
+    """How many data-parallel engine cores this process's AsyncLLM feeds.
+
+    vLLM 0.32's engine client (MPClient, core_client.py) manages every rank
+    with its internal load balancer (--data-parallel-size N: N cores, its DP
+    coordinator balancing), only the local ones in hybrid or external-LB mode
+    (`local_engines_only`), and one when the process is pinned to a rank
+    (`data_parallel_rank_local` set). Tensor and pipeline parallelism keep
+    one scheduler per rank: they do not count here.
+    """
+    p = config.parallel_config
+    if p.data_parallel_rank_local is not None:
+        return 1
+    return int(p.data_parallel_size_local if p.local_engines_only else p.data_parallel_size)
 
 
 def _build_engine(engine_args: Any, stat_logger: Callable[..., StatLoggerBase]) -> AsyncLLM:
@@ -234,6 +267,7 @@ class EngineAdapter:
             # Known once the engine core's handshake filled num_gpu_blocks
             # (summed over data-parallel ranks); 0 if not.
             kv_cache_tokens=int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0),
+            dp_ranks=dp_ranks(llm.vllm_config),
         )
         log.info(
             "engine capacity",
@@ -242,6 +276,7 @@ class EngineAdapter:
                     "max_num_seqs": self.info.max_num_seqs,
                     "max_num_batched_tokens": self.info.max_num_batched_tokens,
                     "kv_cache_tokens": self.info.kv_cache_tokens,
+                    "dp_ranks": self.info.dp_ranks,
                 }
             },
         )

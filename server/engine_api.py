@@ -54,7 +54,10 @@ class ModelInfo:
     # The engine scheduler's resolved limits (0: not known yet).
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 0
-    kv_cache_tokens: int = 0  # num_gpu_blocks x block_size
+    kv_cache_tokens: int = 0  # num_gpu_blocks x block_size, summed over DP ranks
+    # Data-parallel ranks this engine client feeds (server/engine.py, dp_ranks):
+    # max_num_seqs and max_num_batched_tokens are each rank's.
+    dp_ranks: int = 1
     # True: the reasoning parser is qwen3 (or there are no parsers), so
     # requests without tools take server/reasoning.py's copy of its split;
     # False: vLLM's parsers (chat_parser) read every chat request.

@@ -18,7 +18,7 @@ the fair-share counter itself. Share of service per caller, in PromQL:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -32,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from batching import CallerStats, DedupeHit, Ended, Outcome, Refusal, Released
+from batching.pressure import RankStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -109,6 +110,23 @@ class _LiveCollector(Collector):
             value=v["unstarted"],
         )
         yield from _caller_families(v.get("callers") or ())
+        yield from _rank_families(v.get("ranks") or ())
+
+
+def _rank_families(ranks: Sequence[RankStats]) -> Iterable[Metric]:
+    """Per data-parallel rank: running, waiting, KV use (none with one rank)."""
+    if not ranks:
+        return
+    families = (
+        ("sluice_engine_rank_requests_running", "Requests running on one DP rank", "running"),
+        ("sluice_engine_rank_requests_waiting", "Requests waiting on one DP rank", "waiting"),
+        ("sluice_engine_rank_kv_cache_usage", "One DP rank's KV-cache use, 0..1", "kv_cache_usage"),
+    )
+    for name, doc, attr in families:
+        g = GaugeMetricFamily(name, doc, labels=["rank"])
+        for i, r in enumerate(ranks):
+            g.add_metric([str(i)], float(getattr(r, attr)))
+        yield g
 
 
 def _caller_families(callers: Iterable[CallerStats]) -> Iterable[Metric]:

@@ -97,11 +97,7 @@ class Settings:
 
     def core_for(self, info: ModelInfo) -> CoalescerConfig:
         """The coalescer's config once the engine has resolved its limits."""
-        engine = EngineCapacity(
-            max_seqs=info.max_num_seqs,
-            step_tokens=info.max_num_batched_tokens,
-            kv_tokens=info.kv_cache_tokens,
-        )
+        engine = engine_capacity(info)
         return replace(
             self.core,
             max_batch_seqs=self.max_batch_seqs or info.max_num_seqs or self.core.max_batch_seqs,
@@ -110,3 +106,18 @@ class Settings:
             ),
             engine=engine if self.hold_backlog else EngineCapacity(),
         )
+
+
+def engine_capacity(info: ModelInfo) -> EngineCapacity:
+    """The room's numbers, per data-parallel rank (batching/room.py rule 6).
+
+    vLLM reports max_num_seqs and max_num_batched_tokens per rank and sums
+    num_gpu_blocks over ranks at the handshake: the KV is split back.
+    """
+    ranks = max(1, info.dp_ranks)
+    return EngineCapacity(
+        max_seqs=info.max_num_seqs,
+        step_tokens=info.max_num_batched_tokens,
+        kv_tokens=info.kv_cache_tokens // ranks,
+        ranks=ranks,
+    )

@@ -45,8 +45,10 @@ class SluiceProcess:
         cache_dir: Path,
         log_path: Path,
         env: Mapping[str, str] | None = None,
+        port: int | None = None,
     ) -> None:
-        self.port = free_port()
+        # A given port: a restarted instance takes its old place (behind a balancer).
+        self.port = port or free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         full_env = {

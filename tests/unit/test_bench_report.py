@@ -242,6 +242,24 @@ def test_plan_all_scenarios() -> None:
     assert args[args.index("--prefix-repetition-suffix-len") + 1] == "0"
 
 
+def test_plan_data_parallel() -> None:
+    """Issue 19's DP points: both servers on --data-parallel-size 2, c=256 and c=512,
+    asked for by name (the default run leaves them out)."""
+    from bench.scenarios import DATA_PARALLEL, DEFAULT_SCENARIOS
+
+    plan = build_plan([DATA_PARALLEL], FULL, max_model_len=8192)
+    assert [(p.name, p.concurrency) for p in plan.points] == [
+        ("c=256 (64 in, 64 out)", 256),
+        ("c=512 (64 in, 64 out)", 512),
+    ]
+    for p in plan.points:
+        assert p.engine is not None and p.engine.flags == ("--data-parallel-size", "2")
+        args = p.jobs[0].args
+        assert args[args.index("--random-input-len") + 1] == "64"
+        assert args[args.index("--random-output-len") + 1] == "64"
+    assert DATA_PARALLEL in SCENARIOS and DATA_PARALLEL not in DEFAULT_SCENARIOS
+
+
 def test_plan_structured_pair() -> None:
     """Plain and JSON-schema points differ only in the constraint; EOS ends both."""
     plain, schema = build_plan([STRUCTURED], QUICK, max_model_len=8192).points
