@@ -405,8 +405,6 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
             AsyncEngineArgs.long_prefill_token_threshold_adaptive
         )
     engine_args = AsyncEngineArgs.from_cli_args(ns)
-    if auto_step:
-        _set_step_flags(engine_args)
 
     names = ns.served_model_name or [ns.model]
     served = names[0] if isinstance(names, list) else names
@@ -456,6 +454,10 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
         pressure = PressureConfig(**pressure_kwargs)
     except ValueError as exc:
         parser.error(str(exc))
+    if auto_step:
+        # Last: it resolves the engine's config (about 0.45 s, and vLLM logs),
+        # which a bad value of Sluice's own should not wait for.
+        _set_step_flags(engine_args)
     return Settings(
         host=ns.host,
         port=ns.port,
