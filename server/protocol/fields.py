@@ -119,6 +119,43 @@ def get_str(obj: dict[str, Any], key: str, param: str | None = None) -> str | No
     return value
 
 
+def get_text_parts(
+    value: Any,
+    param: str,
+    kinds: frozenset[str] = frozenset({"text"}),
+    *,
+    refusals: bool = False,
+) -> str:
+    """A content field that is a string or an array of text parts, as one text.
+
+    ``kinds``: the part types that carry ``text`` (chat: ``text``; Responses
+    also ``input_text`` and ``output_text``); ``refusals``: a ``refusal`` part
+    with a string ``refusal`` counts as text too (Responses' assistant
+    items). Parts are joined with a newline, as vLLM's "string" content
+    format joins them, so chat and Responses render the same tokens.
+    """
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise bad(param, f"'{param}' must be a string or an array of content parts")
+    texts = []
+    for j, part in enumerate(value):
+        where = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            raise bad(where, f"'{where}' must be an object")
+        kind = part.get("type")
+        if refusals and kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+            continue
+        if kind not in kinds:
+            raise unsupported(f"{where}.type", f"content part type {show(kind)} (only text)")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise bad(f"{where}.text", f"'{where}.text' must be a string")
+        texts.append(text)
+    return "\n".join(texts)
+
+
 def load_object(body: bytes) -> dict[str, Any]:
     try:
         obj = orjson.loads(body)

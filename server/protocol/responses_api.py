@@ -46,6 +46,7 @@ from server.protocol.fields import (
     get_int,
     get_model,
     get_str,
+    get_text_parts,
     load_object,
     show,
     type_name,
@@ -112,27 +113,8 @@ class ResponsesRequest:
 
 
 def _text_of(value: Any, param: str) -> str:
-    """A text, or a list of text parts joined by newlines (as chat joins them)."""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise bad(param, f"'{param}' must be a string or an array of content parts")
-    texts = []
-    for j, part in enumerate(value):
-        where = f"{param}[{j}]"
-        if not isinstance(part, dict):
-            raise bad(where, f"'{where}' must be an object")
-        kind = part.get("type")
-        if kind == "refusal" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
-            continue
-        if kind not in _TEXT_PARTS:
-            raise unsupported(f"{where}.type", f"content part type {show(kind)} (only text)")
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise bad(f"{where}.text", f"'{where}.text' must be a string")
-        texts.append(text)
-    return "\n".join(texts)
+    """A text, or Responses' text parts (and refusals) joined as chat joins them."""
+    return get_text_parts(value, param, _TEXT_PARTS, refusals=True)
 
 
 def _required_str(item: dict[str, Any], key: str, where: str) -> str:

@@ -341,6 +341,15 @@ CHAT_BAD: list[tuple[dict[str, Any], str]] = [
         {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
         "messages[0].content[0].text",
     ),
+    # Chat's parts are "text" only: Responses' part types and refusals are not text here.
+    (
+        {"messages": [{"role": "user", "content": [{"type": "input_text", "text": "x"}]}]},
+        "messages[0].content[0].type",
+    ),
+    (
+        {"messages": [{"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}]},
+        "messages[0].content[0].type",
+    ),
     ({"messages": [{"role": "user", "content": "x", "name": 3}]}, "messages[0].name"),
     (
         {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},

@@ -127,6 +127,21 @@ def test_history_goes_between_instructions_and_the_turn() -> None:
     ]
 
 
+def test_text_parts_and_refusals_join_with_a_newline() -> None:
+    """Input, output and plain text parts, and a refusal part's text, are one
+    message's content joined with "\\n", as chat joins its text parts."""
+    parts = [
+        {"type": "output_text", "text": "a"},
+        {"type": "refusal", "refusal": "b"},
+        {"type": "text", "text": "c"},
+    ]
+    r = parse(input=[{"role": "assistant", "content": parts}, {"role": "user", "content": "q"}])
+    assert [(m.role, m.content) for m in r.chat.messages] == [
+        ("assistant", "a\nb\nc"),
+        ("user", "q"),
+    ]
+
+
 @pytest.mark.parametrize(
     ("kw", "param"),
     [
