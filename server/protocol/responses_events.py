@@ -349,27 +349,19 @@ class ResponsesStream:
                 arguments=text,
             )
         else:
+            # A reasoning item and a message close alike: the text's done
+            # event (a message's also carries logprobs), then its part's.
+            extra: dict[str, Any]
             if kind == "reasoning":
                 done = _reasoning_item(item["id"], text, "completed")
-                part = done["content"][0]
-                out = self._event(
-                    "response.reasoning_text.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    text=text,
-                )
+                event, extra = "response.reasoning_text.done", {}
             else:
                 done = _message_item(item["id"], text, "completed")
-                part = done["content"][0]
-                out = self._event(
-                    "response.output_text.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    text=text,
-                    logprobs=[],
-                )
+                event, extra = "response.output_text.done", {"logprobs": []}
+            part = done["content"][0]
+            out = self._event(
+                event, item_id=item["id"], output_index=index, content_index=0, text=text, **extra
+            )
             out += self._event(
                 "response.content_part.done",
                 item_id=item["id"],

@@ -242,6 +242,40 @@ def test_a_stream_assembles_the_body(
     Response.model_validate(final)
 
 
+def test_a_closing_text_item_sends_its_done_events() -> None:
+    """Reasoning and a message close with their text's done event (the message's
+    with logprobs, as OpenAI sends it), then the content part's."""
+    stream = ResponsesStream(parse(), "resp_x", 0)
+    stream.head()
+    frames = stream.feed(ParsedDelta(reasoning="hm")) + stream.feed(ParsedDelta(content="ok"))
+    frames += stream.end("completed", Usage(1, 1), 0)[0]
+    events = [orjson.loads(f.split(b"\ndata: ")[1]) for f in frames.split(b"\n\n") if f]
+    done = [
+        {k: v for k, v in e.items() if k not in ("sequence_number", "item_id", "part")}
+        for e in events
+        if e["type"].endswith((".reasoning_text.done", ".output_text.done", ".content_part.done"))
+    ]
+    assert done == [
+        {
+            "type": "response.reasoning_text.done",
+            "output_index": 0,
+            "content_index": 0,
+            "text": "hm",
+        },
+        {"type": "response.content_part.done", "output_index": 0, "content_index": 0},
+        {
+            "type": "response.output_text.done",
+            "output_index": 1,
+            "content_index": 0,
+            "text": "ok",
+            "logprobs": [],
+        },
+        {"type": "response.content_part.done", "output_index": 1, "content_index": 0},
+    ]
+    parts = [e["part"] for e in events if e["type"] == "response.content_part.done"]
+    assert [p["type"] for p in parts] == ["reasoning_text", "output_text"]
+
+
 def test_stream_error_is_an_error_event_then_failed() -> None:
     stream = ResponsesStream(parse(), "resp_x", 0)
     stream.head()
