@@ -8,6 +8,7 @@ clients send explicit nulls for unset options.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any, Final
 
 import orjson
@@ -119,6 +120,16 @@ def get_str(obj: dict[str, Any], key: str, param: str | None = None) -> str | No
     return value
 
 
+def objects(items: list[Any], param: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Each item of the array ``param`` with its path (``param[i]``), refusing a
+    non-object when it is reached: an earlier item's own errors come first."""
+    for i, item in enumerate(items):
+        where = f"{param}[{i}]"
+        if not isinstance(item, dict):
+            raise bad(where, f"'{where}' must be an object")
+        yield where, item
+
+
 def get_text_parts(
     value: Any,
     param: str,
@@ -139,10 +150,7 @@ def get_text_parts(
     if not isinstance(value, list):
         raise bad(param, f"'{param}' must be a string or an array of content parts")
     texts = []
-    for j, part in enumerate(value):
-        where = f"{param}[{j}]"
-        if not isinstance(part, dict):
-            raise bad(where, f"'{where}' must be an object")
+    for where, part in objects(value, param):
         kind = part.get("type")
         if refusals and kind == "refusal" and isinstance(part.get("refusal"), str):
             texts.append(part["refusal"])

@@ -41,6 +41,7 @@ from server.protocol.fields import (
     get_text_parts,
     is_int,
     load_object,
+    objects,
     refuse_unsupported,
     show,
     type_name,
@@ -193,10 +194,7 @@ def _messages(obj: dict[str, Any]) -> tuple[Message, ...]:
     if not isinstance(value, list) or not value:
         raise bad("messages", "'messages' is required and must be a non-empty array")
     out = []
-    for i, msg in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise bad(where, f"'{where}' must be an object")
+    for where, msg in objects(value, "messages"):
         role = msg.get("role")
         if role not in _ROLES:
             raise bad(

@@ -48,6 +48,7 @@ from server.protocol.fields import (
     get_str,
     get_text_parts,
     load_object,
+    objects,
     show,
     type_name,
     unsupported,
@@ -144,10 +145,7 @@ def _input(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise bad("input", "'input' is required: a string or a non-empty array of input items")
     out: list[dict[str, Any]] = []
-    for i, item in enumerate(value):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise bad(where, f"'{where}' must be an object")
+    for where, item in objects(value, "input"):
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
@@ -189,10 +187,7 @@ def _tools(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list):
         raise bad("tools", f"'tools' must be an array, got {type_name(value)}")
     out = []
-    for i, tool in enumerate(value):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise bad(where, f"'{where}' must be an object")
+    for where, tool in objects(value, "tools"):
         kind = tool.get("type")
         if kind != "function":
             raise unsupported(f"{where}.type", f"tool type {show(kind)} (only function tools)")

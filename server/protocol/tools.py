@@ -18,7 +18,16 @@ from typing import Any
 
 import orjson
 
-from server.protocol.fields import MISSING, bad, get, get_bool, show, type_name, unsupported
+from server.protocol.fields import (
+    MISSING,
+    bad,
+    get,
+    get_bool,
+    objects,
+    show,
+    type_name,
+    unsupported,
+)
 from server.protocol.types import Tool, ToolCall, ToolChoice
 
 __all__ = ["parse_tool_calls", "parse_tools", "tool_call_id"]
@@ -115,10 +124,7 @@ def parse_tool_calls(value: Any, where: str) -> tuple[ToolCall, ...]:
     if not isinstance(value, list):
         raise bad(where, f"'{where}' must be an array")
     calls = []
-    for j, call in enumerate(value):
-        at = f"{where}[{j}]"
-        if not isinstance(call, dict):
-            raise bad(at, f"'{at}' must be an object")
+    for at, call in objects(value, where):
         if call.get("type", "function") != "function":
             raise unsupported(f"{at}.type", f"tool call type {show(call.get('type'))}")
         call_id = call.get("id")

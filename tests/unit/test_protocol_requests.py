@@ -333,6 +333,8 @@ CHAT_BAD: list[tuple[dict[str, Any], str]] = [
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [5]}]}, "messages[0].content[0]"),
+    # An array's items are read in order: the first item's error is named first.
+    ({"messages": [{"role": "robot", "content": "x"}, 5]}, "messages[0].role"),
     (
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
         "messages[0].content[0].type",
