@@ -206,6 +206,16 @@ class ResponsesStream:
         self._seq += 1
         return _frame(kind, payload)
 
+    def _part_event(self, phase: str, item_id: str, index: int, part: dict[str, Any]) -> bytes:
+        """An item's one content part added or done (items here have one part)."""
+        return self._event(
+            f"response.content_part.{phase}",
+            item_id=item_id,
+            output_index=index,
+            content_index=0,
+            part=part,
+        )
+
     def _object(self, status: str, usage: Usage | None = None, reasoning_tokens: int = 0) -> Any:
         output = self.output if status != "in_progress" else []
         return response_object(
@@ -230,13 +240,7 @@ class ResponsesStream:
         elif item["type"] == "reasoning":
             part = {"type": "reasoning_text", "text": ""}
         if part is not None:
-            out += self._event(
-                "response.content_part.added",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                part=part,
-            )
+            out += self._part_event("added", item["id"], index, part)
         return out
 
     def _switch(self, kind: str) -> bytes:
@@ -362,13 +366,7 @@ class ResponsesStream:
             out = self._event(
                 event, item_id=item["id"], output_index=index, content_index=0, text=text, **extra
             )
-            out += self._event(
-                "response.content_part.done",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                part=part,
-            )
+            out += self._part_event("done", item["id"], index, part)
         self.output.append(done)
         return out + self._event("response.output_item.done", output_index=index, item=done)
 

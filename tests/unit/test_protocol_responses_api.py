@@ -274,6 +274,13 @@ def test_a_closing_text_item_sends_its_done_events() -> None:
     ]
     parts = [e["part"] for e in events if e["type"] == "response.content_part.done"]
     assert [p["type"] for p in parts] == ["reasoning_text", "output_text"]
+    added = [
+        (e["item_id"], e["output_index"], e["content_index"], e["part"]["type"])
+        for e in events
+        if e["type"] == "response.content_part.added"
+    ]
+    items = [e["item"]["id"] for e in events if e["type"] == "response.output_item.added"]
+    assert added == [(items[0], 0, 0, "reasoning_text"), (items[1], 1, 0, "output_text")]
 
 
 def test_stream_error_is_an_error_event_then_failed() -> None:
