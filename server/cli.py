@@ -262,23 +262,20 @@ def _add_pressure_flags(parser: argparse.ArgumentParser) -> None:
     defaults = PressureConfig()
     for f in dataclasses.fields(PressureConfig):
         value = getattr(defaults, f.name)
+        # A switch for a bool (checked first: a bool is an int), else a number.
+        kind: dict[str, Any]
         if isinstance(value, bool):
-            g.add_argument(
-                "--" + f.name.replace("_", "-"),
-                dest=f"pressure_{f.name}",
-                action=argparse.BooleanOptionalAction,
-                default=value,
-                help=f"(default: {value})",
-            )
-            continue
-        if not isinstance(value, int | float):
+            kind = {"action": argparse.BooleanOptionalAction}
+        elif isinstance(value, int | float):
+            kind = {"type": type(value)}
+        else:
             continue
         g.add_argument(
             "--" + f.name.replace("_", "-"),
             dest=f"pressure_{f.name}",
-            type=type(value),
             default=value,
             help=f"(default: {value})",
+            **kind,
         )
 
 

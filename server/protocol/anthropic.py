@@ -50,6 +50,7 @@ from server.protocol.fields import (
     get_model,
     get_str,
     load_object,
+    objects,
     show,
     type_name,
     unsupported,
@@ -80,10 +81,7 @@ def _blocks(value: Any, param: str) -> list[dict[str, Any]]:
         return [{"type": "text", "text": value}]
     if not isinstance(value, list):
         raise bad(param, f"'{param}' must be a string or an array of content blocks")
-    for j, block in enumerate(value):
-        if not isinstance(block, dict):
-            raise bad(f"{param}[{j}]", f"'{param}[{j}]' must be an object")
-    return value
+    return [block for _, block in objects(value, param)]
 
 
 def _text(block: dict[str, Any], where: str) -> str:
@@ -207,10 +205,7 @@ def _tools(obj: dict[str, Any]) -> tuple[Tool, ...]:
         raise bad("tools", f"'tools' must be an array, got {type_name(value)}")
     tools: list[Tool] = []
     seen: set[str] = set()
-    for i, item in enumerate(value):
-        where = f"tools[{i}]"
-        if not isinstance(item, dict):
-            raise bad(where, f"'{where}' must be an object")
+    for where, item in objects(value, "tools"):
         kind = item.get("type", "custom")
         if kind not in ("custom", None):
             # Anthropic's server tools (web_search_..., bash_..., code_execution_...).

@@ -8,6 +8,7 @@ clients send explicit nulls for unset options.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any, Final
 
 import orjson
@@ -117,6 +118,50 @@ def get_str(obj: dict[str, Any], key: str, param: str | None = None) -> str | No
         param = param or key
         raise bad(param, f"'{param}' must be a string, got {type_name(value)}")
     return value
+
+
+def objects(items: list[Any], param: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Each item of the array ``param`` with its path (``param[i]``), refusing a
+    non-object when it is reached: an earlier item's own errors come first."""
+    for i, item in enumerate(items):
+        where = f"{param}[{i}]"
+        if not isinstance(item, dict):
+            raise bad(where, f"'{where}' must be an object")
+        yield where, item
+
+
+def get_text_parts(
+    value: Any,
+    param: str,
+    kinds: frozenset[str] = frozenset({"text"}),
+    *,
+    refusals: bool = False,
+) -> str:
+    """A content field that is a string or an array of text parts, as one text.
+
+    ``kinds``: the part types that carry ``text`` (chat: ``text``; Responses
+    also ``input_text`` and ``output_text``); ``refusals``: a ``refusal`` part
+    with a string ``refusal`` counts as text too (Responses' assistant
+    items). Parts are joined with a newline, as vLLM's "string" content
+    format joins them, so chat and Responses render the same tokens.
+    """
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise bad(param, f"'{param}' must be a string or an array of content parts")
+    texts = []
+    for where, part in objects(value, param):
+        kind = part.get("type")
+        if refusals and kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+            continue
+        if kind not in kinds:
+            raise unsupported(f"{where}.type", f"content part type {show(kind)} (only text)")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise bad(f"{where}.text", f"'{where}.text' must be a string")
+        texts.append(text)
+    return "\n".join(texts)
 
 
 def load_object(body: bytes) -> dict[str, Any]:

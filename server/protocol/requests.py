@@ -38,8 +38,10 @@ from server.protocol.fields import (
     get_int,
     get_model,
     get_str,
+    get_text_parts,
     is_int,
     load_object,
+    objects,
     refuse_unsupported,
     show,
     type_name,
@@ -187,36 +189,12 @@ def _priority(obj: dict[str, Any]) -> int:
 # Chat.
 
 
-def _content(value: Any, param: str) -> str:
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise bad(param, f"'{param}' must be a string or an array of content parts")
-    texts = []
-    for j, part in enumerate(value):
-        where = f"{param}[{j}]"
-        if not isinstance(part, dict):
-            raise bad(where, f"'{where}' must be an object")
-        kind = part.get("type")
-        if kind != "text":
-            raise unsupported(f"{where}.type", f"content part type {show(kind)} (only text)")
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise bad(f"{where}.text", f"'{where}.text' must be a string")
-        texts.append(text)
-    # vLLM's "string" content format joins text parts with a newline.
-    return "\n".join(texts)
-
-
 def _messages(obj: dict[str, Any]) -> tuple[Message, ...]:
     value = get(obj, "messages")
     if not isinstance(value, list) or not value:
         raise bad("messages", "'messages' is required and must be a non-empty array")
     out = []
-    for i, msg in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise bad(where, f"'{where}' must be an object")
+    for where, msg in objects(value, "messages"):
         role = msg.get("role")
         if role not in _ROLES:
             raise bad(
@@ -233,7 +211,7 @@ def _messages(obj: dict[str, Any]) -> tuple[Message, ...]:
                 raise bad(f"{where}.content", f"'{where}.content' is required for role {role}")
             content = ""
         else:
-            content = _content(raw, f"{where}.content")
+            content = get_text_parts(raw, f"{where}.content")
         name = get_str(msg, "name", param=f"{where}.name")
         out.append(
             Message(

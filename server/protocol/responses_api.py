@@ -46,7 +46,9 @@ from server.protocol.fields import (
     get_int,
     get_model,
     get_str,
+    get_text_parts,
     load_object,
+    objects,
     show,
     type_name,
     unsupported,
@@ -112,27 +114,8 @@ class ResponsesRequest:
 
 
 def _text_of(value: Any, param: str) -> str:
-    """A text, or a list of text parts joined by newlines (as chat joins them)."""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise bad(param, f"'{param}' must be a string or an array of content parts")
-    texts = []
-    for j, part in enumerate(value):
-        where = f"{param}[{j}]"
-        if not isinstance(part, dict):
-            raise bad(where, f"'{where}' must be an object")
-        kind = part.get("type")
-        if kind == "refusal" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
-            continue
-        if kind not in _TEXT_PARTS:
-            raise unsupported(f"{where}.type", f"content part type {show(kind)} (only text)")
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise bad(f"{where}.text", f"'{where}.text' must be a string")
-        texts.append(text)
-    return "\n".join(texts)
+    """A text, or Responses' text parts (and refusals) joined as chat joins them."""
+    return get_text_parts(value, param, _TEXT_PARTS, refusals=True)
 
 
 def _required_str(item: dict[str, Any], key: str, where: str) -> str:
@@ -162,10 +145,7 @@ def _input(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise bad("input", "'input' is required: a string or a non-empty array of input items")
     out: list[dict[str, Any]] = []
-    for i, item in enumerate(value):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise bad(where, f"'{where}' must be an object")
+    for where, item in objects(value, "input"):
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
@@ -207,10 +187,7 @@ def _tools(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list):
         raise bad("tools", f"'tools' must be an array, got {type_name(value)}")
     out = []
-    for i, tool in enumerate(value):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise bad(where, f"'{where}' must be an object")
+    for where, tool in objects(value, "tools"):
         kind = tool.get("type")
         if kind != "function":
             raise unsupported(f"{where}.type", f"tool type {show(kind)} (only function tools)")

@@ -206,6 +206,16 @@ class ResponsesStream:
         self._seq += 1
         return _frame(kind, payload)
 
+    def _part_event(self, phase: str, item_id: str, index: int, part: dict[str, Any]) -> bytes:
+        """An item's one content part added or done (items here have one part)."""
+        return self._event(
+            f"response.content_part.{phase}",
+            item_id=item_id,
+            output_index=index,
+            content_index=0,
+            part=part,
+        )
+
     def _object(self, status: str, usage: Usage | None = None, reasoning_tokens: int = 0) -> Any:
         output = self.output if status != "in_progress" else []
         return response_object(
@@ -230,13 +240,7 @@ class ResponsesStream:
         elif item["type"] == "reasoning":
             part = {"type": "reasoning_text", "text": ""}
         if part is not None:
-            out += self._event(
-                "response.content_part.added",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                part=part,
-            )
+            out += self._part_event("added", item["id"], index, part)
         return out
 
     def _switch(self, kind: str) -> bytes:
@@ -349,34 +353,20 @@ class ResponsesStream:
                 arguments=text,
             )
         else:
+            # A reasoning item and a message close alike: the text's done
+            # event (a message's also carries logprobs), then its part's.
+            extra: dict[str, Any]
             if kind == "reasoning":
                 done = _reasoning_item(item["id"], text, "completed")
-                part = done["content"][0]
-                out = self._event(
-                    "response.reasoning_text.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    text=text,
-                )
+                event, extra = "response.reasoning_text.done", {}
             else:
                 done = _message_item(item["id"], text, "completed")
-                part = done["content"][0]
-                out = self._event(
-                    "response.output_text.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    text=text,
-                    logprobs=[],
-                )
-            out += self._event(
-                "response.content_part.done",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                part=part,
+                event, extra = "response.output_text.done", {"logprobs": []}
+            part = done["content"][0]
+            out = self._event(
+                event, item_id=item["id"], output_index=index, content_index=0, text=text, **extra
             )
+            out += self._part_event("done", item["id"], index, part)
         self.output.append(done)
         return out + self._event("response.output_item.done", output_index=index, item=done)
 

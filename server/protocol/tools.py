@@ -18,7 +18,16 @@ from typing import Any
 
 import orjson
 
-from server.protocol.fields import MISSING, bad, get, get_bool, show, type_name, unsupported
+from server.protocol.fields import (
+    MISSING,
+    bad,
+    get,
+    get_bool,
+    objects,
+    show,
+    type_name,
+    unsupported,
+)
 from server.protocol.types import Tool, ToolCall, ToolChoice
 
 __all__ = ["parse_tool_calls", "parse_tools", "tool_call_id"]
@@ -30,18 +39,25 @@ def _schema_text(value: Any, param: str) -> str:
     return orjson.dumps(value).decode()
 
 
+def _function(obj: dict[str, Any], where: str) -> tuple[dict[str, Any], str]:
+    """``where.function``, an object, and its non-empty ``name``: a tool's and a
+    tool call's alike."""
+    fn = obj.get("function")
+    if not isinstance(fn, dict):
+        raise bad(f"{where}.function", f"'{where}.function' must be an object")
+    name = fn.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad(f"{where}.function.name", f"'{where}.function.name' must be a non-empty string")
+    return fn, name
+
+
 def _tool(value: Any, where: str) -> Tool:
     if not isinstance(value, dict):
         raise bad(where, f"'{where}' must be an object")
     kind = value.get("type", "function")
     if kind != "function":
         raise unsupported(f"{where}.type", f"tool type {show(kind)} (only function)")
-    fn = value.get("function")
-    if not isinstance(fn, dict):
-        raise bad(f"{where}.function", f"'{where}.function' must be an object")
-    name = fn.get("name")
-    if not isinstance(name, str) or not name:
-        raise bad(f"{where}.function.name", f"'{where}.function.name' must be a non-empty string")
+    fn, name = _function(value, where)
     description = get(fn, "description")
     if description is not MISSING and not isinstance(description, str):
         param = f"{where}.function.description"
@@ -115,21 +131,13 @@ def parse_tool_calls(value: Any, where: str) -> tuple[ToolCall, ...]:
     if not isinstance(value, list):
         raise bad(where, f"'{where}' must be an array")
     calls = []
-    for j, call in enumerate(value):
-        at = f"{where}[{j}]"
-        if not isinstance(call, dict):
-            raise bad(at, f"'{at}' must be an object")
+    for at, call in objects(value, where):
         if call.get("type", "function") != "function":
             raise unsupported(f"{at}.type", f"tool call type {show(call.get('type'))}")
         call_id = call.get("id")
         if not isinstance(call_id, str) or not call_id:
             raise bad(f"{at}.id", f"'{at}.id' must be a non-empty string")
-        fn = call.get("function")
-        if not isinstance(fn, dict):
-            raise bad(f"{at}.function", f"'{at}.function' must be an object")
-        name = fn.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad(f"{at}.function.name", f"'{at}.function.name' must be a non-empty string")
+        fn, name = _function(call, at)
         args = get(fn, "arguments")
         if args is MISSING or args == "":
             text = "{}"

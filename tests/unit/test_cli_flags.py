@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from server.cli import parse_serve_args
+from server.cli import build_serve_parser, parse_serve_args
 
 
 @pytest.mark.parametrize(
@@ -68,3 +68,14 @@ def test_thinking_is_off_by_default_for_the_demo_model_only(
     assert parse_serve_args(real, {}).default_thinking is True
     assert parse_serve_args([*demo, "--default-thinking"], {}).default_thinking is True
     assert parse_serve_args([*real, "--no-default-thinking"], {}).default_thinking is False
+
+
+def test_each_watchdog_threshold_is_a_flag_of_its_type() -> None:
+    """PressureConfig's bools are switches and its numbers take their field's type."""
+    parser = build_serve_parser()
+    ns = parser.parse_args(["--abort-on-gpu", "--kv-storm-usage", "0.5", "--preempt-shed", "7"])
+    assert ns.pressure_abort_on_gpu is True
+    assert ns.pressure_kv_storm_usage == 0.5 and isinstance(ns.pressure_kv_storm_usage, float)
+    assert ns.pressure_preempt_shed == 7 and isinstance(ns.pressure_preempt_shed, int)
+    assert parser.parse_args(["--no-abort-on-gpu"]).pressure_abort_on_gpu is False
+    assert parser.parse_args([]).pressure_min_dwell == 2.0

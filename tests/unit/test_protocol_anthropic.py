@@ -168,6 +168,11 @@ def test_count_tokens_needs_no_max_tokens() -> None:
         ("max_tokens", {"max_tokens": None, "messages": HI}),
         ("messages", {"messages": []}),
         ("messages[0].role", {"messages": [{"role": "system", "content": "x"}]}),
+        # A turn's blocks are all checked to be objects before any is read.
+        (
+            "messages[0].content[1]",
+            {"messages": [{"role": "user", "content": [{"type": "image"}, 5]}]},
+        ),
         (
             "messages[0].content[1].type",
             {

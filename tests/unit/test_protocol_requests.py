@@ -333,6 +333,8 @@ CHAT_BAD: list[tuple[dict[str, Any], str]] = [
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [5]}]}, "messages[0].content[0]"),
+    # An array's items are read in order: the first item's error is named first.
+    ({"messages": [{"role": "robot", "content": "x"}, 5]}, "messages[0].role"),
     (
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
         "messages[0].content[0].type",
@@ -340,6 +342,15 @@ CHAT_BAD: list[tuple[dict[str, Any], str]] = [
     (
         {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
         "messages[0].content[0].text",
+    ),
+    # Chat's parts are "text" only: Responses' part types and refusals are not text here.
+    (
+        {"messages": [{"role": "user", "content": [{"type": "input_text", "text": "x"}]}]},
+        "messages[0].content[0].type",
+    ),
+    (
+        {"messages": [{"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}]},
+        "messages[0].content[0].type",
     ),
     ({"messages": [{"role": "user", "content": "x", "name": 3}]}, "messages[0].name"),
     (

@@ -127,6 +127,21 @@ def test_history_goes_between_instructions_and_the_turn() -> None:
     ]
 
 
+def test_text_parts_and_refusals_join_with_a_newline() -> None:
+    """Input, output and plain text parts, and a refusal part's text, are one
+    message's content joined with "\\n", as chat joins its text parts."""
+    parts = [
+        {"type": "output_text", "text": "a"},
+        {"type": "refusal", "refusal": "b"},
+        {"type": "text", "text": "c"},
+    ]
+    r = parse(input=[{"role": "assistant", "content": parts}, {"role": "user", "content": "q"}])
+    assert [(m.role, m.content) for m in r.chat.messages] == [
+        ("assistant", "a\nb\nc"),
+        ("user", "q"),
+    ]
+
+
 @pytest.mark.parametrize(
     ("kw", "param"),
     [
@@ -225,6 +240,47 @@ def test_a_stream_assembles_the_body(
     events = [orjson.loads(f.split(b"\ndata: ")[1]) for f in (frames + end).split(b"\n\n") if f]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     Response.model_validate(final)
+
+
+def test_a_closing_text_item_sends_its_done_events() -> None:
+    """Reasoning and a message close with their text's done event (the message's
+    with logprobs, as OpenAI sends it), then the content part's."""
+    stream = ResponsesStream(parse(), "resp_x", 0)
+    stream.head()
+    frames = stream.feed(ParsedDelta(reasoning="hm")) + stream.feed(ParsedDelta(content="ok"))
+    frames += stream.end("completed", Usage(1, 1), 0)[0]
+    events = [orjson.loads(f.split(b"\ndata: ")[1]) for f in frames.split(b"\n\n") if f]
+    done = [
+        {k: v for k, v in e.items() if k not in ("sequence_number", "item_id", "part")}
+        for e in events
+        if e["type"].endswith((".reasoning_text.done", ".output_text.done", ".content_part.done"))
+    ]
+    assert done == [
+        {
+            "type": "response.reasoning_text.done",
+            "output_index": 0,
+            "content_index": 0,
+            "text": "hm",
+        },
+        {"type": "response.content_part.done", "output_index": 0, "content_index": 0},
+        {
+            "type": "response.output_text.done",
+            "output_index": 1,
+            "content_index": 0,
+            "text": "ok",
+            "logprobs": [],
+        },
+        {"type": "response.content_part.done", "output_index": 1, "content_index": 0},
+    ]
+    parts = [e["part"] for e in events if e["type"] == "response.content_part.done"]
+    assert [p["type"] for p in parts] == ["reasoning_text", "output_text"]
+    added = [
+        (e["item_id"], e["output_index"], e["content_index"], e["part"]["type"])
+        for e in events
+        if e["type"] == "response.content_part.added"
+    ]
+    items = [e["item"]["id"] for e in events if e["type"] == "response.output_item.added"]
+    assert added == [(items[0], 0, 0, "reasoning_text"), (items[1], 1, 0, "output_text")]
 
 
 def test_stream_error_is_an_error_event_then_failed() -> None:
