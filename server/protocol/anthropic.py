@@ -28,6 +28,9 @@ tokens as through vLLM's server):
    ``disable_parallel_tool_use`` -> parallel_tool_calls false.
 6. ``metadata.user_id`` names the caller where OpenAI's ``user`` does.
 7. ``mcp_servers`` and ``container`` ask for things Sluice does not run: 400.
+8. ``ignore_eos``, vLLM's extension, is honoured as on chat and Responses (the
+   benchmark point runs all three APIs to the same length with it; vLLM's own
+   /v1/messages drops it).
 
 Bodies and stream events going back: server/protocol/anthropic_events.py.
 """
@@ -321,8 +324,11 @@ def parse_messages(body: bytes, limits: Limits, *, count_only: bool = False) -> 
     thinking = _thinking(obj, limits.default_enable_thinking)
     max_tokens = _max_tokens(obj, limits, required=not count_only)
     # OpenAI's sampling reader on the fields both APIs share (same names and
-    # ranges; Anthropic's temperature stops at 1, Sluice accepts vLLM's 2).
-    shared: dict[str, Any] = {k: obj[k] for k in ("temperature", "top_p", "top_k") if k in obj}
+    # ranges; Anthropic's temperature stops at 1, Sluice accepts vLLM's 2),
+    # plus vLLM's ignore_eos (rule 8).
+    shared: dict[str, Any] = {
+        k: obj[k] for k in ("temperature", "top_p", "top_k", "ignore_eos") if k in obj
+    }
     stop = _stop_sequences(obj, limits)
     stream = get_bool(obj, "stream", False)
     # Which stop string ended the answer: a stream reads it from the last

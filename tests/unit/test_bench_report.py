@@ -1051,3 +1051,33 @@ def test_bench_gives_every_system_the_step_flags_sluice_would_set(demo_model_dir
     # a user's choice goes to every system as given: nothing added
     assert _step_flags([*flags, "--long-prefill-token-threshold", "0"]) == []
     assert _step_flags([*flags, "--no-long-prefill-token-threshold-adaptive"]) == []
+
+
+def test_api_point_reports_three_apis_and_their_translation_cost() -> None:
+    from bench import api_point as ap
+
+    def run(req_s: float, cpu_ms: float, out_tok: float = 64.0) -> dict[str, float]:
+        return {"req_s": req_s, "ttft_p50": 30, "ttft_p99": 90, "cpu_ms": cpu_ms,
+                "out_tok": out_tok, "failed": 0}  # fmt: skip
+
+    results = {
+        (rp.SLUICE, "chat"): [run(20.0, 4.0), run(22.0, 4.4), run(21.0, 4.2)],
+        (rp.SLUICE, "responses"): [run(21.0, 4.4)],
+        (rp.SLUICE, "messages"): [run(19.0, 4.62)],
+        (rp.VLLM, "chat"): [run(18.0, 8.0)],
+        (rp.VLLM, "messages"): [run(18.0, 8.0, out_tok=40.0)],
+    }
+    md = "\n".join(ap.report(results, 3, 256))
+    assert "| sluice chat | 21.0 [20.0-22.0] | 30 [30-30] | 90 [90-90] | 64.0 [64.0-64.0] |" in md
+    assert "| vllm messages | 18.0 [18.0-18.0] | 30 [30-30] | 90 [90-90] | 40.0 [40.0-40.0] |" in md
+    assert ap.translation_cost(results) == [
+        "* sluice responses / chat: req/s 1.000x (within the 5% budget); "
+        "front CPU 4.40 against 4.20 ms/req (+4.8%).",
+        "* sluice messages / chat: req/s 0.905x (over the 5% budget); "
+        "front CPU 4.62 against 4.20 ms/req (+10.0%).",
+        "* vllm messages / chat: req/s 1.000x (within the 5% budget); "
+        "front CPU 8.00 against 8.00 ms/req (+0.0%).",
+    ]
+    assert all(line in md for line in ap.translation_cost(results))
+    assert set(ap.APIS) == {"chat", "responses", "messages"}
+    assert ap.APIS["messages"][:2] == ("anthropic-messages", "/v1/messages")

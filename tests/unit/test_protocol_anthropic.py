@@ -157,6 +157,12 @@ def test_sampling_and_stop_sequences() -> None:
     )
 
 
+def test_ignore_eos_is_honoured_as_on_chat() -> None:
+    # The benchmark point (bench/api_point.py) runs the three APIs to the same length.
+    assert parse(messages=HI, ignore_eos=True).sampling.ignore_eos is True
+    assert parse(messages=HI).sampling.ignore_eos is False
+
+
 def test_count_tokens_needs_no_max_tokens() -> None:
     req = parse_messages(orjson.dumps({"model": "m", "messages": HI}), LIMITS, count_only=True)
     assert req.messages == (Message("user", "hi"),)
