@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Final
+from collections.abc import Hashable
+from typing import Any, Final, cast
 
 from server.errors import SluiceError
 from server.protocol.fields import (
@@ -55,6 +56,7 @@ from server.protocol.types import (
     CompletionRequest,
     Limits,
     Message,
+    Role,
     Sampling,
 )
 
@@ -196,7 +198,7 @@ def _messages(obj: dict[str, Any]) -> tuple[Message, ...]:
     out = []
     for where, msg in objects(value, "messages"):
         role = msg.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, Hashable) or role not in _ROLES:  # an object: no 500
             raise bad(
                 f"{where}.role",
                 f"'{where}.role' must be one of system, user, assistant, tool, developer;"
@@ -215,7 +217,7 @@ def _messages(obj: dict[str, Any]) -> tuple[Message, ...]:
         name = get_str(msg, "name", param=f"{where}.name")
         out.append(
             Message(
-                role=role,
+                role=cast(Role, role),  # one of _ROLES, checked above
                 content=content,
                 name=name,
                 tool_calls=()

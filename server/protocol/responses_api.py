@@ -32,7 +32,7 @@ Pure code: no aiohttp, no vLLM, no I/O.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -149,7 +149,7 @@ def _input(value: Any) -> list[dict[str, Any]]:
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
-            if role not in _ROLES:
+            if not isinstance(role, Hashable) or role not in _ROLES:  # an object: no 500
                 raise bad(
                     f"{where}.role",
                     f"'{where}.role' must be one of user, system, developer, assistant;"

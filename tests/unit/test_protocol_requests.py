@@ -329,6 +329,8 @@ CHAT_BAD: list[tuple[dict[str, Any], str]] = [
     ({"messages": ["hi"]}, "messages[0]"),
     ({"messages": [{"content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": {"a": 1}, "content": "x"}]}, "messages[0].role"),  # unhashable
+    ({"messages": [{"role": ["user"], "content": "x"}]}, "messages[0].role"),
     ({"messages": [*USER, {"role": "user", "content": None}]}, "messages[1].content"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),

@@ -158,6 +158,7 @@ def test_text_parts_and_refusals_join_with_a_newline() -> None:
             "input[0].content[0].type",
         ),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+        ({"input": [{"role": {"a": 1}, "content": "x"}]}, "input[0].role"),  # unhashable
         ({"input": []}, "input"),
         ({"input": [{"type": "function_call", "name": "w"}]}, "input[0].call_id"),
         ({"max_output_tokens": 5000}, "max_output_tokens"),
