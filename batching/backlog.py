@@ -12,7 +12,10 @@ OSDI 2024, for the first rule):
    next; a tie goes to the smaller release key. A caller whose backlog was empty
    (idle, or new) starts at the least counter of the backlogged callers, or, if there
    are none, at the counter the last served caller had: it cannot bank credit while
-   idle.
+   idle. That holds on both ways out of idleness: into the backlog, and released at
+   once past an empty backlog (coalescer.py rule 5), or a new caller served only that
+   way keeps its 0 and outruns everyone served before it (the bench's three_callers:
+   chat starved 60 s beside two new bulk callers; tests/unit/test_core_kv_bound.py).
 2. Within a caller: the release key (order.py: priority, then short-first with
    continuous aging, then admission order). There is no separate age rule: the key's
    `max_delay` is the ceiling of how far a request falls behind first-come-first-served.
@@ -85,16 +88,25 @@ class Backlog:
         """`gen` became eligible: put it in its caller's backlog."""
         c = gen.caller
         if not c.backlog:
-            active = self.active
-            lo = min(o.counter for o in active) if active else self.vt
-            c.counter = max(c.counter, lo)
-            active[c] = None
+            self.wake(c)
+            self.active[c] = None
         c.backlog += 1
         self.n += 1
         self._bseq = b = self._bseq + 1
         gen.bseq = b
         gen.state = BACKLOG
         heappush(c.heap, (gen.key, b, gen))
+
+    def wake(self, c: CallerState) -> None:
+        """Rule 1: a caller whose backlog is empty (idle, or new) starts at the least
+        counter of the backlogged callers, or at `vt` if there are none. Called when it
+        enters the backlog and, by the coalescer, when its work is released at once
+        without passing the backlog (an empty backlog with room for all of it): a
+        caller served only that way would otherwise keep the counter it had when it
+        was last backlogged, 0 if new, and bank credit against everyone else."""
+        active = self.active
+        lo = min(o.counter for o in active) if active else self.vt
+        c.counter = max(c.counter, lo)
 
     def discard(self, gen: Gen) -> None:
         """`gen` left the backlog without being picked (cancel, expiry)."""

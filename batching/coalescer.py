@@ -834,9 +834,12 @@ class Coalescer:
         of eligibility; each cut is already within the caps and goes as one batch.
         Skipping the backlog's heaps keeps the common case cheap.
         """
-        served = self._backlog.served
+        backlog = self._backlog
+        wake = backlog.wake
+        served = backlog.served
         for gens, why in fresh:
             for g in gens:
+                wake(g.caller)  # an idle caller starts at the floor here too (rule 1)
                 served(g)
             self._emit(gens, why, now, out)
 

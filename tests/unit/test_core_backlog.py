@@ -282,6 +282,36 @@ def test_a_caller_back_from_idle_cannot_bank_credit() -> None:
     assert release_all(co, 9.0) == ["b1"]  # and b1 arrived before a9
 
 
+def test_a_new_caller_released_at_once_cannot_bank_credit_either() -> None:
+    # The bench's three_callers starvation: work released without passing the backlog
+    # (it is empty and the engine has room) must start its caller at the floor too, or
+    # a new caller keeps its 0 and then outruns everyone who was served before.
+    co = co_(seqs=1)
+    done = ""
+    for i in range(5):  # a, alone and never held: each release goes at once
+        if done:
+            co.finished(done, float(i), tokens=4)
+        co.add(req(f"a{i}", float(i), caller="a"), float(i))
+        [done] = release_all(co, float(i))
+    a = co.caller("a")
+    assert a is not None and a.counter == pytest.approx(4 * 12 + 4)
+    co.finished(done, 5.0, tokens=4)
+    co.add(req("b0", 5.0, caller="b"), 5.0)
+    assert release_all(co, 5.0) == ["b0"]  # at once, as a's were
+    b = co.caller("b")  # it started where a was at a4's release, before its charge
+    assert b is not None and b.counter == pytest.approx(4 * 12 + 4)
+    for i in range(3):
+        co.add(req(f"b{i + 1}", 5.0, caller="b"), 5.0)
+        co.add(req(f"a{i + 5}", 5.0, caller="a"), 5.0)
+    order = []
+    for i in range(6):  # one slot: finish, release the next
+        co.finished(done if i else "b0", 6.0 + i, tokens=4)
+        [done] = release_all(co, 6.0 + i)
+        order.append(done[0])
+    # Both at 60 after the finishes; a tie goes to the smaller key (b1 came first).
+    assert order == ["b", "a", "b", "a", "b", "a"]  # not b, b, b first
+
+
 def test_generated_tokens_are_charged_at_finish_twice() -> None:
     co = co_()
     co.add(req("a", prompt=10, new=100), 0.0)
