@@ -28,4 +28,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # Run as a script (`python bench/vllm_client.py`, as the benchmark and the
+    # tests launch it), sys.path starts at bench/: the repository root holds
+    # the `bench` package the Messages backend comes from.
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     sys.exit(main())
