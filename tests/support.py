@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -79,6 +79,15 @@ class SluiceProcess:
                     return
             time.sleep(0.5)
         raise TimeoutError(f"sluice not ready after {timeout}s:\n{self.tail()}")
+
+    @contextlib.contextmanager
+    def running(self, timeout: float = 240.0) -> Iterator[SluiceProcess]:
+        """Ready (see wait_ready), for the block; stopped afterwards, whatever happens."""
+        try:
+            self.wait_ready(timeout)
+            yield self
+        finally:
+            self.stop()
 
     def tail(self, n: int = 4000) -> str:
         self._log.flush()

@@ -16,9 +16,7 @@ def sluice_server(
 ) -> Iterator[SluiceProcess]:
     """One Sluice with the real engine on the demo model, for the whole session."""
     log = tmp_path_factory.mktemp("logs") / "sluice.log"
-    proc = SluiceProcess(["--log-format", "plain"], cache_dir=demo_cache_root, log_path=log)
-    try:
-        proc.wait_ready()
+    with SluiceProcess(
+        ["--log-format", "plain"], cache_dir=demo_cache_root, log_path=log
+    ).running() as proc:
         yield proc
-    finally:
-        proc.stop()

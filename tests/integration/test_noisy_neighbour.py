@@ -45,7 +45,7 @@ def two_callers(
     callers = tmp / "callers.toml"
     callers.write_text('[callers.flood]\nkey = "sk-flood"\n\n[callers.chat]\nkey = "sk-chat"\n')
     callers.chmod(0o600)
-    proc = SluiceProcess(
+    with SluiceProcess(
         [
             "--callers",
             str(callers),
@@ -60,12 +60,8 @@ def two_callers(
         ],
         cache_dir=demo_cache_root,
         log_path=tmp / "sluice.log",
-    )
-    try:
-        proc.wait_ready()
+    ).running() as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def _auth(caller: str) -> dict[str, str]:

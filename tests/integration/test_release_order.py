@@ -38,7 +38,7 @@ def one_slot(
     demo_cache_root: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SluiceProcess]:
     tmp = tmp_path_factory.mktemp("order")
-    proc = SluiceProcess(
+    with SluiceProcess(
         [
             "--max-num-seqs",
             "1",
@@ -51,12 +51,8 @@ def one_slot(
         ],
         cache_dir=demo_cache_root,
         log_path=tmp / "sluice.log",
-    )
-    try:
-        proc.wait_ready()
+    ).running() as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 async def _one(

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.engine
 def small_kv_server(
     demo_cache_root: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SluiceProcess]:
-    proc = SluiceProcess(
+    with SluiceProcess(
         [
             "--kv-cache-memory-bytes",
             str(8 * 2**20),
@@ -53,12 +53,8 @@ def small_kv_server(
         ],
         cache_dir=demo_cache_root,
         log_path=tmp_path_factory.mktemp("shed") / "sluice.log",
-    )
-    try:
-        proc.wait_ready()
+    ).running() as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 FLOOD = 6

@@ -319,16 +319,12 @@ def callers_server(demo_cache_root: Path, tmp_path: Path) -> Iterator[SluiceProc
     path = tmp_path / "callers.toml"
     path.write_text("".join(f'[callers.{n}]\nkey = "{k}"\n' for n, k in CALLER_KEYS.items()))
     path.chmod(0o600)
-    proc = SluiceProcess(
+    with SluiceProcess(
         ["--callers", str(path), "--log-format", "plain"],
         cache_dir=demo_cache_root,
         log_path=tmp_path / "sluice.log",
-    )
-    try:
-        proc.wait_ready()
+    ).running() as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.mark.engine
