@@ -8,7 +8,7 @@ clients send explicit nulls for unset options.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
 import orjson
@@ -118,6 +118,18 @@ def get_str(obj: dict[str, Any], key: str, param: str | None = None) -> str | No
         param = param or key
         raise bad(param, f"'{param}' must be a string, got {type_name(value)}")
     return value
+
+
+def get_role(obj: dict[str, Any], roles: Sequence[str], where: str) -> str:
+    """`obj["role"]`, one of `roles` (a 400 naming `where.role` and them otherwise;
+    an object or array is refused too, not looked up)."""
+    role = obj.get("role")
+    if not isinstance(role, str) or role not in roles:
+        raise bad(
+            f"{where}.role",
+            f"'{where}.role' must be one of {', '.join(roles)}; got {show(role)}",
+        )
+    return role
 
 
 def objects(items: list[Any], param: str) -> Iterator[tuple[str, dict[str, Any]]]:

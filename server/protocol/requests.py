@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Hashable
 from typing import Any, Final, cast
 
 from server.errors import SluiceError
@@ -38,13 +37,13 @@ from server.protocol.fields import (
     get_float,
     get_int,
     get_model,
+    get_role,
     get_str,
     get_text_parts,
     is_int,
     load_object,
     objects,
     refuse_unsupported,
-    show,
     type_name,
     unsupported,
 )
@@ -75,7 +74,7 @@ __all__ = [
 # OpenAI's documented default for /v1/completions (vLLM uses the same).
 COMPLETION_DEFAULT_MAX_TOKENS: Final = 16
 
-_ROLES: Final = frozenset({"system", "user", "assistant", "tool", "developer"})
+_ROLES: Final = ("system", "user", "assistant", "tool", "developer")
 
 
 # ---------------------------------------------------------------------------
@@ -197,13 +196,7 @@ def _messages(obj: dict[str, Any]) -> tuple[Message, ...]:
         raise bad("messages", "'messages' is required and must be a non-empty array")
     out = []
     for where, msg in objects(value, "messages"):
-        role = msg.get("role")
-        if not isinstance(role, Hashable) or role not in _ROLES:  # an object: no 500
-            raise bad(
-                f"{where}.role",
-                f"'{where}.role' must be one of system, user, assistant, tool, developer;"
-                f" got {show(role)}",
-            )
+        role = get_role(msg, _ROLES, where)
         calls = get(msg, "tool_calls")
         if calls is not MISSING and role != "assistant":
             raise bad(f"{where}.tool_calls", f"'{where}.tool_calls' is only allowed for assistant")

@@ -32,7 +32,7 @@ Pure code: no aiohttp, no vLLM, no I/O.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -45,6 +45,7 @@ from server.protocol.fields import (
     get_bool,
     get_int,
     get_model,
+    get_role,
     get_str,
     get_text_parts,
     load_object,
@@ -61,7 +62,7 @@ __all__ = ["ResponsesRequest", "parse_responses"]
 # reasoning.effort values: "none" and "minimal" turn Qwen3's thinking off.
 _EFFORT_OFF: Final = frozenset({"none", "minimal"})
 _EFFORT_ON: Final = frozenset({"low", "medium", "high", "xhigh"})
-_ROLES: Final = frozenset({"user", "system", "developer", "assistant"})
+_ROLES: Final = ("user", "system", "developer", "assistant")
 _TEXT_PARTS: Final = frozenset({"input_text", "output_text", "text"})
 # Request fields echoed in the response object as given (OpenAI echoes them;
 # the openai client's parse() and the Agents SDK read some back).
@@ -148,13 +149,7 @@ def _input(value: Any) -> list[dict[str, Any]]:
     for where, item in objects(value, "input"):
         kind = item.get("type", "message")
         if kind == "message":
-            role = item.get("role")
-            if not isinstance(role, Hashable) or role not in _ROLES:  # an object: no 500
-                raise bad(
-                    f"{where}.role",
-                    f"'{where}.role' must be one of user, system, developer, assistant;"
-                    f" got {show(role)}",
-                )
+            role = get_role(item, _ROLES, where)
             out.append({"role": role, "content": _text_of(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
             call = _call(item, where)
