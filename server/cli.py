@@ -1,4 +1,4 @@
-"""The command line: `sluice serve` and `sluice make-demo-model`.
+"""The command line: `sluice serve`, `sluice make-demo-model` and `make-demo-adapter`.
 
 Sluice's own flags are declared here; every engine flag comes from vLLM's own
 argument definitions (`AsyncEngineArgs.add_cli_args`), so quantization, prefix
@@ -51,6 +51,8 @@ commands:
   serve [flags]            serve a model over the OpenAI API (see `sluice serve --help`);
                            with no --model on a machine without a GPU, the offline demo model
   make-demo-model DIR      build the offline demo model (tiny Qwen3 + BPE tokenizer) into DIR
+  make-demo-adapter DIR [--seed N --rank R]
+                           write a random PEFT LoRA adapter for the demo model into DIR
 """
 
 
