@@ -495,7 +495,7 @@ async def _keepalive(
 def _finish_trace(request: web.Request, tr: Trace) -> None:
     metrics = request.app[METRICS]
     now = time.monotonic()
-    metrics.requests.labels(tr.endpoint, str(tr.status)).inc()
+    metrics.requests.labels(tr.endpoint, str(tr.status), tr.adapter or "").inc()
     if tr.caller is not None:
         metrics.caller_requests.labels(tr.caller, str(tr.status)).inc()
     metrics.duration.observe(now - tr.t0)
