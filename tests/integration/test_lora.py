@@ -13,6 +13,7 @@ is one line and exit 2, before any engine starts.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,9 +24,10 @@ import anthropic
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from server.demo_adapter import write_demo_adapter
-from tests.support import ROOT, SluiceProcess, metric
+from tests.support import ROOT, SluiceProcess
 
 pytestmark = pytest.mark.engine
 
@@ -153,29 +155,29 @@ def test_404_and_403(server: SluiceProcess) -> None:
         ac.messages.create(model="alpha", max_tokens=2, messages=ASK)
 
 
+def adapter_requests(server: SluiceProcess, adapter: str) -> float:
+    text = httpx.get(server.base + "/metrics", timeout=5).text
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "sluice_requests_total" and s.labels.get("adapter") == adapter
+    )
+
+
 def test_the_access_line_and_the_metrics_name_the_adapter(server: SluiceProcess) -> None:
-    before = metric(server.base, 'sluice_requests_total{adapter="beta"')
+    before = adapter_requests(server, "beta")
     complete(server, "beta", key="sk-sql")
-    text = httpx.get(server.base + "/metrics").text
-    after = metric(server.base, 'sluice_requests_total{adapter="beta"')
-    assert after == before + 1, text
-    assert "adapter=beta" in server.tail(20000)
+    assert adapter_requests(server, "beta") == before + 1
+    assert "caller=sql adapter=beta endpoint=completions status=200" in server.tail(20000)
 
 
-@pytest.mark.parametrize(
-    ("extra", "message"),
-    [
-        (["--lora-modules", "x=/nonexistent/adapter"], "LoRA adapter 'x': /nonexistent"),
-        (["--enable-lora", "--lora-modules", "x=/nonexistent"], "is not a directory"),
-    ],
-)
-def test_a_bad_static_adapter_is_one_line_at_start(
-    extra: list[str], message: str, demo_cache_root: Path
-) -> None:
+def start_error(args: list[str], cache_root: Path) -> str:
+    """`sluice serve ARGS` that must exit 2 before any engine starts: its one error line."""
     out = subprocess.run(
-        [sys.executable, "-m", "server", "serve", "--port", "1", *extra],
+        [sys.executable, "-m", "server", "serve", "--port", "1", *args],
         cwd=ROOT,
-        env={"SLUICE_CACHE_DIR": str(demo_cache_root), "HF_HUB_OFFLINE": "1", "PATH": ""},
+        env={**os.environ, "SLUICE_CACHE_DIR": str(cache_root), "HF_HUB_OFFLINE": "1"},
         capture_output=True,
         text=True,
         timeout=120,
@@ -184,3 +186,37 @@ def test_a_bad_static_adapter_is_one_line_at_start(
     assert out.returncode == 2, out.stderr[-2000:]
     errors = [line for line in out.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    return errors[0]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--lora-modules", "x=/nonexistent"], "--lora-modules needs --enable-lora"),
+        (
+            ["--enable-lora", "--lora-modules", "x=/nonexistent"],
+            "LoRA adapter 'x': /nonexistent is not a directory",
+        ),
+        (
+            ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", "x={rank16}"],
+            "LoRA adapter 'x': rank 16 is above --max-lora-rank 8",
+        ),
+    ],
+)
+def test_a_bad_static_adapter_is_one_line_at_start(
+    extra: list[str], message: str, demo_cache_root: Path, tmp_path: Path
+) -> None:
+    rank16 = write_demo_adapter(tmp_path / "r16", rank=16)
+    assert message in start_error([a.format(rank16=rank16) for a in extra], demo_cache_root)
+
+
+def test_a_callers_file_naming_an_unknown_adapter_is_one_line_at_start(
+    demo_cache_root: Path, tmp_path: Path, adapters: dict[str, Path]
+) -> None:
+    callers = tmp_path / "callers.toml"
+    callers.write_text('[callers.x]\nkey = "k"\nadapters = ["gamma"]\n')
+    args = ["--callers", str(callers), "--enable-lora", "--lora-modules", f"a={adapters['alpha']}"]
+    line = start_error(args, demo_cache_root)
+    assert (
+        "callers.x.adapters: 'gamma' is not a configured LoRA adapter (--lora-modules: a)" in line
+    )

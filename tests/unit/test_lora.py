@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from server.callers import CallersError, parse_callers
 from server.errors import SluiceError
@@ -209,6 +210,19 @@ async def test_each_request_reaches_the_engine_on_its_adapter(make_client: Any) 
     )
     assert resp.status == 200, await resp.text()
     assert list(engine.adapters.values()) == ["alpha", None, "beta", "beta"]
+    text = await (await client.get("/metrics")).text()
+    by_adapter = {
+        (s.labels["endpoint"], s.labels["adapter"]): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "sluice_requests_total"
+    }
+    assert by_adapter == {
+        ("chat", "alpha"): 1,
+        ("chat", ""): 1,
+        ("chat", "beta"): 1,
+        ("completions", "beta"): 1,
+    }
 
 
 async def test_dedupe_and_the_result_cache_keep_adapters_apart(make_client: Any) -> None:
@@ -258,3 +272,19 @@ async def test_callers_see_and_use_their_own_adapters(make_client: Any) -> None:
     resp = await client.post("/v1/messages", json=body, headers={"x-api-key": "sk-sql"})
     assert resp.status == 403
     assert (await resp.json())["error"]["type"] == "permission_error"
+
+
+async def test_sighup_reload_checks_adapter_names(make_client: Any, tmp_path: Path) -> None:
+    from server.app import reload_callers
+    from server.state import CALLERS
+
+    path = tmp_path / "callers.toml"
+    path.write_text(FILE)
+    client, app, _ = await lora_client(make_client, FILE, callers_file=path)
+    path.write_text(FILE.replace('adapters = ["beta"]', 'adapters = ["alpha", "fake"]'))
+    assert await reload_callers(app)
+    resp = await client.post(CHAT, json=chat("fake"), headers=bearer("sk-sql"))
+    assert resp.status == 200, await resp.text()  # the base is in its list now
+    path.write_text(FILE.replace('adapters = ["beta"]', 'adapters = ["gamma"]'))
+    assert not await reload_callers(app)  # an unknown adapter keeps the old callers
+    assert app[CALLERS].access("sql").adapters == frozenset({"alpha", "fake"})
