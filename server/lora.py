@@ -44,6 +44,7 @@ from typing import Any
 from server.errors import SluiceError
 
 __all__ = [
+    "OPEN_ACCESS",
     "Adapter",
     "AdapterAccess",
     "AdapterRegistry",

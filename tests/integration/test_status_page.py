@@ -355,6 +355,7 @@ async def test_the_demo_server_status_page(
         sent = [await t for t in traffic]
     assert all(n > 5 for n in sent), sent
     assert probe["charts"]["callers"]["series"] == sorted(CALLER_KEYS)
+    assert probe["charts"]["adapters"]["series"] == ["sluice-demo"]  # no LoRA: the base only
     assert "backlog held" in probe["charts"]["queue"]["series"]
     assert probe["charts"]["memory"]["series"] == ["host available"]  # no NVML here
     assert await browser_page.text_content("#state") == "ok"
