@@ -90,6 +90,26 @@ def _make_demo_model(argv: Sequence[str]) -> int:
     return 0
 
 
+def _make_demo_adapter(argv: Sequence[str]) -> int:
+    import argparse
+
+    from server.demo_adapter import DEFAULT_RANK, write_demo_adapter
+
+    parser = argparse.ArgumentParser(
+        prog="sluice make-demo-adapter",
+        description="Write a random PEFT LoRA adapter for the demo model into DIR "
+        "(the same bytes for the same seed and rank).",
+    )
+    parser.add_argument("dir", type=Path)
+    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    parser.add_argument("--rank", type=int, default=DEFAULT_RANK, help="(default: %(default)s)")
+    ns = parser.parse_args(list(argv))
+    if ns.rank < 1:
+        parser.error(f"--rank must be >= 1, got {ns.rank}")
+    print(write_demo_adapter(ns.dir, seed=ns.seed, rank=ns.rank))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from server.cli import USAGE
 
@@ -107,6 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(rest)
     if cmd == "make-demo-model":
         return _make_demo_model(rest)
+    if cmd == "make-demo-adapter":
+        return _make_demo_adapter(rest)
     print(f"sluice: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import signal
@@ -42,6 +43,7 @@ from server.callers import CallerDirectory, CallersError, load_callers, world_re
 from server.driver import Driver, order_priority, request_priority
 from server.engine_api import Engine
 from server.errors import SluiceError
+from server.lora import AdapterRegistry
 from server.metrics import Metrics
 from server.middleware import install as install_middlewares
 from server.protocol import Limits, Sampling
@@ -50,6 +52,7 @@ from server.routes import add_routes
 from server.sdnotify import SdNotify
 from server.settings import Settings
 from server.state import (
+    ADAPTERS,
     CALLERS,
     DRIVER,
     ENGINE,
@@ -343,6 +346,9 @@ def build_app(
     app[RESPONSES] = ResponseStore()  # /v1/responses' stored responses, lost on restart
     app[NOTIFIER] = notifier or SdNotify(None)
     app[CALLERS] = CallerDirectory(settings.caller_table, settings.api_key)
+    app[ADAPTERS] = AdapterRegistry(
+        settings.model_name, settings.adapters, base_path=settings.model_path
+    )
     if watchdog_factory is not None:
         app[WATCHDOG] = watchdog_factory(app)
     app[STATUS] = make_sampler(app)
@@ -388,7 +394,14 @@ async def reload_callers(app: web.Application) -> bool:
         log.info("SIGHUP: no --callers file to reload")
         return False
     try:
-        table = await asyncio.to_thread(load_callers, path)
+        table = await asyncio.to_thread(
+            functools.partial(
+                load_callers,
+                path,
+                adapters=app[ADAPTERS].names,
+                base=app[SETTINGS].model_name,
+            )
+        )
     except CallersError as exc:
         log.error(
             "callers reload failed; keeping the old callers", extra={"fields": {"why": str(exc)}}

@@ -29,6 +29,14 @@ The file:
     key = "sk-batch-..."
     max_queued = 200             # waiting requests beyond max_concurrency: 429 past it
     tokens_per_minute = 2000000  # prompt + generated tokens; 429 past it
+    adapters = ["alpha", "beta"] # LoRA adapters it may use and see (absent: all)
+    default_adapter = "alpha"    # what a request naming the base model runs on
+
+`adapters` and `default_adapter` name adapters given with --lora-modules (the
+list may also name the base model, to allow it too); server/lora.py rule 4 says
+what a caller gets for the others: 404 for an adapter outside its list, 403 for
+the base model when its list does not name it. A name that is not configured
+is a start-up (or reload) error.
 
 Caller names are 1-64 characters of letters, digits, `_`, `-` and `.` (they
 become metric labels and log fields).
@@ -40,11 +48,13 @@ import hmac
 import re
 import stat
 import tomllib
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from batching import DEFAULT_CALLER, CallerPolicy, Callers
+from server.lora import OPEN_ACCESS, AdapterAccess
 
 __all__ = [
     "MAX_USER_NAMES",
@@ -63,7 +73,15 @@ OTHER_CALLER = "other"
 MAX_USER_NAMES = 64
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
-_FIELDS = {"key", "weight", "max_concurrency", "max_queued", "tokens_per_minute"}
+_FIELDS = {
+    "key",
+    "weight",
+    "max_concurrency",
+    "max_queued",
+    "tokens_per_minute",
+    "adapters",
+    "default_adapter",
+}
 
 
 class CallersError(ValueError):
@@ -76,6 +94,11 @@ class CallerTable:
 
     policies: Callers
     keys: tuple[tuple[bytes, str], ...] = field(repr=False)  # (key, caller name)
+    # Each caller's LoRA adapter rules (server/lora.py rule 4); absent: no restriction.
+    access: tuple[tuple[str, AdapterAccess], ...] = ()
+
+    def access_for(self, name: str) -> AdapterAccess:
+        return next((a for n, a in self.access if n == name), OPEN_ACCESS)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -95,6 +118,38 @@ def _int(where: str, value: Any, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise CallersError(f"{where} must be an integer >= {low}")
     return value
+
+
+class _Known:
+    """The model names a callers file may give: the adapters and the base."""
+
+    def __init__(self, adapters: Collection[str], base: str | None) -> None:
+        self.adapters = frozenset(adapters)
+        self.base = base
+
+    def adapter(self, where: str, value: Any, *, base_too: bool = False) -> str:
+        ok = self.adapters | ({self.base} if base_too and self.base else set())
+        if not isinstance(value, str) or value not in ok:
+            have = ", ".join(sorted(self.adapters)) or "none"
+            raise CallersError(
+                f"{where}: {value!r} is not a configured LoRA adapter (--lora-modules: {have})"
+            )
+        return value
+
+
+def _access(where: str, spec: dict[str, Any], known: _Known) -> AdapterAccess:
+    names = spec.get("adapters")
+    allowed = None
+    if names is not None:
+        if not isinstance(names, list):
+            raise CallersError(f"{where}.adapters must be a list of adapter names")
+        allowed = frozenset(known.adapter(f"{where}.adapters", n, base_too=True) for n in names)
+    default = spec.get("default_adapter")
+    if default is not None:
+        default = known.adapter(f"{where}.default_adapter", default)
+        if allowed is not None and default not in allowed:
+            raise CallersError(f"{where}.default_adapter {default!r} is not in its adapters")
+    return AdapterAccess(allowed, default)
 
 
 def _caller(name: str, spec: Any) -> tuple[CallerPolicy, str]:
@@ -124,8 +179,13 @@ def _caller(name: str, spec: Any) -> tuple[CallerPolicy, str]:
     return policy, key.strip()
 
 
-def parse_callers(text: str) -> CallerTable:
-    """A callers file's text to a table; CallersError says what is wrong."""
+def parse_callers(
+    text: str, *, adapters: Collection[str] = (), base: str | None = None
+) -> CallerTable:
+    """A callers file's text to a table; CallersError says what is wrong.
+
+    `adapters` and `base`: the configured LoRA adapter names and the base
+    model's name, which `adapters` and `default_adapter` may give."""
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -138,7 +198,9 @@ def parse_callers(text: str) -> CallerTable:
         raise CallersError("no callers: add at least one [callers.NAME] table")
     policies: list[CallerPolicy] = []
     keys: list[tuple[bytes, str]] = []
+    access: list[tuple[str, AdapterAccess]] = []
     seen: dict[str, str] = {}
+    known = _Known(adapters, base)
     for name, spec in table.items():
         policy, key = _caller(name, spec)
         if key in seen:
@@ -146,17 +208,22 @@ def parse_callers(text: str) -> CallerTable:
         seen[key] = name
         policies.append(policy)
         keys.append((key.encode(), name))
-    return CallerTable(Callers(tuple(policies)), tuple(keys))
+        rules = _access(f"callers.{name}", spec, known)
+        if rules != OPEN_ACCESS:
+            access.append((name, rules))
+    return CallerTable(Callers(tuple(policies)), tuple(keys), tuple(access))
 
 
-def load_callers(path: Path) -> CallerTable:
+def load_callers(
+    path: Path, *, adapters: Collection[str] = (), base: str | None = None
+) -> CallerTable:
     """Read and parse a callers file (blocking: call it on a thread once serving)."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise CallersError(f"callers file {path}: cannot read it: {exc}") from exc
     try:
-        return parse_callers(text)
+        return parse_callers(text, adapters=adapters, base=base)
     except CallersError as exc:
         raise CallersError(f"callers file {path}: {exc}") from exc
 
@@ -199,6 +266,12 @@ class CallerDirectory:
             return self.table.identify(token)
         assert self._api_key is not None
         return DEFAULT_CALLER if hmac.compare_digest(token.encode(), self._api_key) else None
+
+    def access(self, caller: str | None) -> AdapterAccess:
+        """A caller's LoRA adapter rules (no callers file: no restriction)."""
+        if self.table is None or caller is None:
+            return OPEN_ACCESS
+        return self.table.access_for(caller)
 
     def from_user(self, user: str | None) -> str:
         """An open directory's caller for a request's `user` field (bounded)."""

@@ -1,4 +1,4 @@
-"""The command line: `sluice serve` and `sluice make-demo-model`.
+"""The command line: `sluice serve`, `sluice make-demo-model` and `make-demo-adapter`.
 
 Sluice's own flags are declared here; every engine flag comes from vLLM's own
 argument definitions (`AsyncEngineArgs.add_cli_args`), so quantization, prefix
@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from server.lora import Adapter
 from server.settings import EnvView, Settings
 
 log = logging.getLogger("sluice")
@@ -50,6 +51,8 @@ commands:
   serve [flags]            serve a model over the OpenAI API (see `sluice serve --help`);
                            with no --model on a machine without a GPU, the offline demo model
   make-demo-model DIR      build the offline demo model (tiny Qwen3 + BPE tokenizer) into DIR
+  make-demo-adapter DIR [--seed N --rank R]
+                           write a random PEFT LoRA adapter for the demo model into DIR
 """
 
 
@@ -308,6 +311,38 @@ def _set_step_flags(engine_args: Any) -> None:
     )
 
 
+def _add_lora_modules_flag(parser: argparse.ArgumentParser) -> None:
+    """`--lora-modules`, as `vllm serve` declares it (a frontend flag, not an
+    engine one: AsyncEngineArgs has --enable-lora and the --max-lora* limits):
+    vLLM's own argparse kwargs and its LoRAParserAction, so `name=path` and the
+    JSON form (`{"name": ..., "path": ..., "base_model_name": ...}`) parse as there."""
+    from vllm.engine.arg_utils import get_kwargs
+    from vllm.entrypoints.launchers.cli_args import BaseFrontendArgs
+
+    kwargs = BaseFrontendArgs._customize_cli_kwargs(get_kwargs(BaseFrontendArgs))["lora_modules"]
+    kwargs["help"] = (
+        "LoRA adapters served on the base model, as with `vllm serve`: name=path, or JSON "
+        '{"name": ..., "path": ..., "base_model_name": ...}; needs --enable-lora. A request '
+        "names one in `model`"
+    )
+    parser.add_argument_group("LoRA adapters").add_argument("--lora-modules", **kwargs)
+
+
+def _static_adapters(ns: argparse.Namespace, served: str) -> tuple[Adapter, ...]:
+    """The --lora-modules adapters, checked (server/lora.py rule 5): ValueError
+    with one line naming the adapter and the cause."""
+    from server.lora import AdapterRegistry, check_adapter_dir
+
+    modules = ns.lora_modules or []
+    if not modules:
+        return ()
+    if not ns.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora (as with `vllm serve`)")
+    for m in modules:
+        check_adapter_dir(m.name, m.path, ns.max_lora_rank)
+    return AdapterRegistry.from_modules(served, modules, base_path=ns.model).adapters
+
+
 def build_serve_parser() -> argparse.ArgumentParser:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -327,6 +362,7 @@ def build_serve_parser() -> argparse.ArgumentParser:
     )
     _add_sluice_flags(parser)
     AsyncEngineArgs.add_cli_args(parser)
+    _add_lora_modules_flag(parser)
     # Sentinels, so that "not given" can get a platform-aware default below.
     parser.set_defaults(
         model=None,
@@ -405,6 +441,10 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
 
     names = ns.served_model_name or [ns.model]
     served = names[0] if isinstance(names, list) else names
+    try:
+        adapters = _static_adapters(ns, served)
+    except ValueError as exc:
+        parser.error(str(exc))
     api_key = env.api_key
     if ns.api_key_file is not None:
         try:
@@ -416,7 +456,7 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
         if ns.api_key_file is not None:
             parser.error("--callers and --api-key-file: give one (each caller has its key)")
         try:
-            callers = load_callers(ns.callers)
+            callers = load_callers(ns.callers, adapters=[a.name for a in adapters], base=served)
         except CallersError as exc:
             parser.error(str(exc))
         if world_readable(ns.callers):
@@ -461,6 +501,7 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
         model_name=served,
         model_path=ns.model,
         demo_model=demo,
+        adapters=adapters,
         core=core,
         max_batch_seqs=ns.max_batch_seqs,
         max_batch_tokens=ns.max_batch_tokens,

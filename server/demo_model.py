@@ -282,20 +282,20 @@ def write_demo_model(dest: Path) -> None:
     dest = Path(dest)
     tokenizer_json = _train_tokenizer()
     contents = {
-        "config.json": _json_bytes(ARCHITECTURE),
-        "generation_config.json": _json_bytes(_GENERATION_CONFIG),
+        "config.json": json_bytes(ARCHITECTURE),
+        "generation_config.json": json_bytes(_GENERATION_CONFIG),
         "tokenizer.json": tokenizer_json,
-        "tokenizer_config.json": _json_bytes(_tokenizer_config()),
+        "tokenizer_config.json": json_bytes(_tokenizer_config()),
     }
     for name, data in contents.items():
         (dest / name).write_bytes(data)
     with (dest / "model.safetensors").open("wb") as f:
-        _write_safetensors(f, _weights())
+        write_safetensors(f, _weights())
     manifest = {
         "recipe": recipe_digest(),
         "files": {name: _sha256(dest / name) for name in MODEL_FILES},
     }
-    (dest / _MANIFEST).write_bytes(_json_bytes(manifest))
+    (dest / _MANIFEST).write_bytes(json_bytes(manifest))
 
 
 # ----------------------------------------------------------------- tokenizer
@@ -423,18 +423,18 @@ def _weights() -> dict[str, tuple[tuple[int, ...], bytes]]:
             seed = int.from_bytes(hashlib.sha256(f"{_SEED}:{name}".encode()).digest()[:4], "little")
             rng = np.random.RandomState(seed)
             values = (rng.standard_normal(shape) * std).astype(np.float32)
-        out[name] = (shape, _to_bf16(values).astype("<u2").tobytes())
+        out[name] = (shape, to_bf16(values).astype("<u2").tobytes())
     return out
 
 
-def _to_bf16(values: np.ndarray) -> np.ndarray:
+def to_bf16(values: np.ndarray) -> np.ndarray:
     """float32 -> bfloat16 bit patterns, round-to-nearest-even (no NaNs here)."""
     bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
     rounding = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
     return ((bits + rounding) >> np.uint32(16)).astype(np.uint16)
 
 
-def _write_safetensors(f: Any, tensors: Mapping[str, tuple[tuple[int, ...], bytes]]) -> None:
+def write_safetensors(f: Any, tensors: Mapping[str, tuple[tuple[int, ...], bytes]]) -> None:
     """The safetensors format, written directly (NumPy has no bfloat16 dtype).
 
     Layout: u64 little-endian header length, a JSON header (padded with spaces
@@ -468,7 +468,7 @@ def _read_text(path: Path) -> str:
     return path.read_bytes().decode("utf-8").replace("\r\n", "\n")
 
 
-def _json_bytes(obj: Any) -> bytes:
+def json_bytes(obj: Any) -> bytes:
     return (json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False) + "\n").encode()
 
 

@@ -49,6 +49,7 @@ from batching import (
 )
 from server.engine_api import Engine, EngineOutput, OutputStream, SamplingParamsLike
 from server.errors import SluiceError
+from server.lora import Adapter
 
 log = logging.getLogger("sluice.driver")
 
@@ -245,6 +246,10 @@ class Ticket:
 class _Pending:
     ticket: Ticket
     params: SamplingParamsLike | None = None  # None for a joined duplicate
+    # The LoRA adapter it runs on (None: the base weights). Equal for every
+    # subscriber of one generation: the adapter's name is part of the group
+    # key (batching/keys.py), which the dedupe key includes.
+    adapter: Adapter | None = None
 
 
 class Driver:
@@ -280,8 +285,13 @@ class Driver:
     def now(self) -> float:
         return self._clock()
 
-    def submit(self, request: Request, params: SamplingParamsLike) -> Ticket:
-        """Admit `request` to the core; raise a SluiceError if refused."""
+    def submit(
+        self, request: Request, params: SamplingParamsLike, adapter: Adapter | None = None
+    ) -> Ticket:
+        """Admit `request` to the core; raise a SluiceError if refused.
+
+        `adapter` is the LoRA adapter named by `request.key.adapter`, which the
+        engine gets with the request."""
         if self._dead is not None:
             raise SluiceError("the engine is not running", status=503, retry_after=5)
         result = self.core.add(request, self.now())
@@ -302,7 +312,7 @@ class Driver:
             request.arrival,
             joined=bool(result.joined),
         )
-        self._pending[request.id] = _Pending(ticket, None if result.joined else params)
+        self._pending[request.id] = _Pending(ticket, None if result.joined else params, adapter)
         self.idle.clear()
         self._wake()
         return ticket
@@ -479,26 +489,29 @@ class Driver:
         for entry in batch.entries:
             req = entry.request
             lead = self._pending.get(req.id)
-            params = lead.params if lead is not None else None
-            if params is None:
+            if lead is None or lead.params is None:
                 # The first caller left while dispatch was under way; its
                 # parameters travel with the first remaining subscriber.
-                params = next(
+                lead = next(
                     (
-                        p.params
+                        p
                         for s in entry.subscribers
                         if (p := self._pending.get(s)) is not None and p.params is not None
                     ),
                     None,
                 )
             subscribers = {s for s in entry.subscribers if s in self._pending}
-            if not subscribers or params is None:
+            if not subscribers or lead is None or lead.params is None:
                 self.core.finished(req.id, self.now(), 0)
                 continue
             now = self.now()
             try:
                 collector = await self.engine.add(
-                    req.id, req.prompt_tokens, params, self._engine_priority(entry)
+                    req.id,
+                    req.prompt_tokens,
+                    lead.params,
+                    self._engine_priority(entry),
+                    lead.adapter,
                 )
             except SluiceError as exc:
                 self._fail_entry(req.id, subscribers, exc)

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from server.engine_api import ChatParser, ChoiceParser, CompletionDelta
 from server.errors import SluiceError
+from server.lora import Adapter, choose
 from server.pipeline import Encoder, Job, Trace, logprobs
 from server.protocol import (
     DONE,
@@ -38,7 +39,7 @@ from server.protocol import (
     sse,
 )
 from server.reasoning import ReasoningSplitter, split_reasoning
-from server.state import ENGINE, RUNTIME, SETTINGS
+from server.state import ADAPTERS, CALLER, CALLERS, ENGINE, RUNTIME, SETTINGS
 
 __all__ = [
     "REASONING_FIELD",
@@ -69,15 +70,12 @@ async def read_body(request: web.Request) -> bytes:
         ) from None
 
 
-def check_model(request: web.Request, model: str) -> None:
-    settings = request.app[SETTINGS]
-    if model not in (settings.model_name, settings.model_path):
-        raise SluiceError(
-            f"The model `{model}` does not exist.",
-            status=404,
-            param="model",
-            code="model_not_found",
-        )
+def check_model(request: web.Request, model: str) -> Adapter | None:
+    """The LoRA adapter a request's `model` runs on for its caller (None: the
+    base weights), or the 404 / 403 of server/lora.py rules 3-4. Every API's
+    model check is this one call."""
+    access = request.app[CALLERS].access(request.get(CALLER))
+    return choose(request.app[ADAPTERS], access, model)
 
 
 def _openai_stream_end(usage_frame: bytes) -> bytes:
@@ -128,7 +126,7 @@ async def chat_job(request: web.Request, req: ChatRequest, *, fit_context: bool 
     `fit_context`: max_tokens is a ceiling that the room left in the context
     lowers instead of a 400 (Anthropic's reading: Claude Code asks for 32000
     whatever the model); the prompt itself must still fit."""
-    check_model(request, req.model)
+    adapter = check_model(request, req.model)
     engine = request.app[ENGINE]
     # With tools, vLLM's parsers read the output (calls and the thinking
     # split); without, server/reasoning.py splits it (a hundredth of the cost
@@ -148,6 +146,7 @@ async def chat_job(request: web.Request, req: ChatRequest, *, fit_context: bool 
     max_tokens = check_context(len(ids), limit, engine.info.max_model_len)
     job = Job(
         model=req.model,
+        adapter=adapter,
         prompts=(tuple(ids),),
         max_tokens=(max_tokens,),
         sampling=sampling,
@@ -315,7 +314,7 @@ async def prepare_completion(
     request: web.Request, tr: Trace
 ) -> tuple[Job, Encoder[CompletionChoice]]:
     req = parse_completion(await read_body(request), request.app[RUNTIME].limits)
-    check_model(request, req.model)
+    adapter = check_model(request, req.model)
     engine = request.app[ENGINE]
     if req.sampling.constraint is not None:
         await engine.check_constraint(req.sampling.constraint)
@@ -325,6 +324,7 @@ async def prepare_completion(
     max_len = engine.info.max_model_len
     job = Job(
         model=req.model,
+        adapter=adapter,
         prompts=prompts,
         max_tokens=tuple(
             check_context(len(ids), req.sampling.max_tokens, max_len, where="prompt")

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, cast
 from vllm import SamplingParams
 from vllm.config import VllmConfig
 from vllm.inputs.engine import tokens_input
+from vllm.lora.request import LoRARequest
 from vllm.renderers.params import ChatParams
 from vllm.sampling_params import RequestOutputKind
 from vllm.usage.usage_lib import UsageContext
@@ -50,6 +51,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from server.batcher import Batcher
 from server.engine_api import ModelInfo
 from server.errors import SluiceError
+from server.lora import Adapter
 from server.protocol import ChatRequest, Constraint, Message, Sampling
 from server.vllm_parsers import (
     OutputParsers,
@@ -184,6 +186,22 @@ def dp_ranks(config: VllmConfig) -> int:
     return int(p.data_parallel_size_local if p.local_engines_only else p.data_parallel_size)
 
 
+def lora_request(adapter: Adapter) -> LoRARequest:
+    """vLLM's LoRARequest for an adapter: the one place that makes one.
+
+    vLLM keys its adapter cache by `lora_int_id` and compares requests by
+    name; both come from the registry (server/lora.py rule 1). A msgspec
+    struct: about a microsecond to build, so it is made per request rather
+    than cached against adapters that runtime loading may replace.
+    """
+    return LoRARequest(
+        lora_name=adapter.name,
+        lora_int_id=adapter.id,
+        lora_path=adapter.path,
+        base_model_name=adapter.parent,
+    )
+
+
 def _build_engine(engine_args: Any, stat_logger: Callable[..., StatLoggerBase]) -> AsyncLLM:
     """Construct the engine as `vllm serve` does (blocking: seconds to minutes)."""
     return AsyncLLM.from_vllm_config(
@@ -206,8 +224,11 @@ class EngineAdapter:
         *,
         tool_call_parser: str = "hermes",
         auto_tool_choice: bool = True,
+        adapters: Sequence[Adapter] = (),
     ) -> None:
         self._engine_args = engine_args
+        # The static LoRA adapters (--lora-modules), loaded at start.
+        self._adapters = tuple(adapters)
         # vLLM's --tool-call-parser and --enable-auto-tool-choice; the reasoning
         # parser is the engine's own --reasoning-parser (one flag for both uses).
         self._tool_flags = (tool_call_parser, auto_tool_choice)
@@ -233,6 +254,7 @@ class EngineAdapter:
             settings.model_name,
             tool_call_parser=settings.tool_call_parser,
             auto_tool_choice=settings.enable_auto_tool_choice,
+            adapters=settings.adapters,
         )
 
     # -- life cycle ---------------------------------------------------------
@@ -243,6 +265,8 @@ class EngineAdapter:
         factory = _stat_logger_factory(self._stats)
         llm = await asyncio.to_thread(_build_engine, self._engine_args, factory)
         self._llm = llm
+        for adapter in self._adapters:
+            await self.load_adapter(adapter)
         self._renderer = llm.renderer
         self._tokenizer = llm.get_tokenizer()
         self._special_tokens = {
@@ -294,6 +318,23 @@ class EngineAdapter:
         self.info = dataclasses.replace(
             self.info, qwen3_split=reasoning == "qwen3" or self._parsers is None
         )
+
+    async def load_adapter(self, adapter: Adapter) -> None:
+        """Load a LoRA adapter into the engine now, as `vllm serve` does with
+        its --lora-modules at start (OpenAIServingModels.init_static_loras):
+        a bad adapter fails here, not on its first request, and the first
+        request does not wait for the load. SluiceError (400) naming the cause."""
+        if self._llm is None:
+            raise SluiceError("engine not started", status=503, retry_after=5)
+        try:
+            await self._llm.add_lora(lora_request(adapter))
+        except Exception as exc:
+            raise SluiceError(
+                f"LoRA adapter {adapter.name!r} ({adapter.path}) failed to load: "
+                + (str(exc).splitlines() or [type(exc).__name__])[0],
+                param="lora_path",
+                code="adapter_load_failed",
+            ) from exc
 
     def shutdown(self) -> None:
         if self._llm is not None:
@@ -475,6 +516,7 @@ class EngineAdapter:
         prompt_tokens: Sequence[int],
         params: SamplingParams,
         priority: int,
+        adapter: Adapter | None = None,
     ) -> Any:
         """Add one request; returns vLLM's per-request output collector.
 
@@ -494,6 +536,7 @@ class EngineAdapter:
             tokens_input(list(prompt_tokens)),
             params,
             priority=priority,
+            lora_request=None if adapter is None else lora_request(adapter),
             **({"reasoning_ended": True} if from_start else {}),
         )
 

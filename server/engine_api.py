@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from batching.pressure import EngineStats
+from server.lora import Adapter
 from server.protocol import (
     ChatRequest,
     Constraint,
@@ -161,5 +162,6 @@ class Engine(Protocol):
         prompt_tokens: Sequence[int],
         params: SamplingParamsLike,
         priority: int,
+        adapter: Adapter | None = None,  # a LoRA adapter, None: the base weights
     ) -> OutputStream: ...
     async def abort(self, request_ids: Sequence[str]) -> None: ...

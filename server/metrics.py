@@ -6,6 +6,9 @@ running/waiting, KV-cache use) are read at scrape time by a collector, so
 they are never stale and cost nothing between scrapes; so are the per-caller
 token and service totals, which the core keeps anyway (batching.CallerStats).
 
+Per LoRA adapter (label `adapter` of `sluice_requests_total`, bounded: only
+configured adapter names): requests by endpoint and status.
+
 Per caller (label `caller`, bounded: server/callers.py): requests by status
 (429 included), queue wait, queued / backlogged / in-flight work, prompt and
 generated tokens, service (prompt + 2 x generated, the fair-share unit) and
@@ -163,10 +166,14 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # `adapter`: the LoRA adapter a generation ran on, empty for the base
+        # weights (and for a request refused before its model was resolved).
+        # Bounded: only configured names reach it (server/lora.py), never a
+        # request's own `model` string.
         self.requests = Counter(
             "sluice_requests",
-            "HTTP requests by endpoint and status",
-            ["endpoint", "status"],
+            "HTTP generation requests by endpoint, status and LoRA adapter",
+            ["endpoint", "status", "adapter"],
             registry=r,
         )
         self.rejections = Counter(

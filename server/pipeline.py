@@ -37,6 +37,7 @@ from batching import Request as CoreRequest
 from server.driver import Generation, Ticket
 from server.engine_api import CompletionDelta, EngineOutput
 from server.errors import SluiceError
+from server.lora import Adapter
 from server.protocol import Sampling, TokenLogprob, Usage
 from server.state import (
     ACCESS,
@@ -92,6 +93,7 @@ class Trace:
     stream: bool = False
     error: str | None = None
     caller: str | None = None  # None until known (from the key, or after parsing)
+    adapter: str | None = None  # the LoRA adapter's name once resolved (None: base)
     cached: dict[int, int] = field(default_factory=dict)  # prefix-cache hits per prompt
 
     def first_token(self) -> None:
@@ -114,6 +116,9 @@ class Job:
     prompts: tuple[tuple[int, ...], ...]
     max_tokens: tuple[int, ...]  # per prompt, after the context check
     sampling: Sampling
+    # The LoRA adapter it runs on (server/lora.py), None for the base weights:
+    # part of the group key, so of the dedupe key, and of the result cache key.
+    adapter: Adapter | None = None
     priority: int = 0
     stream: bool = False
     include_usage: bool = False
@@ -214,6 +219,7 @@ def generation_endpoint(
             if tr.caller is None:
                 tr.caller = request.app[CALLERS].from_user(job.user)
             tr.stream = job.stream
+            tr.adapter = job.adapter.name if job.adapter is not None else None
             tr.prompt_tokens = sum(map(len, job.prompts))
             return await _run(request, tr, job, enc)
         except SluiceError as err:
@@ -235,7 +241,14 @@ async def _run(request: web.Request, tr: Trace, job: Job, enc: Encoder[Any]) -> 
     results = request.app[RESULTS]
     key: Hashable = None
     if job.cacheable and not job.stream and job.sampling.deterministic and results.enabled:
-        key = (tr.endpoint, job.prompts, job.max_tokens, job.sampling.fingerprint(), job.variant)
+        key = (
+            tr.endpoint,
+            tr.adapter,
+            job.prompts,
+            job.max_tokens,
+            job.sampling.fingerprint(),
+            job.variant,
+        )
         if hit := results.get(key, time.monotonic()):
             choices, tr.completion_tokens = hit
             tr.first_token()
@@ -271,7 +284,9 @@ def _submit(request: web.Request, tr: Trace, job: Job) -> list[Ticket]:
     engine = request.app[ENGINE]
     settings = request.app[SETTINGS]
     now = driver.now()
-    key = group_key(settings.model_name)
+    # Every generation's key carries its adapter (None: the base weights): the
+    # core batches, dedupes and releases by it (batching/keys.py).
+    key = group_key(settings.model_name, tr.adapter)
     sampling = job.sampling
     # Only deterministic sampling can share a generation (greedy, or seeded).
     fp = (sampling.fingerprint(), job.variant) if sampling.deterministic else None
@@ -294,7 +309,7 @@ def _submit(request: web.Request, tr: Trace, job: Job) -> list[Ticket]:
                 open_ended=sampling.max_tokens is None,
             )
             params = engine.sampling_params(sampling, job.max_tokens[i])
-            tickets.append(driver.submit(core_req, params))
+            tickets.append(driver.submit(core_req, params, job.adapter))
     except SluiceError:
         for t in tickets:
             t.leave()
@@ -480,7 +495,7 @@ async def _keepalive(
 def _finish_trace(request: web.Request, tr: Trace) -> None:
     metrics = request.app[METRICS]
     now = time.monotonic()
-    metrics.requests.labels(tr.endpoint, str(tr.status)).inc()
+    metrics.requests.labels(tr.endpoint, str(tr.status), tr.adapter or "").inc()
     if tr.caller is not None:
         metrics.caller_requests.labels(tr.caller, str(tr.status)).inc()
     metrics.duration.observe(now - tr.t0)
@@ -494,6 +509,7 @@ def _finish_trace(request: web.Request, tr: Trace) -> None:
     fields: dict[str, Any] = {
         "request_id": tr.rid,
         "caller": tr.caller,
+        "adapter": tr.adapter,
         "endpoint": tr.endpoint,
         "status": tr.status,
         "stream": tr.stream,

@@ -22,17 +22,20 @@ from server.metrics import CONTENT_TYPE
 from server.pipeline import check_accepting, generation_endpoint, json_response
 from server.protocol import models_body, parse_chat
 from server.responses_endpoint import delete_response, get_response, prepare_responses
-from server.state import ENGINE, METRICS, RUNTIME, SETTINGS, Phase
+from server.state import ADAPTERS, CALLER, CALLERS, ENGINE, METRICS, RUNTIME, SETTINGS, Phase
 
 __all__ = ["add_routes"]
 
 
 async def models(request: web.Request) -> web.Response:
     info = request.app[ENGINE].info
+    # The caller's own list: the adapters it may use (server/lora.py rule 4).
+    access = request.app[CALLERS].access(request.get(CALLER))
     body = models_body(
         [request.app[SETTINGS].model_name],
         created=info.created,
         max_model_len=info.max_model_len or None,
+        adapters=[(a.name, a.path, a.parent) for a in request.app[ADAPTERS].visible(access)],
     )
     return json_response(body)
 

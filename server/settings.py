@@ -17,6 +17,7 @@ from batching.pressure import PressureConfig
 from server.callers import CallerTable
 from server.demo_model import default_cache_root
 from server.engine_api import ModelInfo
+from server.lora import Adapter
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,9 @@ class Settings:
     model_name: str = "demo"  # the name clients use in "model"
     model_path: str = ""  # what the engine loads
     demo_model: bool = False  # True when serving the built-in offline demo model
+    # The static LoRA adapters (--lora-modules, checked at start: server/lora.py);
+    # the app's AdapterRegistry is built from them once.
+    adapters: tuple[Adapter, ...] = ()
 
     # The coalescer (batching/): its whole config. The batch caps below, when
     # not given, become the engine's resolved max_num_seqs and

@@ -19,6 +19,7 @@ from batching import AdmissionState, ResultCache
 from server.callers import CallerDirectory
 from server.driver import Driver
 from server.engine_api import Engine
+from server.lora import AdapterRegistry
 from server.metrics import Metrics
 from server.protocol import ChatChoice, CompletionChoice, Limits
 from server.response_store import ResponseStore
@@ -29,6 +30,7 @@ from server.watchdog import Watchdog
 
 __all__ = [
     "ACCESS",
+    "ADAPTERS",
     "CALLER",
     "CALLERS",
     "DRIVER",
@@ -108,6 +110,7 @@ RESULTS = web.AppKey[ResultCache[CachedResult]]("results")  # --result-cache-ttl
 STATUS = web.AppKey("status", StatusSampler)  # the status page's ring buffer
 CALLERS = web.AppKey("callers", CallerDirectory)  # who is asking (server/callers.py)
 RESPONSES = web.AppKey("responses", ResponseStore)  # /v1/responses' stored responses
+ADAPTERS = web.AppKey("adapters", AdapterRegistry)  # LoRA adapters (server/lora.py)
 CALLER = web.RequestKey("caller", str)  # set by the auth middleware when keys name callers
 REQUEST_ID = web.RequestKey("request_id", str)  # set by the request middleware, every route
 ACCESS = web.RequestKey("access", Access)  # the request's access line (server/middleware.py)

@@ -56,6 +56,8 @@ class Snapshot:
     generated_tokens: float = 0.0
     refusals: Mapping[str, float] = field(default_factory=dict)  # by reason
     callers: Mapping[str, float] = field(default_factory=dict)  # service by caller
+    # Finished generation requests by LoRA adapter (the base model by its name).
+    adapters: Mapping[str, float] = field(default_factory=dict)
     queued: float = 0.0
     backlog: float | None = None
     engine_running: float = 0.0
@@ -89,6 +91,7 @@ class Sample:
     batch_max: float | None
     refusals_by_reason: Mapping[str, float]
     callers: Mapping[str, float]
+    adapters: Mapping[str, float]  # req/s by LoRA adapter
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +104,7 @@ class Mark:
 
 
 # Sample fields sent as plain columns, and the keyed ones (a column per key).
-_KEYED: tuple[str, ...] = ("refusals_by_reason", "callers")
+_KEYED: tuple[str, ...] = ("refusals_by_reason", "callers", "adapters")
 _COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(Sample) if f.name not in ("t", *_KEYED))
 
 
@@ -208,6 +211,7 @@ class StatusSampler:
         req = prompt = gen = refused = None
         by_reason: dict[str, float] = {}
         callers: dict[str, float] = {}
+        adapters: dict[str, float] = {}
         if self._prev is not None and now > self._prev[0]:
             old, dt = self._prev[1], now - self._prev[0]
             req = _rate(snap.requests, old.requests, dt)
@@ -216,6 +220,7 @@ class StatusSampler:
             by_reason = _rates(snap.refusals, old.refusals, dt)
             refused = sum(by_reason.values())
             callers = _rates(snap.callers, old.callers, dt)
+            adapters = _rates(snap.adapters, old.adapters, dt)
         ttft = sorted(snap.ttft)
         sizes = snap.batch_sizes
         return Sample(
@@ -239,6 +244,7 @@ class StatusSampler:
             batch_max=float(max(sizes)) if sizes else None,
             refusals_by_reason=by_reason,
             callers=callers,
+            adapters=adapters,
         )
 
     def _append(self, s: Sample) -> None:

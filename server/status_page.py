@@ -114,6 +114,11 @@ def snapshot(app: web.Application) -> Snapshot:
         # Service per caller: the core's cumulative prompt + 2 x generated tokens
         # (the page plots its rate); every caller seen, the default one included.
         callers={c.name: float(c.service) for c in core.callers()},
+        # Requests per LoRA adapter; the base weights (label "") by the model's name.
+        adapters={
+            k or app[SETTINGS].model_name: v
+            for k, v in _by_label(metrics.requests, "adapter").items()
+        },
         queued=core.queued_requests,
         backlog=core.backlog_generations,
         engine_running=stats.running,

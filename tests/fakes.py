@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from server.engine_api import ModelInfo
 from server.errors import SluiceError
+from server.lora import Adapter
 from server.protocol import ChatRequest, Constraint, Message, Sampling
 from server.watchdog import ENGINE_IDLE, EngineStats
 
@@ -101,6 +102,7 @@ class FakeEngine:
     stats_value: EngineStats = ENGINE_IDLE
     peak_running: int = 0  # most requests producing at once
     priorities: dict[str, int] = field(default_factory=dict)  # engine priority per request
+    adapters: dict[str, str | None] = field(default_factory=dict)  # LoRA adapter per request
     # Set: every choice says these pieces, one per step, then stops (else the
     # fake repeats a thinking pattern until max_tokens).
     script: tuple[str, ...] | None = None
@@ -200,13 +202,19 @@ class FakeEngine:
         return SimpleNamespace(sampling=s, n=s.n, max_tokens=max_tokens)
 
     async def add(
-        self, request_id: str, prompt: Sequence[int], params: Any, priority: int
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        params: Any,
+        priority: int,
+        adapter: Adapter | None = None,
     ) -> FakeCollector:
         if self._dead:
             raise SluiceError("the engine died; retry shortly", status=503, retry_after=5)
         collector = FakeCollector()
         self.added.append(request_id)
         self.priorities[request_id] = priority
+        self.adapters[request_id] = adapter.name if adapter is not None else None
         self._producers[request_id] = asyncio.create_task(
             self._produce(request_id, params, collector)
         )

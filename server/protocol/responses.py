@@ -264,8 +264,14 @@ def models_body(
     created: int,
     owned_by: str = "sluice",
     max_model_len: int | None = None,
+    adapters: Iterable[tuple[str, str, str]] = (),
 ) -> bytes:
-    """The ``/v1/models`` list. ``root`` and ``max_model_len`` as vLLM adds them."""
+    """The ``/v1/models`` list. ``root`` and ``max_model_len`` as vLLM adds them.
+
+    `adapters` are LoRA adapters as (name, path, parent): a card each, after
+    the base models, as vLLM's server lists them (OpenAIServingModels
+    .show_available_models): ``root`` the adapter's path, ``parent`` its base
+    model, no ``max_model_len``."""
     data = []
     for model_id in model_ids:
         entry: dict[str, Any] = {
@@ -279,4 +285,15 @@ def models_body(
         if max_model_len is not None:
             entry["max_model_len"] = max_model_len
         data.append(entry)
+    for name, path, parent in adapters:
+        data.append(
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": owned_by,
+                "root": path,
+                "parent": parent,
+            }
+        )
     return orjson.dumps({"object": "list", "data": data})

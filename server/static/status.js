@@ -34,6 +34,8 @@
       series: [["refusals_s", "all"]], keyed: "refusals_by_reason" },
     { id: "callers", title: "Service per caller", unit: "tokens/s", series: [],
       keyed: "callers", onlyWithData: true },
+    { id: "adapters", title: "Requests per adapter", unit: "req/s", series: [],
+      keyed: "adapters", onlyWithData: true },
   ];
 
   const $ = (id) => document.getElementById(id);

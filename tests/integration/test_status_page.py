@@ -58,6 +58,7 @@ ALL_CHARTS = (
     "memory",
     "refusals",
     "callers",
+    "adapters",
 )
 
 
@@ -178,6 +179,7 @@ def busy_snapshots(n: int) -> list[Snapshot]:
                 generated_tokens=gen,
                 refusals={"memory": refused, "queue_full": 0.0},
                 callers={"chat": 0.3 * gen, "batch-jobs": 0.7 * gen},
+                adapters={"Qwen/Qwen3-14B": 0.5 * req, "sql": 0.3 * req, "support": 0.2 * req},
                 queued=max(0.0, load - 25),
                 engine_running=min(load, 32),
                 kv_cache_usage=min(1.0, load / 40),
@@ -248,6 +250,7 @@ async def test_every_plot_draws_a_busy_server(harness: TestServer, browser_page:
     )
     assert probe["charts"]["refusals"]["series"] == ["all", "memory", "queue_full"]
     assert probe["charts"]["callers"]["series"] == ["batch-jobs", "chat"]
+    assert probe["charts"]["adapters"]["series"] == ["Qwen/Qwen3-14B", "sql", "support"]
     assert probe["charts"]["memory"]["series"] == ["free VRAM", "host available"]
     assert probe["marks"] == 3  # ok, shedding, ok
     assert await browser_page.text_content("#model") == "Qwen/Qwen3-14B"
@@ -352,6 +355,7 @@ async def test_the_demo_server_status_page(
         sent = [await t for t in traffic]
     assert all(n > 5 for n in sent), sent
     assert probe["charts"]["callers"]["series"] == sorted(CALLER_KEYS)
+    assert probe["charts"]["adapters"]["series"] == ["sluice-demo"]  # no LoRA: the base only
     assert "backlog held" in probe["charts"]["queue"]["series"]
     assert probe["charts"]["memory"]["series"] == ["host available"]  # no NVML here
     assert await browser_page.text_content("#state") == "ok"

@@ -40,6 +40,7 @@ def requests_total(text: str, endpoint: str, status: str) -> float:
             if s.name == "sluice_requests_total" and s.labels == {
                 "endpoint": endpoint,
                 "status": status,
+                "adapter": "",
             }:
                 return float(s.value)
     return 0.0

@@ -25,6 +25,12 @@ from server.cli import build_serve_parser, parse_serve_args
         (["--reasoning-parser", "nope"], "invalid --reasoning-parser 'nope'"),
         (["--api-key-file", "/nonexistent/key"], "--api-key-file"),
         (["--max-n", "two"], "invalid int value"),  # argparse's own type check
+        (["--lora-modules", "a=/nonexistent"], "--lora-modules needs --enable-lora"),
+        (
+            ["--enable-lora", "--lora-modules", "a=/nonexistent"],
+            "LoRA adapter 'a': /nonexistent is not a directory",
+        ),
+        (["--enable-lora", "--lora-modules", '{"name": "a"}'], "Invalid fields for --lora-modules"),
     ],
 )
 def test_a_bad_value_is_one_usage_line_and_exit_2(
@@ -79,3 +85,60 @@ def test_each_watchdog_threshold_is_a_flag_of_its_type() -> None:
     assert ns.pressure_preempt_shed == 7 and isinstance(ns.pressure_preempt_shed, int)
     assert parser.parse_args(["--no-abort-on-gpu"]).pressure_abort_on_gpu is False
     assert parser.parse_args([]).pressure_min_dwell == 2.0
+
+
+def test_lora_modules_as_vllm_takes_them(demo_cache_root: Path, tmp_path: Path) -> None:
+    from server.demo_adapter import write_demo_adapter
+    from server.lora import Adapter
+
+    a, b = write_demo_adapter(tmp_path / "a", seed=1), write_demo_adapter(tmp_path / "b", seed=2)
+    s = parse_serve_args(
+        [
+            "--demo-cache-dir",
+            str(demo_cache_root),
+            "--enable-lora",
+            "--max-loras",
+            "2",
+            "--lora-modules",
+            f"alpha={a}",
+            f'{{"name": "beta", "path": "{b}", "base_model_name": "sluice-demo"}}',
+        ],
+        {},
+    )
+    assert s.adapters == (
+        Adapter("alpha", str(a), 1, "sluice-demo"),
+        Adapter("beta", str(b), 2, "sluice-demo"),
+    )
+    assert s.engine_args.enable_lora and s.engine_args.max_loras == 2
+
+
+@pytest.mark.parametrize(
+    ("rank", "callers", "says"),
+    [
+        (16, "", "LoRA adapter 'alpha': rank 16 is above --max-lora-rank 8"),
+        (8, 'adapters = ["gamma"]', "callers.x.adapters: 'gamma' is not a configured LoRA adapter"),
+        (8, 'default_adapter = "sluice-demo"', "'sluice-demo' is not a configured LoRA adapter"),
+    ],
+)
+def test_a_bad_adapter_or_callers_entry_is_one_line(
+    demo_cache_root: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    rank: int,
+    callers: str,
+    says: str,
+) -> None:
+    from server.demo_adapter import write_demo_adapter
+
+    path = write_demo_adapter(tmp_path / "alpha", rank=rank)
+    file = tmp_path / "callers.toml"
+    file.write_text(f'[callers.x]\nkey = "k"\n{callers}\n')
+    file.chmod(0o600)
+    flags = ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"alpha={path}"]
+    with pytest.raises(SystemExit) as exit_:
+        parse_serve_args(
+            ["--demo-cache-dir", str(demo_cache_root), "--callers", str(file), *flags], {}
+        )
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and says in lines[0], lines

@@ -165,7 +165,7 @@ def test_bf16_rounding_is_nearest_even() -> None:
     import numpy as np
 
     values = np.array([1.0, -2.0, 0.02, 1.0 + 2**-8, 1.0 + 3 * 2**-8], dtype=np.float32)
-    bits = demo_model._to_bf16(values)
+    bits = demo_model.to_bf16(values)
     # 1+2^-8 is a tie between 1.0 and 1+2^-7: rounds to the even one (1.0);
     # 1+3*2^-8 is a tie between 1+2^-7 and 1+2^-6: rounds to 1+2^-6.
     assert bits.tolist() == [0x3F80, 0xC000, 0x3CA4, 0x3F80, 0x3F82]

@@ -58,12 +58,18 @@ class FrontHalf:
         prompt: Any,
         params: Any,
         priority: int,
+        lora_request: Any = None,
         reasoning_ended: bool | None = None,
     ) -> Any:
         # As AsyncLLM.add_request routes a rendered input (a dict with "type").
         assert isinstance(prompt, dict) and "type" in prompt
         req = self.input_processor.process_inputs(
-            request_id, prompt, params, supported_tasks=("generate",), priority=priority
+            request_id,
+            prompt,
+            params,
+            supported_tasks=("generate",),
+            priority=priority,
+            lora_request=lora_request,
         )
         if reasoning_ended is not None:  # as AsyncLLM.add_request sets it
             req.reasoning_ended = reasoning_ended
@@ -255,3 +261,16 @@ async def test_the_tool_call_parser_flag_reaches_the_parsers(demo_model_dir: Pat
     finally:
         a.shutdown()
         mp.undo()
+
+
+def test_lora_request_from_an_adapter() -> None:
+    """The one place a LoRARequest is made: name, id, path and parent travel."""
+    from server.lora import Adapter
+
+    req = engine_mod.lora_request(Adapter("beta", "/adapters/beta", 2, "fake"))
+    assert (req.lora_name, req.lora_int_id, req.lora_path, req.base_model_name) == (
+        "beta",
+        2,
+        "/adapters/beta",
+        "fake",
+    )

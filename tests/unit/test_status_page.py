@@ -89,6 +89,8 @@ async def test_snapshot_counts_what_was_served(make_client: Any) -> None:
     assert set(snap.callers) == {DEFAULT_CALLER}
     assert snap.callers[DEFAULT_CALLER] == snap.prompt_tokens + 2 * snap.generated_tokens
     assert snap.backlog == 0  # measured (nothing held), not "not measured"
+    # Requests per adapter: all three on the base weights, named by the model.
+    assert snap.adapters == {"fake": 3}
     again = snapshot(app)
     assert again.ttft == () and again.batch_sizes == ()  # drained
 
