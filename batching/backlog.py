@@ -32,6 +32,17 @@ OSDI 2024, for the first rule):
    caller: skipping it costs it at most one request's worth of service, so it cannot
    starve.
 4. A caller at its max_concurrency is passed over (it does not block others).
+5. LoRA slots (room.py rule 7, adapters.py; only with `max_loras` > 0). A generation
+   goes only if its adapter may have a slot. A caller whose work waits only for a
+   slot (its head fits the room, but no generation rule 3 may take gets a slot) is
+   passed over for the round without rule 3's floor: the engine keeps running the
+   adapters in flight. What bounds that instead is time: the first caller of a round
+   in rule-1 order (the fair-share head) starts adapters.py's clock when its head
+   waits for a slot, and `wait` seconds later the adapter in flight longest takes no
+   new work and the next free slot is the head's (adapters.py rule 4). Among callers
+   of equal standing (equal counters: callers that woke together at the floor, rule
+   1) work whose adapter is in flight, or on the base weights, goes first, so the
+   last free slot is not spent while work on a resident adapter could go.
 
 Fairness bound (tested in tests/unit/test_core_backlog_stateful.py): a caller is only
 served while its counter is below every other backlogged caller's counter plus one
@@ -60,6 +71,7 @@ from collections.abc import Iterator
 from heapq import heappop, heappush
 
 from ._records import BACKLOG, GONE, CallerState, Gen
+from .adapters import AdapterSlots
 from .room import Room
 
 __all__ = ["Backlog"]
@@ -72,10 +84,11 @@ _SCAN = 32
 
 
 class Backlog:
-    __slots__ = ("_bseq", "active", "max_delay", "n", "vt")
+    __slots__ = ("_bseq", "active", "max_delay", "n", "slots", "vt")
 
-    def __init__(self, max_delay: float) -> None:
+    def __init__(self, max_delay: float, slots: AdapterSlots | None = None) -> None:
         self.max_delay = max_delay
+        self.slots = AdapterSlots() if slots is None else slots  # rule 5
         # Callers with a non-empty backlog (a dict for O(1) removal and stable order).
         self.active: dict[CallerState, None] = {}
         self.n = 0  # generations in the backlog
@@ -119,6 +132,8 @@ class Backlog:
         if not c.backlog:
             del self.active[c]
             c.heap.clear()  # only stale entries are left
+            if not self.n:
+                self.slots.stop()  # nobody waits for a slot (rule 5)
 
     def clear(self) -> None:
         for c in self.active:
@@ -126,6 +141,7 @@ class Backlog:
             c.heap.clear()
         self.active.clear()
         self.n = 0
+        self.slots.stop()
 
     def served(self, gen: Gen) -> None:
         """A generation is released: charge its prompt to its caller (rule 1) and count
@@ -135,6 +151,11 @@ class Backlog:
         c.charge(gen.ptok)
         c.in_flight += 1
         c.prompt_tokens += gen.ptok
+        self.slots.take(gen.request.key.adapter)
+
+    def ended(self, gen: Gen) -> None:
+        """A released generation finished: its adapter's slot may free (rule 5)."""
+        self.slots.done(gen.request.key.adapter)
 
     # -- order --------------------------------------------------------------
 
@@ -164,7 +185,7 @@ class Backlog:
             if arrival > barrier:
                 tried.append(e)
                 break  # it and everything after it would pass a skipped head too far
-            if room.fits(g.ptok):
+            if room.fits(g.ptok) and room.admits(g.request.key.adapter):
                 found = g
                 break
             tried.append(e)
@@ -174,7 +195,7 @@ class Backlog:
         return found
 
     def pick(self, now: float, room: Room) -> Iterator[Gen]:
-        """Yield generations to release, in order, while `room` allows (rules 1-4).
+        """Yield generations to release, in order, while `room` allows (rules 1-5).
 
         Each yielded generation has left the backlog (state GONE); the consumer books
         it in `room` and calls `served()`. Stops at the first point where nothing more
@@ -183,6 +204,8 @@ class Backlog:
         active = self.active
         blocked: set[CallerState] = set()
         floor = math.inf  # rule 3: the counter others may not reach while one is blocked
+        lora = room.loras
+        head_seen = not lora  # rule 5: the round's first pick is the fair-share head
         while active and not room.full:
             best: CallerState | None = None
             head: Gen | None = None
@@ -193,27 +216,47 @@ class Backlog:
                     return
                 head = self._head(best)
             else:
-                key: tuple[float, tuple[int, float, int]] | None = None
+                key: tuple[float, int, tuple[int, float, int]] | None = None
+                new_slot = room.new_slot
                 for c in active:
                     if c in blocked or c.capped():
                         continue
                     g = self._head(c)
-                    k = (c.counter, g.key)
+                    k = (c.counter, new_slot(g.request.key.adapter), g.key)
                     if key is None or k < key:
                         best, head, key = c, g, k
                 if best is None or best.counter >= floor:
                     return
             assert head is not None  # an active caller has a live entry
-            if room.fits(head.ptok):
+            adapter = head.request.key.adapter
+            if not head_seen:
+                head_seen = True
+                self._clock(adapter, room, now)
+            if room.fits(head.ptok) and room.admits(adapter):
                 heappop(best.heap)  # the head is the heap's top (_head cleaned it)
                 gen: Gen | None = head
             else:
                 gen = self._fit(best, room)
             if gen is None:
                 blocked.add(best)
+                if room.fits(head.ptok):
+                    continue  # it waits for a LoRA slot: no floor (rule 5)
                 cost = (head.ptok + 2 * head.new) / best.weight
                 floor = min(floor, best.counter + max(cost, 1.0 / best.weight))
                 continue
             gen.state = GONE
             self._out(best)
+            if lora and gen.request.key.adapter == self.slots.wanted:
+                self.slots.stop()  # the wanted adapter has its slot (adapters.py rule 3)
             yield gen
+
+    def _clock(self, adapter: str | None, room: Room, now: float) -> None:
+        """Rule 5: start or stop adapters.py's clock for the fair-share head's next
+        generation, on `adapter`."""
+        slots = self.slots
+        if adapter is None or adapter in room.resident:
+            slots.stop()
+            return
+        slots.start(adapter, now)
+        if room.admits(adapter):
+            slots.stop()  # a slot is free: it goes now
