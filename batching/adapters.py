@@ -16,21 +16,23 @@ Rules (`max_loras` 0: LoRA is off, every query answers as if this module did not
    finished (`take` at release, `done` at finish). Base-model work (adapter None)
    takes none.
 2. A slot: work on adapter A may go if A holds a slot (and is not closed, rule 4), or
-   fewer than `max_loras` adapters hold one (and no other adapter is owed the next
-   slot, rule 4).
-3. The clock: when the fair-share head's next generation (backlog.py) is on an adapter
-   that cannot get a slot, the clock starts (`since` = now) and names that adapter
-   (`wanted`). It keeps running while the head, whichever caller that is, keeps
-   waiting for a slot (a new head renames `wanted`, not `since`), and stops when the
-   wanted adapter gets a slot or the backlog empties. Before the bound, work on the
-   adapters in flight keeps going: the engine stays busy (work conservation).
+   fewer than `max_loras` adapters hold one.
+3. The clock: when a release round passes a caller over because its work cannot get
+   a slot, the clock starts (`since` = now) and names the adapter of the first such
+   caller in fair-share order (`wanted`: the head among those waiting, backlog.py
+   rule 5). It keeps running while someone waits for a slot (a new head renames
+   `wanted`, not `since`), and stops when the wanted adapter gets a slot, when a
+   round tries every caller and passes none over, or when the backlog empties. Before
+   the bound, work on the adapters in flight keeps going: the engine stays busy (work
+   conservation).
 4. The bound: once the clock has run `wait` seconds, the adapter that has held its
-   slot longest (the victim; not the wanted one) takes no new work, and a freed slot
-   goes only to the wanted adapter. The victim drains as its work ends, and its slot
-   goes to the head. So a caller waits for a slot at most `wait` plus the time the
-   victim's work in flight takes to end: no caller starves because its adapter is not
-   resident. Longest-held, not fewest in flight: a slot just given to the last head
-   would otherwise be taken back at once, and the rotation is first in, first out.
+   slot longest (the victim; not the wanted one) takes no new work. The victim drains
+   as its work ends, and its slot goes to the head: slots free only between release
+   rounds (at a finish), and each round starts with the fair-share head. So a caller
+   waits for a slot at most `wait` plus the time the victim's work in flight takes to
+   end: no caller starves because its adapter is not resident. Longest-held, not
+   fewest in flight: a slot just given to the last head would otherwise be taken back
+   at once, and the rotation is first in, first out.
 
 `wait` trades fairness against throughput: every swap drains one adapter's batch to
 empty before the next fills. The default (1 s, ReleaseOrder's max_delay: the ceiling
@@ -41,8 +43,19 @@ run about one more 64-token generation per stream on the CPU demo before it yiel
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-__all__ = ["AdapterSlots", "check_wait"]
+__all__ = ["AdapterSlots", "SlotView", "check_wait"]
+
+
+@dataclass(frozen=True, slots=True)
+class SlotView:
+    """A snapshot of the slots at `now` (for /metrics, the status page and tests)."""
+
+    in_flight: tuple[tuple[str, int], ...]  # adapter, generations; longest-held first
+    wanted: str | None  # the adapter the fair-share head waits for (rule 3)
+    waiting_since: float | None
+    victim: str | None  # closed to new work (rule 4)
 
 
 class AdapterSlots:
@@ -104,15 +117,16 @@ class AdapterSlots:
                 return a
         return None
 
+    def view(self, now: float) -> SlotView:
+        return SlotView(tuple(self.flying.items()), self.wanted, self.since, self.victim(now))
+
     def admits(self, adapter: str | None, resident: set[str], now: float) -> bool:
         """Rule 2: may work on `adapter` go, with `resident` holding slots?"""
         if adapter is None or not self.max_loras:
             return True
         if adapter in resident:
             return adapter != self.victim(now)
-        if len(resident) >= self.max_loras:
-            return False
-        return adapter == self.wanted or not self.overdue(now)
+        return len(resident) < self.max_loras
 
 
 def check_wait(wait: float) -> None:

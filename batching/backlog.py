@@ -37,9 +37,12 @@ OSDI 2024, for the first rule):
    slot (its head fits the room, but no generation rule 3 may take gets a slot) is
    passed over for the round without rule 3's floor: the engine keeps running the
    adapters in flight. What bounds that instead is time: the first caller of a round
-   in rule-1 order (the fair-share head) starts adapters.py's clock when its head
-   waits for a slot, and `wait` seconds later the adapter in flight longest takes no
-   new work and the next free slot is the head's (adapters.py rule 4). Among callers
+   passed over for a slot, in rule-1 order (the least-served of those waiting: the
+   fair-share head among them), starts adapters.py's clock or renames its adapter;
+   a round that tries every caller and passes none over stops it. `wait` seconds
+   after it started, the adapter in flight longest takes no new work, and the slot
+   it frees goes to that head: a round starts with the least counter, and no caller
+   below it needs a new slot (adapters.py rule 4). Among callers
    of equal standing (equal counters: callers that woke together at the floor, rule
    1) work whose adapter is in flight, or on the base weights, goes first, so the
    last free slot is not spent while work on a resident adapter could go.
@@ -205,7 +208,8 @@ class Backlog:
         blocked: set[CallerState] = set()
         floor = math.inf  # rule 3: the counter others may not reach while one is blocked
         lora = room.loras
-        head_seen = not lora  # rule 5: the round's first pick is the fair-share head
+        waiter = False  # rule 5: a caller of this round was passed over for a slot
+        slot_blocked: set[CallerState] = set()  # callers passed over for a slot
         while active and not room.full:
             best: CallerState | None = None
             head: Gen | None = None
@@ -225,13 +229,12 @@ class Backlog:
                     k = (c.counter, new_slot(g.request.key.adapter), g.key)
                     if key is None or k < key:
                         best, head, key = c, g, k
+                if best is None and lora and not waiter:
+                    self.slots.stop()  # every caller was tried: none waits for a slot
                 if best is None or best.counter >= floor:
                     return
             assert head is not None  # an active caller has a live entry
             adapter = head.request.key.adapter
-            if not head_seen:
-                head_seen = True
-                self._clock(adapter, room, now)
             if room.fits(head.ptok) and room.admits(adapter):
                 heappop(best.heap)  # the head is the heap's top (_head cleaned it)
                 gen: Gen | None = head
@@ -239,24 +242,24 @@ class Backlog:
                 gen = self._fit(best, room)
             if gen is None:
                 blocked.add(best)
-                if room.fits(head.ptok):
-                    continue  # it waits for a LoRA slot: no floor (rule 5)
+                if room.fits(head.ptok):  # it waits for a LoRA slot: no floor (rule 5)
+                    slot_blocked.add(best)
+                    if not waiter and adapter is not None and adapter not in room.resident:
+                        # The first in rule-1 order that needs a new slot; work on the
+                        # victim, closed to new work, waits for nothing but its drain.
+                        waiter = True
+                        self.slots.start(adapter, now)
+                    continue
                 cost = (head.ptok + 2 * head.new) / best.weight
                 floor = min(floor, best.counter + max(cost, 1.0 / best.weight))
                 continue
             gen.state = GONE
             self._out(best)
             if lora and gen.request.key.adapter == self.slots.wanted:
-                self.slots.stop()  # the wanted adapter has its slot (adapters.py rule 3)
+                # The wanted adapter has its slot (adapters.py rule 3), and the victim
+                # is open again: those passed over for a slot are tried again.
+                self.slots.stop()
+                waiter = False
+                blocked -= slot_blocked
+                slot_blocked.clear()
             yield gen
-
-    def _clock(self, adapter: str | None, room: Room, now: float) -> None:
-        """Rule 5: start or stop adapters.py's clock for the fair-share head's next
-        generation, on `adapter`."""
-        slots = self.slots
-        if adapter is None or adapter in room.resident:
-            slots.stop()
-            return
-        slots.start(adapter, now)
-        if room.admits(adapter):
-            slots.stop()  # a slot is free: it goes now

@@ -99,7 +99,7 @@ from heapq import heappop, heappush
 
 from . import _fast
 from ._records import BACKLOG, GONE, QUEUED, CallerState, Gen, Group
-from .adapters import AdapterSlots
+from .adapters import AdapterSlots, SlotView
 from .backlog import Backlog
 from .callers import Callers, CallerStats
 from .config import CoalescerConfig
@@ -297,6 +297,10 @@ class Coalescer:
     def in_flight(self) -> int:
         """Released generations not yet finished."""
         return len(self._in_flight)
+
+    def adapter_slots(self, now: float) -> SlotView:
+        """The LoRA slots at `now` (rule 13; a query)."""
+        return self._backlog.slots.view(now)
 
     @property
     def drain_rate(self) -> float | None:

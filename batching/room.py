@@ -43,7 +43,7 @@ engine number, and an unknown number never holds anything back):
    says why Sluice leaves it to it), so pending prompts are not booked per rank.
 7. LoRA slots (`max_loras` > 0; vLLM's --max-loras with --enable-lora): work on an
    adapter goes only while the distinct adapters in flight stay within `max_loras`
-   (adapters.py rules 1-2, 4: a slot, the victim, the slot owed to the waiting head).
+   (adapters.py rules 1-2 and 4: a slot, and the victim closed to new work).
    `admits()` is that test, apart from `fits()`: the backlog tells a generation that
    waits for a slot from one that waits for room (backlog.py rules 3 and 5). An
    adapter released in this round holds its slot at once (`take`). vLLM's scheduler
