@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from vllm.v1.metrics.loggers import PerEngineStatLoggerAdapter
 from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 
@@ -95,3 +96,14 @@ _LIVE = {
     "unstarted": 0,
     "callers": (),
 }
+
+
+def test_the_adapter_wait_flag(demo_cache_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--demo-cache-dir", str(demo_cache_root)]
+    assert parse_serve_args(base, {}).core.adapter_wait == 1.0
+    s = parse_serve_args([*base, "--backlog-adapter-wait", "0.25"], {})
+    assert s.core.adapter_wait == 0.25
+    with pytest.raises(SystemExit) as exit_:
+        parse_serve_args([*base, "--backlog-adapter-wait", "-1"], {})
+    assert exit_.value.code == 2
+    assert "adapter wait" in capsys.readouterr().err
