@@ -229,8 +229,15 @@ class Backlog:
                     k = (c.counter, new_slot(g.request.key.adapter), g.key)
                     if key is None or k < key:
                         best, head, key = c, g, k
-                if best is None and lora and not waiter:
-                    self.slots.stop()  # every caller was tried: none waits for a slot
+                if best is None and lora and not waiter and self.slots.since is not None:
+                    # Every caller was tried and none waits for a new slot (the one who
+                    # did left): the clock stops, the victim reopens, and those passed
+                    # over for it are tried again (once: the clock is stopped now).
+                    self.slots.stop()
+                    if slot_blocked:
+                        blocked -= slot_blocked
+                        slot_blocked.clear()
+                        continue
                 if best is None or best.counter >= floor:
                     return
             assert head is not None  # an active caller has a live entry

@@ -159,3 +159,16 @@ def test_rule5_the_victim_reopens_in_the_round_its_slot_is_given() -> None:
     assert co.adapter_slots(1.1).victim == "a"
     co.finished("q1", 1.2, 0)
     assert sorted(ids(co.due(1.2))) == ["p2", "r1"]
+
+
+def test_rule3_the_victim_reopens_when_the_waiting_caller_leaves() -> None:
+    co = co_(max_loras=1, wait=1.0)
+    co.add(req("p1", "p", "a"), 0.0)
+    assert ids(co.due(0.0)) == ["p1"]
+    co.add(req("q1", "q", "b"), 0.0)
+    assert ids(co.due(0.0)) == []
+    co.add(req("p2", "p", "a"), 1.0)
+    assert ids(co.due(1.0)) == []  # a is the victim, drained for q
+    assert co.cancel("q1", 1.1)
+    assert ids(co.due(1.1)) == ["p2"]  # nobody waits for a slot: a is open again
+    assert co.adapter_slots(1.1).waiting_since is None

@@ -190,6 +190,6 @@ class SlotsBesideRoom(Slots):
 
 
 TestSlots = Slots.TestCase
-TestSlots.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestSlots.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
 TestSlotsBesideRoom = SlotsBesideRoom.TestCase
-TestSlotsBesideRoom.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+TestSlotsBesideRoom.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
