@@ -5,9 +5,10 @@ server passes time in (`now`) and acts on what the core returns.
 
 Modules: keys (GroupKey), types (requests, batches, outcomes), config, callers (caller
 policies and limits), order (the release key), coalescer (admission and the window),
-backlog (fair release order), room (engine room), drain (drain-rate estimate for
-Retry-After), cache (TTL result cache), events (observability records). Everything
-public is re-exported here; import from `batching`, not from the modules.
+backlog (fair release order), room (engine room), adapters (LoRA slots), drain
+(drain-rate estimate for Retry-After), cache (TTL result cache), events (observability
+records). Everything public is re-exported here; import from `batching`, not from the
+modules.
 """
 
 from .cache import ResultCache

@@ -32,6 +32,20 @@ OSDI 2024, for the first rule):
    caller: skipping it costs it at most one request's worth of service, so it cannot
    starve.
 4. A caller at its max_concurrency is passed over (it does not block others).
+5. LoRA slots (room.py rule 7, adapters.py; only with `max_loras` > 0). A generation
+   goes only if its adapter may have a slot. A caller whose work waits only for a
+   slot (its head fits the room, but no generation rule 3 may take gets a slot) is
+   passed over for the round without rule 3's floor: the engine keeps running the
+   adapters in flight. What bounds that instead is time: the first caller of a round
+   passed over for a slot, in rule-1 order (the least-served of those waiting: the
+   fair-share head among them), starts adapters.py's clock or renames its adapter;
+   a round that tries every caller and passes none over stops it. `wait` seconds
+   after it started, the adapter in flight longest takes no new work, and the slot
+   it frees goes to that head: a round starts with the least counter, and no caller
+   below it needs a new slot (adapters.py rule 4). Among callers
+   of equal standing (equal counters: callers that woke together at the floor, rule
+   1) work whose adapter is in flight, or on the base weights, goes first, so the
+   last free slot is not spent while work on a resident adapter could go.
 
 Fairness bound (tested in tests/unit/test_core_backlog_stateful.py): a caller is only
 served while its counter is below every other backlogged caller's counter plus one
@@ -60,6 +74,7 @@ from collections.abc import Iterator
 from heapq import heappop, heappush
 
 from ._records import BACKLOG, GONE, CallerState, Gen
+from .adapters import AdapterSlots
 from .room import Room
 
 __all__ = ["Backlog"]
@@ -72,10 +87,11 @@ _SCAN = 32
 
 
 class Backlog:
-    __slots__ = ("_bseq", "active", "max_delay", "n", "vt")
+    __slots__ = ("_bseq", "active", "max_delay", "n", "slots", "vt")
 
-    def __init__(self, max_delay: float) -> None:
+    def __init__(self, max_delay: float, slots: AdapterSlots | None = None) -> None:
         self.max_delay = max_delay
+        self.slots = AdapterSlots() if slots is None else slots  # rule 5
         # Callers with a non-empty backlog (a dict for O(1) removal and stable order).
         self.active: dict[CallerState, None] = {}
         self.n = 0  # generations in the backlog
@@ -119,6 +135,8 @@ class Backlog:
         if not c.backlog:
             del self.active[c]
             c.heap.clear()  # only stale entries are left
+            if not self.n:
+                self.slots.stop()  # nobody waits for a slot (rule 5)
 
     def clear(self) -> None:
         for c in self.active:
@@ -126,6 +144,7 @@ class Backlog:
             c.heap.clear()
         self.active.clear()
         self.n = 0
+        self.slots.stop()
 
     def served(self, gen: Gen) -> None:
         """A generation is released: charge its prompt to its caller (rule 1) and count
@@ -135,6 +154,11 @@ class Backlog:
         c.charge(gen.ptok)
         c.in_flight += 1
         c.prompt_tokens += gen.ptok
+        self.slots.take(gen.request.key.adapter)
+
+    def ended(self, gen: Gen) -> None:
+        """A released generation finished: its adapter's slot may free (rule 5)."""
+        self.slots.done(gen.request.key.adapter)
 
     # -- order --------------------------------------------------------------
 
@@ -164,7 +188,7 @@ class Backlog:
             if arrival > barrier:
                 tried.append(e)
                 break  # it and everything after it would pass a skipped head too far
-            if room.fits(g.ptok):
+            if room.fits(g.ptok) and room.admits(g.request.key.adapter):
                 found = g
                 break
             tried.append(e)
@@ -174,7 +198,7 @@ class Backlog:
         return found
 
     def pick(self, now: float, room: Room) -> Iterator[Gen]:
-        """Yield generations to release, in order, while `room` allows (rules 1-4).
+        """Yield generations to release, in order, while `room` allows (rules 1-5).
 
         Each yielded generation has left the backlog (state GONE); the consumer books
         it in `room` and calls `served()`. Stops at the first point where nothing more
@@ -183,6 +207,9 @@ class Backlog:
         active = self.active
         blocked: set[CallerState] = set()
         floor = math.inf  # rule 3: the counter others may not reach while one is blocked
+        lora = room.loras
+        waiter = False  # rule 5: a caller of this round was passed over for a slot
+        slot_blocked: set[CallerState] = set()  # callers passed over for a slot
         while active and not room.full:
             best: CallerState | None = None
             head: Gen | None = None
@@ -193,27 +220,53 @@ class Backlog:
                     return
                 head = self._head(best)
             else:
-                key: tuple[float, tuple[int, float, int]] | None = None
+                key: tuple[float, int, tuple[int, float, int]] | None = None
+                new_slot = room.new_slot
                 for c in active:
                     if c in blocked or c.capped():
                         continue
                     g = self._head(c)
-                    k = (c.counter, g.key)
+                    k = (c.counter, new_slot(g.request.key.adapter), g.key)
                     if key is None or k < key:
                         best, head, key = c, g, k
+                if best is None and lora and not waiter and self.slots.since is not None:
+                    # Every caller was tried and none waits for a new slot (the one who
+                    # did left): the clock stops, the victim reopens, and those passed
+                    # over for it are tried again (once: the clock is stopped now).
+                    self.slots.stop()
+                    if slot_blocked:
+                        blocked -= slot_blocked
+                        slot_blocked.clear()
+                        continue
                 if best is None or best.counter >= floor:
                     return
             assert head is not None  # an active caller has a live entry
-            if room.fits(head.ptok):
+            adapter = head.request.key.adapter
+            if room.fits(head.ptok) and room.admits(adapter):
                 heappop(best.heap)  # the head is the heap's top (_head cleaned it)
                 gen: Gen | None = head
             else:
                 gen = self._fit(best, room)
             if gen is None:
                 blocked.add(best)
+                if room.fits(head.ptok):  # it waits for a LoRA slot: no floor (rule 5)
+                    slot_blocked.add(best)
+                    if not waiter and adapter is not None and adapter not in room.resident:
+                        # The first in rule-1 order that needs a new slot; work on the
+                        # victim, closed to new work, waits for nothing but its drain.
+                        waiter = True
+                        self.slots.start(adapter, now)
+                    continue
                 cost = (head.ptok + 2 * head.new) / best.weight
                 floor = min(floor, best.counter + max(cost, 1.0 / best.weight))
                 continue
             gen.state = GONE
             self._out(best)
+            if lora and gen.request.key.adapter == self.slots.wanted:
+                # The wanted adapter has its slot (adapters.py rule 3), and the victim
+                # is open again: those passed over for a slot are tried again.
+                self.slots.stop()
+                waiter = False
+                blocked -= slot_blocked
+                slot_blocked.clear()
             yield gen

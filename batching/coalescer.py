@@ -76,6 +76,11 @@ Rules:
    whole context. `finished()` reconciles: the caller's bucket gets back what was
    charged and not generated, or gives up the excess (it may go below 0 and refills
    from there). The pending-token count drops by the charge, as before.
+13. LoRA slots (`engine.max_loras` > 0, backlog.py rule 5, adapters.py): the distinct
+   adapters in flight stay within `max_loras`, so nothing released waits in vLLM's
+   queue for an adapter slot; a caller waiting for one waits at most `adapter_wait`
+   seconds before an adapter in flight is drained for it. Base-model work takes no
+   slot. With `max_loras` 0 (LoRA off) nothing here applies.
 
 Queries (`next_deadline()`, the gauges) have no side effects: the calls that change
 state (`due()`, `cancel()`) leave the window and expiry heaps' tops live.
@@ -94,6 +99,7 @@ from heapq import heappop, heappush
 
 from . import _fast
 from ._records import BACKLOG, GONE, QUEUED, CallerState, Gen, Group
+from .adapters import AdapterSlots, SlotView
 from .backlog import Backlog
 from .callers import Callers, CallerStats
 from .config import CoalescerConfig
@@ -186,7 +192,9 @@ class Coalescer:
         self._events: list[Event] = []
         self._drain = DrainRate()
         self._callers: dict[str, CallerState] = {}
-        self._backlog = Backlog(config.order.max_delay)
+        self._backlog = Backlog(
+            config.order.max_delay, AdapterSlots(config.engine.max_loras, config.adapter_wait)
+        )
         # What became eligible in the current due() call: (generations, reason) cuts,
         # each within the batch caps, in order.
         self._fresh: list[tuple[list[Gen], ReleaseReason]] = []
@@ -229,6 +237,7 @@ class Coalescer:
         self._config = value
         self._known = value.engine.known
         self._backlog.max_delay = value.order.max_delay
+        self._set_slots()
         self._apply_callers()
 
     @property
@@ -240,6 +249,13 @@ class Coalescer:
     def capacity(self, value: EngineCapacity) -> None:
         self._config = replace(self._config, engine=value)
         self._known = value.known
+        self._set_slots()
+
+    def _set_slots(self) -> None:
+        """The engine's max_loras and the slot wait (rule 13); slots in flight stay."""
+        slots = self._backlog.slots
+        slots.max_loras = self._config.engine.max_loras
+        slots.wait = self._config.adapter_wait
 
     def _no_caps(self) -> bool:
         p = self._config.callers
@@ -281,6 +297,10 @@ class Coalescer:
     def in_flight(self) -> int:
         """Released generations not yet finished."""
         return len(self._in_flight)
+
+    def adapter_slots(self, now: float) -> SlotView:
+        """The LoRA slots at `now` (rule 13; a query)."""
+        return self._backlog.slots.view(now)
 
     @property
     def drain_rate(self) -> float | None:
@@ -731,7 +751,7 @@ class Coalescer:
         backlog = self._backlog
         if fresh:
             self._fresh = []
-            if not backlog.n and self._uncapped and (not self._known or self._room_for(fresh)):
+            if not backlog.n and self._uncapped and (not self._known or self._room_for(fresh, now)):
                 self._release_fresh(fresh, now, out)
             else:
                 rnd = self._round
@@ -789,16 +809,16 @@ class Coalescer:
     def _release(self, now: float, out: list[Batch]) -> None:
         """Release backlogged generations while the engine has room (rules 5-7)."""
         backlog = self._backlog
-        room = self._room()
+        room = self._room(now)
         released: list[Gen] = []
         serve = backlog.served
         for g in backlog.pick(now, room):
-            room.take(g.ptok)
+            room.take(g.ptok, g.request.key.adapter)
             serve(g)
             released.append(g)
         self._round_done(released, now, out)
 
-    def _room(self) -> Room:
+    def _room(self, now: float) -> Room:
         cfg = self._config
         return Room(
             cfg.engine,
@@ -812,16 +832,19 @@ class Coalescer:
             cfg.step_lookahead,
             cfg.slot_spare,
             self._kv_usage_least,
+            self._backlog.slots,
+            now,
         )
 
-    def _room_for(self, fresh: list[tuple[list[Gen], ReleaseReason]]) -> bool:
+    def _room_for(self, fresh: list[tuple[list[Gen], ReleaseReason]], now: float) -> bool:
         """Would the engine take all of `fresh` now (the backlog being empty)?"""
-        room = self._room()
+        room = self._room(now)
         for gens, _ in fresh:
             for g in gens:
-                if not room.fits(g.ptok):
+                adapter = g.request.key.adapter
+                if not (room.fits(g.ptok) and room.admits(adapter)):
                     return False
-                room.take(g.ptok)
+                room.take(g.ptok, adapter)
         return True
 
     def _release_fresh(
@@ -976,6 +999,7 @@ class Coalescer:
         generated = req.max_new_tokens if tokens is None else tokens
         c = gen.caller
         c.in_flight -= 1
+        self._backlog.ended(gen)
         c.generated_tokens += generated
         c.charge(2 * generated)
         charged = gen.new

@@ -27,6 +27,9 @@ Rules:
   never waits a step for the driver. 1, not 2: with two steps of long prompts
   released and not started, a chat turn released after them waits behind them
   (issue 21, three callers: chat TTFT p95 47 ms at 1 against 153-158 ms at 2).
+* `adapter_wait` (seconds >= 0) is how long the fair-share head may wait for a LoRA
+  slot before the adapter in flight longest is drained for it (adapters.py rule 4;
+  only with `engine.max_loras` > 0).
 * Invalid values raise ValueError at construction, never later on the hot path.
 """
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .adapters import check_wait
 from .callers import Callers
 from .order import ReleaseOrder
 from .room import EngineCapacity
@@ -68,6 +72,7 @@ class CoalescerConfig:
     short_prompt_tokens: int = 256  # a prompt this long or shorter counts as short
     step_lookahead: float = 1.0  # engine step budgets of unstarted prompts (issue 21)
     slot_spare: float = 0.0625  # share of engine slots released beyond max_num_seqs
+    adapter_wait: float = 1.0  # seconds the head may wait for a LoRA slot (adapters.py)
 
     def __post_init__(self) -> None:
         if self.window < 0:
@@ -86,3 +91,4 @@ class CoalescerConfig:
             raise ValueError("short_prompt_tokens must be >= 0")
         if not self.step_lookahead >= 1.0 or not self.slot_spare >= 0.0:
             raise ValueError("need step_lookahead >= 1 and slot_spare >= 0")
+        check_wait(self.adapter_wait)

@@ -110,6 +110,9 @@ class EngineStats:
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
     ranks: tuple[RankStats, ...] = ()
+    # Engine steps in which a LoRA adapter had waiting requests and none running
+    # (server/engine.py, adapter_waited): its work waited for an adapter slot.
+    adapter_wait_steps_total: int = 0
 
     @property
     def kv_usage_least(self) -> float | None:

@@ -41,11 +41,22 @@ engine number, and an unknown number never holds anything back):
    on one rank: it also needs `kv_tokens` x (1 - the least-used rank's usage)
    free on that rank. vLLM's coordinator places each request (server/engine.py
    says why Sluice leaves it to it), so pending prompts are not booked per rank.
+7. LoRA slots (`max_loras` > 0; vLLM's --max-loras with --enable-lora): work on an
+   adapter goes only while the distinct adapters in flight stay within `max_loras`
+   (adapters.py rules 1-2 and 4: a slot, and the victim closed to new work).
+   `admits()` is that test, apart from `fits()`: the backlog tells a generation that
+   waits for a slot from one that waits for room (backlog.py rules 3 and 5). An
+   adapter released in this round holds its slot at once (`take`). vLLM's scheduler
+   counts the adapters of its running requests; Sluice's in flight (released, not
+   finished) is a superset, so a released request never waits in vLLM's queue for a
+   slot, at the price of counting a slot until the last of its work has ended.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .adapters import AdapterSlots
 
 __all__ = ["EngineCapacity", "Room"]
 
@@ -58,16 +69,17 @@ class EngineCapacity:
     step_tokens: int = 0  # vLLM max_num_batched_tokens
     kv_tokens: int = 0  # KV cache size in tokens: num_gpu_blocks x block_size
     ranks: int = 1  # data-parallel ranks, each with the numbers above (rule 6)
+    max_loras: int = 0  # vLLM lora_config.max_loras; 0 = LoRA off (rule 7)
 
     def __post_init__(self) -> None:
-        if min(self.max_seqs, self.step_tokens, self.kv_tokens) < 0:
+        if min(self.max_seqs, self.step_tokens, self.kv_tokens, self.max_loras) < 0:
             raise ValueError("engine capacity numbers must be >= 0 (0 = unknown)")
         if self.ranks < 1:
             raise ValueError("data-parallel ranks must be >= 1")
 
     @property
     def known(self) -> bool:
-        return bool(self.max_seqs or self.step_tokens or self.kv_tokens)
+        return bool(self.max_seqs or self.step_tokens or self.kv_tokens or self.max_loras)
 
 
 class Room:
@@ -81,8 +93,12 @@ class Room:
         "kv_tokens",
         "kv_used",
         "limited",
+        "loras",
+        "now",
+        "resident",
         "seq_limit",
         "short_prompt",
+        "slots",
         "step_tokens",
         "unstarted_n",
         "unstarted_tokens",
@@ -101,6 +117,8 @@ class Room:
         step_lookahead: float,
         slot_spare: float,
         kv_usage_least: float | None = None,
+        slots: AdapterSlots | None = None,
+        now: float = 0.0,
     ) -> None:
         self.limited = capacity.known
         ranks = capacity.ranks
@@ -117,6 +135,12 @@ class Room:
         self.in_flight = in_flight
         self.unstarted_n = unstarted_n
         self.unstarted_tokens = unstarted_tokens
+        # Rule 7: only with LoRA on; the set copies the adapters in flight, and grows
+        # with this round's releases.
+        self.loras = bool(slots is not None and slots.max_loras)
+        self.slots = slots
+        self.resident: set[str] = set(slots.flying) if slots is not None else set()
+        self.now = now
 
     @property
     def full(self) -> bool:
@@ -140,7 +164,23 @@ class Room:
                 return False
         return True
 
-    def take(self, ptok: int) -> None:
+    def admits(self, adapter: str | None) -> bool:
+        """Rule 7: may work on `adapter` go now (a LoRA slot)?"""
+        slots = self.slots
+        if not self.loras or adapter is None or slots is None:
+            return True
+        return slots.admits(adapter, self.resident, self.now)
+
+    def new_slot(self, adapter: str | None) -> int:
+        """1 if work on `adapter` would take a slot no work in flight holds, else 0
+        (the tie-break between callers of equal standing, backlog.py rule 5)."""
+        if not self.loras or adapter is None or adapter in self.resident:
+            return 0
+        return 1
+
+    def take(self, ptok: int, adapter: str | None = None) -> None:
+        if adapter is not None and self.loras:
+            self.resident.add(adapter)
         self.in_flight += 1
         self.unstarted_n += 1
         self.unstarted_tokens += ptok

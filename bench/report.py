@@ -383,6 +383,55 @@ def three_caller_metrics(
     return out
 
 
+def share_metrics(
+    results: Mapping[str, Mapping[str, float]],
+    logs: Mapping[str, RequestLog],
+    callers: Sequence[str],
+) -> dict[str, float]:
+    """Callers side by side (the LoRA point): each one's TTFT p95 (the client's), the
+    worst of them, and each one's share of service while all of them ran.
+
+    The span is from the last caller's first request sent to the first caller's last
+    request done: a caller that finishes early (or starts late) would otherwise
+    count time when it was not competing. Service is fair share's: prompt + 2 x
+    generated tokens (the client's counts) of the requests that ended inside the
+    span; `share_dev` is the largest |share x callers - 1| (0.2: a share 20% off an
+    equal one). `req_s` is every caller's completions in the span per second.
+    """
+    out: dict[str, float] = {}
+    worst = -math.inf
+    for c in callers:
+        for k in ("ttft_p95", "completed", "failed"):
+            if k in results.get(c, {}):
+                out[f"{c}_{k}"] = results[c][k]
+        worst = max(worst, results.get(c, {}).get("ttft_p95", -math.inf))
+    if worst > -math.inf:
+        out["worst_ttft_p95"] = worst
+    spans = [sp for c in callers if c in logs and (sp := logs[c].span()) is not None]
+    if len(spans) != len(callers):
+        return out
+    lo, hi = max(sp[0] for sp in spans), min(sp[1] for sp in spans)
+    if hi <= lo:
+        return out
+    service: dict[str, float] = {}
+    done_n = 0
+    for c in callers:
+        lg = logs[c]
+        done = [i for i in lg.ok() if lo <= lg.starts[i] + lg.latencies[i] <= hi]
+        done_n += len(done)
+        ins = lg.input_lens
+        service[c] = sum((ins[i] if ins else 0) + 2 * lg.output_lens[i] for i in done)
+    total = sum(service.values())
+    out["req_s"] = done_n / (hi - lo)
+    out["span_s"] = hi - lo
+    if total > 0:
+        n = len(callers)
+        for c in callers:
+            out[f"{c}_share"] = service[c] / total
+        out["share_dev"] = max(abs(service[c] / total * n - 1.0) for c in callers)
+    return out
+
+
 def spread_metrics(result: Mapping[str, float], detail: RequestLog | None) -> dict[str, float]:
     """One record of the spread-lengths backlog: the client's numbers plus, from
     per-request detail, the largest TTFT and the TTFT tails of the shortest and

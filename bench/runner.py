@@ -41,6 +41,7 @@ from typing import IO, Any
 
 from bench import report as rp
 from bench.scenarios import (
+    ADAPTER_DIR,
     ALL,
     BULK_CALLERS,
     BULK_CONCURRENCY,
@@ -57,6 +58,13 @@ from bench.scenarios import (
     IDENTICAL,
     KV_BOUND_CONTEXT,
     KV_BOUND_TOKENS,
+    LORA,
+    LORA_ADAPTERS,
+    LORA_CALLERS,
+    LORA_ENGINE,
+    LORA_LEN,
+    LORA_RANK,
+    LORA_STREAMS,
     MIXED,
     NOISY,
     PAST_CAPACITY,
@@ -242,6 +250,8 @@ def _combine(
         return rp.three_caller_metrics(per_role, logs, BULK_CALLERS)
     if point.scenario == SPREAD:
         return rp.spread_metrics(per_role[ALL], logs.get(ALL))
+    if point.scenario == LORA:
+        return rp.share_metrics(per_role, logs, LORA_CALLERS)
     if len(per_role) > 1:
         return rp.combine_mixed(per_role)
     return per_role[point.jobs[0].role]
@@ -317,7 +327,8 @@ class Runner:
                     + shlex.join(a.replace(server.base_url, "http://127.0.0.1:PORT") for a in argv)
                 ),
             )
-        before = rp.parse_prometheus(server.metrics()) if point.prefix_metrics else {}
+        scrape = point.prefix_metrics or (point.counters and system == rp.SLUICE)
+        before = rp.parse_prometheus(server.metrics()) if scrape else {}
         assert self.pool is not None
         t0 = time.monotonic()
         outcomes = self.pool.run(
@@ -353,6 +364,12 @@ class Runner:
                     f"(see {result.with_suffix('.log').name})"
                 )
         metrics = _combine(point, per_role, logs)
+        if point.counters and system == rp.SLUICE:
+            time.sleep(1.0)  # let the engine's last step stats reach /metrics
+            after = rp.parse_prometheus(server.metrics())
+            for key, name in point.counters:
+                if name in after:
+                    metrics = {**metrics, key: after[name] - before.get(name, 0.0)}
         if point.prefix_metrics:
             time.sleep(1.0)  # let the engine's last step stats reach /metrics
             metrics = {
@@ -406,6 +423,9 @@ class Runner:
     ) -> Iterator[Server]:
         port = free_port()
         engine_flags = [*self.cfg.engine_flags, *(engine.flags if engine else ())]
+        if any(ADAPTER_DIR in f for f in engine_flags):
+            adapters = str(self._adapters())
+            engine_flags = [f.replace(ADAPTER_DIR, adapters) for f in engine_flags]
         cmd = server_command(
             system,
             port,
@@ -429,6 +449,22 @@ class Runner:
             if not srv.alive():
                 raise RuntimeError(f"{label} died during the block; see {srv.log_path}")
         log(f"  stopped {label}")
+
+    def _adapters(self) -> Path:
+        """The LoRA point's adapters, made once per run under the raw dir with Sluice's
+        own command (deterministic for a seed, so both servers and every repetition
+        load the same bytes); an adapter already there is kept."""
+        root = self.cfg.raw_dir / "adapters"
+        for seed, name in enumerate(LORA_ADAPTERS, start=1):
+            out = root / name
+            if (out / "adapter_config.json").exists():
+                continue
+            argv = [sys.executable, "-m", "server", "make-demo-adapter", str(out)]
+            argv += ["--seed", str(seed), "--rank", str(LORA_RANK)]
+            log(f"making adapter {name}: {shlex.join(argv[1:])}")
+            self.commands.setdefault(f"adapter {name}", shlex.join(["python", *argv[1:]]))
+            subprocess.run(argv, cwd=ROOT, env={**os.environ, **self.cfg.env}, check=True)
+        return root
 
     def _warm_up(self, srv: Server, key: str | None = None) -> None:
         """One short request, so neither server's first timed request pays for a cold path."""
@@ -641,6 +677,15 @@ SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
         "completed",
         "failed",
     ),
+    LORA: (
+        "req_s",
+        "worst_ttft_p95",
+        *(f"{c}_ttft_p95" for c in LORA_CALLERS),
+        *(f"{c}_share" for c in LORA_CALLERS),
+        "share_dev",
+        "adapter_wait_steps",
+        "span_s",
+    ),
     THREE: (
         "chat_ttft_p50",
         "chat_ttft_p95",
@@ -729,6 +774,19 @@ PANELS: tuple[rp.Panel, ...] = (
         "req/s",
     ),
     rp.BarPanel(CHAT_MIX, _CLASSES, "Chat mix 70/20/10 below capacity: TTFT p95", "TTFT p95 (ms)"),
+    rp.BarPanel(
+        LORA,
+        tuple((c.removeprefix("lora_"), f"{c}_ttft_p95") for c in LORA_CALLERS),
+        "LoRA, 4 adapters at max-loras 2: each caller's TTFT p95",
+        "TTFT p95 (ms, log scale)",
+        log_y=True,
+    ),
+    rp.BarPanel(
+        LORA,
+        tuple((c.removeprefix("lora_"), f"{c}_share") for c in LORA_CALLERS),
+        "LoRA: each caller's share of service (prompt + 2 x generated; fair: 0.25)",
+        "share",
+    ),
 )
 
 
@@ -852,6 +910,21 @@ def render_markdown(
                 f"{round(SPREAD_LEN[0] * (1 + SPREAD_RANGE))} tokens, {SPREAD_LEN[1]} out, "
                 "on the run's engine. The thirds are the answered requests sorted by prompt "
                 "length (per-request detail).",
+                "",
+            ]
+        if sc == LORA:
+            flags = " ".join(f for f in LORA_ENGINE.flags if not f.startswith("a"))
+            out += [
+                f"Four demo adapters (rank {LORA_RANK}, made with `python -m server "
+                "make-demo-adapter DIR --seed N`), both servers started with "
+                f"`{flags} a0=... a3=...`; four callers, each {LORA_STREAMS} closed-loop "
+                f"streams of {LORA_LEN[0]} in / {LORA_LEN[1]} out on its own adapter. "
+                "Sluice's callers file gives each a key and weight 1 (vLLM's server has "
+                "no keys). Shares of service (prompt + 2 x generated tokens) and req/s "
+                "count the requests that ended while all four callers ran; "
+                "`adapter_wait_steps` is Sluice's `sluice_engine_adapter_wait_steps_total` "
+                "over the point: engine steps in which an adapter had waiting requests "
+                "and none running.",
                 "",
             ]
         if sc == THREE:

@@ -38,6 +38,7 @@ WINDOW = "window"
 SPREAD = "backlog_spread"  # issue 21: one caller, prompt lengths spread, past capacity
 THREE = "three_callers"  # issue 21: chat beside two weighted bulk callers, KV-bound
 CHAT_MIX = "chat_mix"  # issue 21: a 70/20/10 chat mix below capacity, closed loop
+LORA = "lora_adapters"  # issue 20: four callers on four LoRA adapters, max_loras 2
 STRUCTURED = "structured"
 DATA_PARALLEL = "data_parallel"
 RAW_CEILING = "raw"  # not a scenario of its own: raw points live in CONCURRENCY
@@ -53,13 +54,15 @@ SCENARIOS: tuple[str, ...] = (
     SPREAD,
     THREE,
     CHAT_MIX,
+    LORA,
     WINDOW,
     DATA_PARALLEL,
     RAW_CEILING,
 )
 # Run when --scenarios is not given: all but data parallelism, which starts two
-# engine cores per server (issue 19's targets; ask for it by name).
-DEFAULT_SCENARIOS: tuple[str, ...] = tuple(s for s in SCENARIOS if s != DATA_PARALLEL)
+# engine cores per server (issue 19's targets), and the LoRA point, which makes
+# four adapters and serves them (issue 20's); ask for those by name.
+DEFAULT_SCENARIOS: tuple[str, ...] = tuple(s for s in SCENARIOS if s not in (DATA_PARALLEL, LORA))
 KV_BOUND_SCENARIOS: frozenset[str] = frozenset({NOISY, PAST_CAPACITY, THREE})
 SCENARIO_TITLES: dict[str, str] = {
     CONCURRENCY: "Concurrency sweep (random prompts, closed loop)",
@@ -75,6 +78,7 @@ SCENARIO_TITLES: dict[str, str] = {
     WINDOW: "Coalescing-window sweep (Sluice only)",
     STRUCTURED: "JSON-schema constraint vs plain at c=32 (random prompts, EOS honoured)",
     DATA_PARALLEL: "Data parallelism: --data-parallel-size 2, 64 in / 64 out, closed loop",
+    LORA: "LoRA: four callers, each on its own adapter, --max-loras 2 (closed loop)",
 }
 STRUCTURED_CONCURRENCY = 32
 # Bounded (enums, a boolean, a small integer range): a random-weight model
@@ -130,6 +134,8 @@ class Point:
     name: str
     jobs: tuple[Job, ...]
     prefix_metrics: bool = False  # scrape /metrics around it (prefill tokens computed)
+    # Sluice's Prometheus counters scraped around it: (metric key, counter name).
+    counters: tuple[tuple[str, str], ...] = ()
     raw: bool = False  # also measured through the raw in-process engine
     concurrency: int | None = None
     seed_name: str | None = None  # seed key when `name` carries more (window configs)
@@ -166,6 +172,9 @@ class Sizes:
     # DATA_PARALLEL: (concurrency, prompts); 3 x the concurrency outlasts the
     # ramp (issue 19 measured 43-93 running at c=256 for a whole run).
     data_parallel: tuple[tuple[int, int], ...] = ((256, 768), (512, 1536))
+    # LORA: each caller's prompts, LORA_STREAMS in flight (at 64 out, about 15
+    # rounds per stream: several adapter swaps at max_loras 2).
+    lora_prompts: int = 240
 
 
 FULL = Sizes(
@@ -214,6 +223,7 @@ QUICK = Sizes(
     bulk_prompts=24,
     chat_mix_rounds=1,
     data_parallel=((256, 256), (512, 512)),
+    lora_prompts=32,
 )
 
 # The c=512 point: a backlog beyond the engine's max_num_seqs (128 by default on
@@ -227,6 +237,33 @@ WIDE_POINT = f"c={WIDE_CONCURRENCY} ({WIDE_LEN[0]} in, {WIDE_LEN[1]} out)"
 # Issue 19: two data-parallel ranks, each with its own scheduler (both servers).
 DP_ENGINE = EngineProfile("DP=2", ("--data-parallel-size", "2"))
 DP_LEN = (64, 64)
+
+# LoRA (issue 20): four demo adapters (`python -m server make-demo-adapter DIR
+# --seed N`, rank 8), both servers with --max-loras 2, four callers each on its own
+# adapter, 16 closed-loop streams each of 128 in / 64 out (64 in flight: the engine
+# is busy, and half the callers' adapters are always out of a slot). The runner
+# makes the adapters under its raw dir and puts that path for ADAPTER_DIR.
+ADAPTER_DIR = "{adapters}"
+LORA_ADAPTERS = ("a0", "a1", "a2", "a3")
+LORA_CALLERS = tuple(f"lora_{a}" for a in LORA_ADAPTERS)
+LORA_MAX_LORAS = 2
+LORA_RANK = 8
+LORA_STREAMS = 16
+LORA_LEN = (128, 64)
+LORA_POINT = f"4 adapters, max-loras {LORA_MAX_LORAS}, 4 x {LORA_STREAMS} streams"
+LORA_ENGINE = EngineProfile(
+    "LoRA",
+    (
+        "--enable-lora",
+        "--max-loras",
+        str(LORA_MAX_LORAS),
+        "--max-lora-rank",
+        str(LORA_RANK),
+        "--lora-modules",
+        *(f"{a}={ADAPTER_DIR}/{a}" for a in LORA_ADAPTERS),
+    ),
+)
+ADAPTER_WAIT_COUNTER = "sluice_engine_adapter_wait_steps_total"
 
 KV_BOUND_TOKENS = 16_384
 KV_BOUND_CONTEXT = 4096
@@ -430,6 +467,35 @@ def _three_caller_points(sizes: Sizes, engine: EngineProfile, chat: Job) -> list
     return [Point(THREE, THREE_POINT, (chat, *bulk), engine=engine)]
 
 
+def _lora_point(sizes: Sizes) -> Point:
+    """Four callers, each on its own adapter (the client's --lora-modules with one
+    name: every request names that adapter as its model)."""
+    jobs = tuple(
+        Job(
+            caller,
+            (
+                *_random(*LORA_LEN),
+                "--num-prompts",
+                str(sizes.lora_prompts),
+                "--max-concurrency",
+                str(LORA_STREAMS),
+                "--lora-modules",
+                adapter,
+                "--save-detailed",
+            ),
+            caller=caller,
+        )
+        for caller, adapter in zip(LORA_CALLERS, LORA_ADAPTERS, strict=True)
+    )
+    return Point(
+        LORA,
+        LORA_POINT,
+        jobs,
+        engine=LORA_ENGINE,
+        counters=(("adapter_wait_steps", ADAPTER_WAIT_COUNTER),),
+    )
+
+
 def _chat_mix_jobs(rounds: int) -> tuple[Job, ...]:
     """The chat mix's three closed-loop clients. Each stream sends about as many
     output tokens as a long stream's `rounds` requests, so the classes run for
@@ -587,6 +653,8 @@ def build_plan(
                 caller=MIXED_CALLER,
             )
             points.append(Point(PAST_CAPACITY, f"{rate:g} req/s", jobs, engine=kv))
+    if LORA in sel:
+        points.append(_lora_point(sizes))
     if DATA_PARALLEL in sel:
         for c, n in sizes.data_parallel:
             job = _closed_loop(*DP_LEN, n, c)

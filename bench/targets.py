@@ -21,6 +21,9 @@ from bench.scenarios import (
     CONCURRENCY,
     FLOOD_POINT,
     IDENTICAL,
+    LORA,
+    LORA_CALLERS,
+    LORA_POINT,
     MIXED,
     NOISY,
     PAST_CAPACITY,
@@ -402,7 +405,40 @@ def _every_rep_short_p95(records: Sequence[rp.Record]) -> list[Row]:
     return rows
 
 
+def issue20(records: Sequence[rp.Record]) -> list[Row]:
+    """Issue 20, item 4: four callers on four adapters at max_loras 2, against vLLM's
+    server on the same load."""
+    tab = rp.aggregate(records, LORA)
+    rows = _row(
+        f"LoRA ({LORA_POINT}): req/s >= 0.95x vLLM's",
+        tab.get(LORA_POINT, rp.SLUICE, "req_s"),
+        tab.get(LORA_POINT, rp.VLLM, "req_s"),
+        lambda r: r >= 0.95,
+        "req/s",
+    )
+    dev = tab.get(LORA_POINT, rp.SLUICE, "share_dev")
+    if dev is not None:
+        shares = [tab.get(LORA_POINT, rp.SLUICE, f"{c}_share") for c in LORA_CALLERS]
+        text = ", ".join(f"{s.median:.3f}" for s in shares if s is not None)
+        rows.append(
+            (
+                "LoRA: every caller's share of service within 20% of a quarter (Sluice)",
+                f"{text} (largest deviation {dev.median:.0%})",
+                _met(dev.median <= 0.2),
+            )
+        )
+    rows += _row(
+        "LoRA: worst caller's TTFT p95 <= vLLM's worst",
+        tab.get(LORA_POINT, rp.SLUICE, "worst_ttft_p95"),
+        tab.get(LORA_POINT, rp.VLLM, "worst_ttft_p95"),
+        lambda r: r <= 1.0,
+        "ms",
+    )
+    return rows
+
+
 TARGET_SETS: tuple[tuple[str, Callable[[Sequence[rp.Record]], list[Row]]], ...] = (
+    ("issue 20: adapter-aware release (LoRA)", issue20),
     ("issue 21: the release key and the engine step", issue21),
     ("issue 11: the held backlog", issue11),
     ("issue 7", issue7),

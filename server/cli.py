@@ -127,6 +127,14 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
         "steps' token budget (default: %(default)s)",
     )
     g.add_argument(
+        "--backlog-adapter-wait",
+        type=float,
+        default=c.adapter_wait,
+        help="with --enable-lora: seconds the least-served caller may wait for a LoRA "
+        "slot (--max-loras) before the adapter held longest is drained for it "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
         "--backlog-slot-spare",
         type=float,
         default=c.slot_spare,
@@ -487,6 +495,7 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
             short_prompt_tokens=ns.short_prompt_tokens,
             step_lookahead=ns.backlog_step_lookahead,
             slot_spare=ns.backlog_slot_spare,
+            adapter_wait=ns.backlog_adapter_wait,
         )
         pressure = PressureConfig(**pressure_kwargs)
     except ValueError as exc:

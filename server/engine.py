@@ -125,6 +125,7 @@ class _StatsBox:
                 waiting=int(scheduler_stats.num_waiting_reqs),
             )
             ranks = tuple(self._ranks[i] for i in sorted(self._ranks))
+            waited = s.adapter_wait_steps_total + adapter_waited(scheduler_stats)
             self._stats = EngineStats(
                 kv_cache_usage=sum(r.kv_cache_usage for r in ranks) / len(ranks),
                 running=sum(r.running for r in ranks),
@@ -133,7 +134,22 @@ class _StatsBox:
                 prefix_cache_queries_total=s.prefix_cache_queries_total + int(pc.queries),
                 prefix_cache_hits_total=s.prefix_cache_hits_total + int(pc.hits),
                 ranks=ranks if len(ranks) > 1 else (),
+                adapter_wait_steps_total=waited,
             )
+
+
+def adapter_waited(scheduler_stats: Any) -> bool:
+    """Did this step leave an adapter's work waiting with none of it running?
+
+    vLLM 0.32's SchedulerStats carry, per LoRA adapter name, its waiting and running
+    requests (vllm/v1/metrics/stats.py, LoRARequestStates; empty with LoRA off). An
+    adapter with waiting requests and none running could not be scheduled in this
+    step: its slot (max_loras) was taken, or it was loading. A request scheduled in
+    the step it arrived reports both events in one output, so it does not count.
+    """
+    waiting: dict[str, int] = getattr(scheduler_stats, "waiting_lora_adapters", None) or {}
+    running: dict[str, int] = getattr(scheduler_stats, "running_lora_adapters", None) or {}
+    return any(n > 0 and not running.get(name) for name, n in waiting.items())
 
 
 def _stat_logger_factory(box: _StatsBox) -> Callable[..., StatLoggerBase]:
@@ -200,6 +216,13 @@ def lora_request(adapter: Adapter) -> LoRARequest:
         lora_path=adapter.path,
         base_model_name=adapter.parent,
     )
+
+
+def max_loras(config: VllmConfig) -> int:
+    """The adapters one engine step may batch (vLLM's --max-loras); 0 with LoRA off
+    (`lora_config` is None), when the backlog's LoRA slots do not apply."""
+    lora = config.lora_config
+    return int(lora.max_loras) if lora is not None else 0
 
 
 def _build_engine(engine_args: Any, stat_logger: Callable[..., StatLoggerBase]) -> AsyncLLM:
@@ -292,6 +315,7 @@ class EngineAdapter:
             # (summed over data-parallel ranks); 0 if not.
             kv_cache_tokens=int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0),
             dp_ranks=dp_ranks(llm.vllm_config),
+            max_loras=max_loras(llm.vllm_config),
         )
         log.info(
             "engine capacity",

@@ -59,6 +59,8 @@ class ModelInfo:
     # Data-parallel ranks this engine client feeds (server/engine.py, dp_ranks):
     # max_num_seqs and max_num_batched_tokens are each rank's.
     dp_ranks: int = 1
+    # LoRA adapters one engine step may batch (vLLM's max_loras); 0: LoRA off.
+    max_loras: int = 0
     # True: the reasoning parser is qwen3 (or there are no parsers), so
     # requests without tools take server/reasoning.py's copy of its split;
     # False: vLLM's parsers (chat_parser) read every chat request.

@@ -92,6 +92,13 @@ class _LiveCollector(Collector):
             value=v["preemptions"],
         )
         yield CounterMetricFamily(
+            "sluice_engine_adapter_wait_steps",
+            "Engine steps in which a LoRA adapter had waiting requests and none running "
+            "(vLLM's per-step waiting_lora_adapters / running_lora_adapters): its work "
+            "waited for an adapter slot or load. Counted once per step (per DP rank)",
+            value=v.get("adapter_wait_steps", 0),
+        )
+        yield CounterMetricFamily(
             "sluice_engine_prefix_cache_queries",
             "Prompt tokens looked up in the engine's prefix cache",
             value=v["prefix_queries"],

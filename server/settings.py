@@ -124,4 +124,5 @@ def engine_capacity(info: ModelInfo) -> EngineCapacity:
         step_tokens=info.max_num_batched_tokens,
         kv_tokens=info.kv_cache_tokens // ranks,
         ranks=ranks,
+        max_loras=info.max_loras,
     )
