@@ -269,6 +269,7 @@ def test_a_tensor_that_does_not_fit_is_named(
 
 
 # ------------------------------------------------------------ the CLI
+# The first parse in a process imports vLLM: seconds, more on a busy machine.
 
 
 @pytest.mark.parametrize(
@@ -317,6 +318,7 @@ def test_a_tensor_that_does_not_fit_is_named(
         ),
     ],
 )
+@pytest.mark.timeout(120)
 def test_runtime_lora_flags_need_each_other(
     demo_cache_root: Path,
     tmp_path: Path,
@@ -338,6 +340,7 @@ def test_runtime_lora_flags_need_each_other(
     assert len(lines) == 1 and says in lines[0], lines
 
 
+@pytest.mark.timeout(120)
 def test_runtime_lora_settings_are_read_once(demo_cache_root: Path, tmp_path: Path) -> None:
     key = tmp_path / "admin.key"
     key.write_text("  sk-admin\n")
