@@ -46,11 +46,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from server.errors import SluiceError
 from server.lora import Adapter, adapter_rank, check_base, under_root
+from server.protocol.fields import load_object
 from server.state import ADAPTERS, CALLERS, ENGINE, METRICS, RESULTS, SETTINGS
 
 __all__ = ["ADMIN_PATHS", "LOAD_PATH", "UNLOAD_PATH", "add_admin_routes", "check_admin"]
@@ -82,16 +82,6 @@ def check_admin(request: web.Request) -> None:
     raise SluiceError("invalid or missing admin key", status=401, code="invalid_api_key")
 
 
-def _body(raw: bytes) -> dict[str, Any]:
-    try:
-        obj = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise SluiceError(f"malformed JSON: {exc}", code="invalid_json") from None
-    if not isinstance(obj, dict):
-        raise SluiceError("the request body must be a JSON object", code="invalid_json")
-    return obj
-
-
 def _text(obj: dict[str, Any], name: str) -> str:
     value = obj.get(name, "")
     if not isinstance(value, str):
@@ -113,7 +103,7 @@ def _success(text: str) -> web.Response:
 
 async def load(request: web.Request) -> web.Response:
     check_admin(request)
-    obj = _body(await request.read())
+    obj = load_object(await request.read())
     name, path = _text(obj, "lora_name"), _text(obj, "lora_path")
     inplace = _flag(obj, "load_inplace")
     if _flag(obj, "is_3d_lora_weight"):
@@ -181,7 +171,7 @@ def _check_dir(directory: Path, max_rank: int, base_names: tuple[str, str]) -> N
 
 async def unload(request: web.Request) -> web.Response:
     check_admin(request)
-    obj = _body(await request.read())
+    obj = load_object(await request.read())
     name = _text(obj, "lora_name")
     int_id = obj.get("lora_int_id")  # vLLM's optional field: checked, then unused
     if int_id is not None and (isinstance(int_id, bool) or not isinstance(int_id, int)):

@@ -124,31 +124,32 @@ def unload(server: SluiceProcess, name: str) -> httpx.Response:
     return admin(server, "unload_lora_adapter", {"lora_name": name})
 
 
-def client(server: SluiceProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base + "/v1", api_key=CALLER_KEY, max_retries=0)
+@pytest.fixture(scope="module")
+def api(server: SluiceProcess) -> Iterator[openai.OpenAI]:
+    """One client for the module (thread-safe; its sockets closed at the end)."""
+    with openai.OpenAI(base_url=server.base + "/v1", api_key=CALLER_KEY, max_retries=0) as c:
+        yield c
 
 
-def complete(server: SluiceProcess, model: str, max_tokens: int = 16) -> str:
-    out = client(server).completions.create(
-        model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0
-    )
+def complete(api: openai.OpenAI, model: str, max_tokens: int = 16) -> str:
+    out = api.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0)
     return out.choices[0].text
 
 
-def listed(server: SluiceProcess) -> list[tuple[str, str | None]]:
-    return [(m.id, getattr(m, "parent", None)) for m in client(server).models.list()]
+def listed(api: openai.OpenAI) -> list[tuple[str, str | None]]:
+    return [(m.id, getattr(m, "parent", None)) for m in api.models.list()]
 
 
-def test_load_run_unload_then_404(server: SluiceProcess, root: Path) -> None:
-    base = complete(server, MODEL)
+def test_load_run_unload_then_404(server: SluiceProcess, api: openai.OpenAI, root: Path) -> None:
+    base = complete(api, MODEL)
     resp = load(server, "beta", root / "beta")
     assert resp.status_code == 200, resp.text
     assert resp.text == "Success: LoRA adapter 'beta' added successfully."
-    assert ("beta", MODEL) in listed(server)
-    beta = complete(server, "beta")
-    assert beta != base and beta != complete(server, "alpha")
-    assert complete(server, "beta") == beta  # greedy on it repeats
-    chat = client(server).chat.completions.create(
+    assert ("beta", MODEL) in listed(api)
+    beta = complete(api, "beta")
+    assert beta != base and beta != complete(api, "alpha")
+    assert complete(api, "beta") == beta  # greedy on it repeats
+    chat = api.chat.completions.create(
         model="beta", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
     )
     assert chat.model == "beta"
@@ -156,11 +157,11 @@ def test_load_run_unload_then_404(server: SluiceProcess, root: Path) -> None:
     assert resp.status_code == 200, resp.text
     assert resp.text == "Success: LoRA adapter 'beta' removed successfully."
     with pytest.raises(openai.NotFoundError) as nf:
-        complete(server, "beta")
+        complete(api, "beta")
     assert nf.value.code == "model_not_found"
-    assert "beta" not in dict(listed(server))
+    assert "beta" not in dict(listed(api))
     assert unload(server, "beta").status_code == 404
-    assert complete(server, MODEL) == base
+    assert complete(api, MODEL) == base
 
 
 @pytest.mark.parametrize(
@@ -174,40 +175,45 @@ def test_load_run_unload_then_404(server: SluiceProcess, root: Path) -> None:
     ],
 )
 def test_a_bad_adapter_is_a_400_while_the_loaded_keep_serving(
-    server: SluiceProcess, root: Path, name: str, path: str, says: str
+    server: SluiceProcess, api: openai.OpenAI, root: Path, name: str, path: str, says: str
 ) -> None:
-    alpha = complete(server, "alpha")
+    alpha, before = complete(api, "alpha"), listed(api)
     resp = load(server, name, root / path)
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert says in error["message"] and error["type"] == "invalid_request_error"
-    assert complete(server, "alpha") == alpha
-    assert [m for m, _ in listed(server)] == [MODEL, "alpha"]
+    assert complete(api, "alpha") == alpha
+    assert listed(api) == before
 
 
-def test_a_path_outside_the_root_is_403(server: SluiceProcess, root: Path) -> None:
+def test_a_path_outside_the_root_is_403(
+    server: SluiceProcess, api: openai.OpenAI, root: Path
+) -> None:
     outside = make_adapter(root.parent / f"{root.name}-outside", 6)
     (root / "escape").symlink_to(outside)
     for path in (outside, root / ".." / outside.name, root / "escape"):
         resp = load(server, "outside", path)
         assert resp.status_code == 403, resp.text
         assert resp.json()["error"]["code"] == "path_not_allowed"
-    assert "outside" not in dict(listed(server))
+    assert "outside" not in dict(listed(api))
 
 
-def test_no_admin_key_is_401_and_a_callers_key_403(server: SluiceProcess, root: Path) -> None:
+def test_no_admin_key_is_401_and_a_callers_key_403(
+    server: SluiceProcess, api: openai.OpenAI, root: Path
+) -> None:
+    before = listed(api)
     for key, status in (("", 401), ("sk-wrong", 401), (CALLER_KEY, 403)):
         assert load(server, "beta", root / "beta", key=key).status_code == status
         assert admin(
             server, "unload_lora_adapter", {"lora_name": "alpha"}, key=key
         ).status_code == (status)
-    assert [m for m, _ in listed(server)] == [MODEL, "alpha"]
+    assert listed(api) == before
 
 
-def stream_text(server: SluiceProcess, model: str, started: threading.Event) -> tuple[str, float]:
+def stream_text(api: openai.OpenAI, model: str, started: threading.Event) -> tuple[str, float]:
     """One greedy stream of LONG tokens; its text and when it ended."""
     parts = []
-    stream = client(server).completions.create(
+    stream = api.completions.create(
         model=model,
         prompt=PROMPT,
         max_tokens=LONG,
@@ -222,25 +228,27 @@ def stream_text(server: SluiceProcess, model: str, started: threading.Event) -> 
     return "".join(parts), time.monotonic()
 
 
-def streams(server: SluiceProcess, model: str, n: int) -> tuple[list[Any], list[threading.Event]]:
+def streams(api: openai.OpenAI, model: str, n: int) -> tuple[list[Any], list[threading.Event]]:
     pool = ThreadPoolExecutor(n)
     events = [threading.Event() for _ in range(n)]
-    futures = [pool.submit(stream_text, server, model, e) for e in events]
+    futures = [pool.submit(stream_text, api, model, e) for e in events]
     pool.shutdown(wait=False)
     return futures, events
 
 
-def test_unloading_finishes_queued_and_running_work(server: SluiceProcess, root: Path) -> None:
+def test_unloading_finishes_queued_and_running_work(
+    server: SluiceProcess, api: openai.OpenAI, root: Path
+) -> None:
     """Four streams on two engine slots: two run in the engine, two wait in
     Sluice's backlog when the adapter is unloaded; all four finish on it, with
     the text the same four streams give while it stays loaded."""
     assert load(server, "gamma", root / "gamma").status_code == 200
     n = 2 * SLOTS
-    futures, _ = streams(server, "gamma", n)
+    futures, _ = streams(api, "gamma", n)
     reference = sorted(f.result(timeout=120)[0] for f in futures)
-    assert reference[0] != complete(server, MODEL, LONG)
+    assert reference[0] != complete(api, MODEL, LONG)
 
-    futures, started = streams(server, "gamma", n)
+    futures, started = streams(api, "gamma", n)
     deadline = time.monotonic() + 60
     while not (
         any(e.is_set() for e in started) and metric(server.base, "sluice_queue_requests") >= 1
@@ -252,7 +260,7 @@ def test_unloading_finishes_queued_and_running_work(server: SluiceProcess, root:
     unloaded = time.monotonic()
     assert resp.status_code == 200, resp.text
     with pytest.raises(openai.NotFoundError):
-        complete(server, "gamma")
+        complete(api, "gamma")
     results = [f.result(timeout=120) for f in futures]
     assert queued >= 1
     # Every stream ended after the unload (none had finished), on gamma's weights.
