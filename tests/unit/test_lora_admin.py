@@ -207,6 +207,23 @@ async def test_load_serve_unload(make_client: Any, tmp_path: Path) -> None:
     assert [(a.name, a.id) for a in engine.loaded] == [("x", 2), ("alpha", 3)]
 
 
+async def test_no_cached_result_outlives_its_adapters_name(
+    make_client: Any, tmp_path: Path
+) -> None:
+    client, _, engine = await admin_client(
+        make_client, tmp_path, result_cache_ttl=60.0, default_thinking=False
+    )
+    body = {"lora_name": "x", "lora_path": str(write_adapter(tmp_path / "x"))}
+    greedy = {**chat("x"), "temperature": 0}
+    for _ in range(2):  # loaded again under the same name: other weights, maybe
+        assert (await client.post(LOAD, json=body, headers=ADMIN)).status == 200
+        for _ in range(2):
+            assert (await client.post(CHAT, json=greedy)).status == 200
+        assert (await client.post(UNLOAD, json={"lora_name": "x"}, headers=ADMIN)).status == 200
+    # One generation per load: the second request of each was the cache's.
+    assert list(engine.adapters.values()) == ["x", "x"]
+
+
 async def test_unloading_finishes_queued_and_running_work(make_client: Any, tmp_path: Path) -> None:
     """Rule 5: one request running in the engine and one held in Sluice's
     backlog (one engine slot) both finish on the adapter after its unload."""
