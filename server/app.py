@@ -44,6 +44,7 @@ from server.driver import Driver, order_priority, request_priority
 from server.engine_api import Engine
 from server.errors import SluiceError
 from server.lora import AdapterRegistry
+from server.lora_admin import add_admin_routes
 from server.metrics import Metrics
 from server.middleware import install as install_middlewares
 from server.protocol import Limits, Sampling
@@ -354,6 +355,7 @@ def build_app(
         app[WATCHDOG] = watchdog_factory(app)
     app[STATUS] = make_sampler(app)
     add_routes(app)
+    add_admin_routes(app)  # only with --allow-runtime-lora
     add_status_routes(app)
     app.cleanup_ctx.append(_lifespan)
     return app

@@ -262,6 +262,66 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
         "(default: $SLUICE_CACHE_DIR, else $XDG_CACHE_HOME, else ~/.cache)",
     )
     _add_pressure_flags(parser)
+    _add_runtime_lora_flags(parser)
+
+
+def _add_runtime_lora_flags(parser: argparse.ArgumentParser) -> None:
+    """Runtime LoRA loading (server/lora_admin.py): off unless asked for, and
+    then only with an admin key and a root directory (checked in `_runtime_lora`)."""
+    g = parser.add_argument_group("runtime LoRA loading (/v1/load_lora_adapter)")
+    g.add_argument(
+        "--allow-runtime-lora",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "bodies); needs --enable-lora, --lora-root and --admin-key-file",
+    )
+    g.add_argument(
+        "--lora-root",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="runtime loads take adapter directories under DIR only (symlinks resolved)",
+    )
+    g.add_argument(
+        "--admin-key-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="file holding the admin bearer key for the runtime LoRA endpoints (not "
+        "readable by other users); no caller key opens them",
+    )
+
+
+def _runtime_lora(ns: argparse.Namespace) -> tuple[Path | None, str | None]:
+    """--allow-runtime-lora's root (resolved) and admin key, read once; ValueError
+    with one line when a flag it needs is missing or unusable."""
+    from server.callers import world_readable
+
+    if not ns.allow_runtime_lora:
+        return None, None
+    for needed, flag in (
+        (ns.enable_lora, "--enable-lora"),
+        (ns.lora_root, "--lora-root DIR"),
+        (ns.admin_key_file, "--admin-key-file FILE"),
+    ):
+        if not needed:
+            raise ValueError(f"--allow-runtime-lora needs {flag}")
+    root = ns.lora_root.resolve()
+    if not root.is_dir():
+        raise ValueError(f"--lora-root {ns.lora_root} is not a directory")
+    path = ns.admin_key_file
+    try:
+        key = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--admin-key-file: {exc}") from None
+    if not key or any(c.isspace() for c in key):
+        raise ValueError(f"--admin-key-file {path}: must hold one key (no spaces)")
+    if world_readable(path):
+        raise ValueError(
+            f"--admin-key-file {path} is readable by other users (chmod 600 it); "
+            "it holds the admin key"
+        )
+    return root, key
 
 
 def _add_pressure_flags(parser: argparse.ArgumentParser) -> None:
@@ -451,6 +511,7 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
     served = names[0] if isinstance(names, list) else names
     try:
         adapters = _static_adapters(ns, served)
+        lora_root, admin_key = _runtime_lora(ns)
     except ValueError as exc:
         parser.error(str(exc))
     api_key = env.api_key
@@ -475,6 +536,10 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
         if api_key is not None:
             log.warning("SLUICE_API_KEY is ignored: the callers file names the keys")
             api_key = None
+    if admin_key is not None and (
+        admin_key == api_key or (callers is not None and callers.identify(admin_key))
+    ):
+        parser.error("--admin-key-file holds a caller's key; the admin key must be its own")
 
     pressure_kwargs: dict[str, Any] = {
         f.name: getattr(ns, f"pressure_{f.name}")
@@ -511,6 +576,10 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
         model_path=ns.model,
         demo_model=demo,
         adapters=adapters,
+        max_lora_rank=ns.max_lora_rank,
+        allow_runtime_lora=ns.allow_runtime_lora,
+        lora_root=lora_root,
+        admin_key=admin_key,
         core=core,
         max_batch_seqs=ns.max_batch_seqs,
         max_batch_tokens=ns.max_batch_tokens,

@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from vllm import SamplingParams
@@ -51,7 +52,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from server.batcher import Batcher
 from server.engine_api import ModelInfo
 from server.errors import SluiceError
-from server.lora import Adapter
+from server.lora import Adapter, ModelShapes, check_shapes
 from server.protocol import ChatRequest, Constraint, Message, Sampling
 from server.vllm_parsers import (
     OutputParsers,
@@ -258,6 +259,8 @@ class EngineAdapter:
         self._model_name = model_name
         self._stats = _StatsBox()
         self._llm: AsyncLLM | None = None
+        # What a LoRA must fit (server/lora.py rule 7), from the model's config at start.
+        self._shapes: ModelShapes | None = None
         self._tokenizer: Any = None
         self._renderer: Any = None
         self._parsers: OutputParsers | None = None
@@ -288,6 +291,7 @@ class EngineAdapter:
         factory = _stat_logger_factory(self._stats)
         llm = await asyncio.to_thread(_build_engine, self._engine_args, factory)
         self._llm = llm
+        self._shapes = ModelShapes.from_config(llm.model_config.hf_config)
         for adapter in self._adapters:
             await self.load_adapter(adapter)
         self._renderer = llm.renderer
@@ -350,6 +354,16 @@ class EngineAdapter:
         request does not wait for the load. SluiceError (400) naming the cause."""
         if self._llm is None:
             raise SluiceError("engine not started", status=503, retry_after=5)
+        if self._shapes is not None:
+            # Before vLLM: it finds a misfit only when copying the weights in.
+            try:
+                await asyncio.to_thread(check_shapes, Path(adapter.path), self._shapes)
+            except (OSError, ValueError) as exc:
+                raise SluiceError(
+                    f"LoRA adapter {adapter.name!r}: {exc}",
+                    param="lora_path",
+                    code="adapter_mismatch",
+                ) from None
         try:
             await self._llm.add_lora(lora_request(adapter))
         except Exception as exc:

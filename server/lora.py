@@ -31,11 +31,25 @@ Rules:
    (and later, of a runtime load): PEFT's `adapter_config.json` present and
    readable, a LoRA, its rank `r` within `--max-lora-rank`. The message names
    the cause in one line.
+6. A runtime load (`POST /v1/load_lora_adapter`, server/lora_admin.py) takes
+   only a directory under `--lora-root` once symlinks and `..` are resolved
+   (`under_root`: a path outside is a 403, so the admin key cannot read the
+   rest of the disk through the engine), and is checked before vLLM sees it:
+   rule 5, then `check_base`: PEFT's `base_model_name_or_path`, when given,
+   must name the served model (its last path part, case aside, so a hub id
+   `Qwen/Qwen3-14B` fits a local `/srv/models/Qwen3-14B`).
+7. `check_shapes`: every LoRA tensor in the safetensors header (a few KB read,
+   no weights) fits the base model (`ModelShapes`, from its config): the
+   layer exists, A's input width and B's output height are the projection's.
+   vLLM itself finds a misfit only when it copies the weights into its slots.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import re
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,10 +62,14 @@ __all__ = [
     "Adapter",
     "AdapterAccess",
     "AdapterRegistry",
+    "ModelShapes",
     "adapter_rank",
     "check_adapter_dir",
+    "check_base",
+    "check_shapes",
     "choose",
     "model_not_found",
+    "under_root",
 ]
 
 # PEFT's file names: the config and the weights (`save_pretrained` writes both).
@@ -217,3 +235,140 @@ def check_adapter_dir(name: str, path: str, max_rank: int) -> None:
         raise ValueError(f"LoRA adapter {name!r}: {exc}") from None
     if rank > max_rank:
         raise ValueError(f"LoRA adapter {name!r}: rank {rank} is above --max-lora-rank {max_rank}")
+
+
+# -- runtime loading (rules 6-7) ---------------------------------------------
+
+
+def under_root(root: Path, path: str) -> Path:
+    """`path` (relative ones are taken from `root`) resolved, if it lies under
+    `root` (resolved once at start-up); else a 403 (rule 6)."""
+    resolved = (root / path).resolve()
+    if not resolved.is_relative_to(root):
+        raise SluiceError(
+            f"lora_path {path!r} is outside --lora-root",
+            status=403,
+            param="lora_path",
+            code="path_not_allowed",
+        )
+    return resolved
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    config = json.loads((path / ADAPTER_CONFIG).read_bytes())
+    return config if isinstance(config, dict) else {}
+
+
+def check_base(path: Path, base_names: Iterable[str]) -> None:
+    """Rule 6: the adapter's `base_model_name_or_path` names the served model
+    (after `adapter_rank` accepted the directory); ValueError naming both."""
+    named = _read_config(path).get("base_model_name_or_path")
+    if not named:
+        return  # PEFT leaves it out when the base was built in memory
+    tails = {_tail(n) for n in base_names if n}
+    if _tail(str(named)) not in tails:
+        raise ValueError(
+            f"{path} is an adapter for base model {named!r}, not for the one served "
+            f"({', '.join(sorted(n for n in base_names if n))})"
+        )
+
+
+def _tail(name: str) -> str:
+    return name.rstrip("/").rsplit("/", 1)[-1].casefold()
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShapes:
+    """What a LoRA must fit: the base model's layer count and projection sizes
+    (a Llama/Qwen-style decoder's config.json fields)."""
+
+    layers: int
+    hidden: int
+    q_out: int  # num_attention_heads x head_dim
+    kv_out: int  # num_key_value_heads x head_dim
+    intermediate: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShapes | None:
+        """From a Hugging Face config (vLLM's `hf_config`); None when it lacks a field."""
+        get = functools.partial(getattr, config)
+        try:
+            hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+            head_dim = int(get("head_dim", None) or hidden // heads)
+            kv = int(get("num_key_value_heads", None) or heads)
+            return cls(
+                int(get("num_hidden_layers")),
+                hidden,
+                heads * head_dim,
+                kv * head_dim,
+                int(get("intermediate_size")),
+            )
+        except (AttributeError, TypeError, ValueError):
+            return None
+
+    def linear(self, module: str) -> tuple[int, int] | None:
+        """A projection's (in, out) features; None for a module not checked."""
+        h, q, kv, i = self.hidden, self.q_out, self.kv_out, self.intermediate
+        return {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }.get(module)
+
+
+# PEFT's tensor names: ...layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}[.weight]
+_LORA_TENSOR = re.compile(r"\.layers\.(\d+)\.(?:.*\.)?(\w+)\.lora_([AB])(?:\.weight)?$")
+# A safetensors header larger than this is not a LoRA's (the demo adapter's is
+# 2 KB; thousands of tensors stay well under 1 MB).
+_MAX_HEADER = 16 * 2**20
+
+
+def _safetensors_shapes(file: Path) -> dict[str, list[int]]:
+    with file.open("rb") as f:
+        head = f.read(8)
+        size = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        if not 0 < size <= _MAX_HEADER:
+            raise ValueError(f"{file}: not a safetensors file")
+        try:
+            header = json.loads(f.read(size))
+        except ValueError:
+            raise ValueError(f"{file}: not a safetensors file") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{file}: not a safetensors file")
+    return {
+        k: list(v.get("shape", []))
+        for k, v in header.items()
+        if k != "__metadata__" and isinstance(v, dict)
+    }
+
+
+def check_shapes(path: Path, shapes: ModelShapes) -> None:
+    """Rule 7 for a directory `adapter_rank` accepted; ValueError naming the
+    first tensor that does not fit. Only safetensors weights are read (a
+    pickled adapter_model.bin cannot be read cheaply; vLLM checks it)."""
+    file = path / ADAPTER_WEIGHTS[0]
+    if not file.is_file():
+        return
+    for name, shape in _safetensors_shapes(file).items():
+        m = _LORA_TENSOR.search(name)
+        if m is None:
+            continue
+        layer, module, half = int(m.group(1)), m.group(2), m.group(3)
+        if layer >= shapes.layers:
+            raise ValueError(
+                f"{file.name}: {name} is for layer {layer}; the base model has {shapes.layers}"
+            )
+        features = shapes.linear(module)
+        if features is None or len(shape) != 2:
+            continue
+        # A is r x in, B is out x r.
+        want, got = (features[0], shape[1]) if half == "A" else (features[1], shape[0])
+        if got != want:
+            raise ValueError(
+                f"{file.name}: {name} has shape {shape}, which does not fit the base "
+                f"model's {module} ({features[0]} in, {features[1]} out)"
+            )

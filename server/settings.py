@@ -58,6 +58,12 @@ class Settings:
     # The static LoRA adapters (--lora-modules, checked at start: server/lora.py);
     # the app's AdapterRegistry is built from them once.
     adapters: tuple[Adapter, ...] = ()
+    max_lora_rank: int = 16  # vLLM's --max-lora-rank (its default), for runtime loads
+    # Runtime LoRA loading (server/lora_admin.py): --allow-runtime-lora, the
+    # directory loads must come from (resolved) and the admin key (never printed).
+    allow_runtime_lora: bool = False
+    lora_root: Path | None = None
+    admin_key: str | None = field(default=None, repr=False)
 
     # The coalescer (batching/): its whole config. The batch caps below, when
     # not given, become the engine's resolved max_num_seqs and

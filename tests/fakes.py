@@ -103,6 +103,9 @@ class FakeEngine:
     peak_running: int = 0  # most requests producing at once
     priorities: dict[str, int] = field(default_factory=dict)  # engine priority per request
     adapters: dict[str, str | None] = field(default_factory=dict)  # LoRA adapter per request
+    loaded: list[Adapter] = field(default_factory=list)  # load_adapter's, in order
+    # Fault injection: load_adapter fails with this message, as the engine's load would.
+    load_error: str | None = None
     # Set: every choice says these pieces, one per step, then stops (else the
     # fake repeats a thinking pattern until max_tokens).
     script: tuple[str, ...] | None = None
@@ -262,6 +265,14 @@ class FakeEngine:
             task = self._producers.pop(rid, None)
             if task is not None:
                 task.cancel()
+
+    async def load_adapter(self, adapter: Adapter) -> None:
+        if self.load_error is not None:
+            raise SluiceError(
+                f"LoRA adapter {adapter.name!r} failed to load: {self.load_error}",
+                code="adapter_load_failed",
+            )
+        self.loaded.append(adapter)
 
     def kill(self) -> None:
         """Fault injection: the engine dies; every collector gets an error."""
