@@ -113,6 +113,9 @@ class EngineStats:
     # Engine steps in which a LoRA adapter had waiting requests and none running
     # (server/engine.py, adapter_waited): its work waited for an adapter slot.
     adapter_wait_steps_total: int = 0
+    # Engine steps reported (each rank's stats count once): the denominator for
+    # the adapter-wait share.
+    steps_total: int = 0
 
     @property
     def kv_usage_least(self) -> float | None:

@@ -684,6 +684,7 @@ SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
         *(f"{c}_share" for c in LORA_CALLERS),
         "share_dev",
         "adapter_wait_steps",
+        "engine_steps",
         "span_s",
     ),
     THREE: (
@@ -924,7 +925,8 @@ def render_markdown(
                 "count the requests that ended while all four callers ran; "
                 "`adapter_wait_steps` is Sluice's `sluice_engine_adapter_wait_steps_total` "
                 "over the point: engine steps in which an adapter had waiting requests "
-                "and none running.",
+                "and none running, and `engine_steps` all engine steps over the point "
+                "(`sluice_engine_steps_total`).",
                 "",
             ]
         if sc == THREE:

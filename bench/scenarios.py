@@ -264,6 +264,7 @@ LORA_ENGINE = EngineProfile(
     ),
 )
 ADAPTER_WAIT_COUNTER = "sluice_engine_adapter_wait_steps_total"
+ENGINE_STEPS_COUNTER = "sluice_engine_steps_total"  # the share's denominator
 
 KV_BOUND_TOKENS = 16_384
 KV_BOUND_CONTEXT = 4096
@@ -492,7 +493,10 @@ def _lora_point(sizes: Sizes) -> Point:
         LORA_POINT,
         jobs,
         engine=LORA_ENGINE,
-        counters=(("adapter_wait_steps", ADAPTER_WAIT_COUNTER),),
+        counters=(
+            ("adapter_wait_steps", ADAPTER_WAIT_COUNTER),
+            ("engine_steps", ENGINE_STEPS_COUNTER),
+        ),
     )
 
 

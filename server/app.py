@@ -266,6 +266,7 @@ def _live(app: web.Application) -> dict[str, Any]:
         "prefix_queries": stats.prefix_cache_queries_total,
         "prefix_hits": stats.prefix_cache_hits_total,
         "adapter_wait_steps": stats.adapter_wait_steps_total,
+        "engine_steps": stats.steps_total,
         "ready": 1 if app[RUNTIME].ready else 0,
         "backlog": driver.core.backlog_generations,
         "unstarted": driver.core.engine_waiting,

@@ -136,6 +136,7 @@ class _StatsBox:
                 prefix_cache_hits_total=s.prefix_cache_hits_total + int(pc.hits),
                 ranks=ranks if len(ranks) > 1 else (),
                 adapter_wait_steps_total=waited,
+                steps_total=s.steps_total + 1,
             )
 
 

@@ -99,6 +99,11 @@ class _LiveCollector(Collector):
             value=v.get("adapter_wait_steps", 0),
         )
         yield CounterMetricFamily(
+            "sluice_engine_steps",
+            "Engine steps whose scheduler stats reached Sluice (once per step per DP rank)",
+            value=v.get("engine_steps", 0),
+        )
+        yield CounterMetricFamily(
             "sluice_engine_prefix_cache_queries",
             "Prompt tokens looked up in the engine's prefix cache",
             value=v["prefix_queries"],

@@ -57,6 +57,7 @@ def test_a_step_counts_when_an_adapter_waits_with_none_running() -> None:
     log.record(_sched({"c": 4}, {"a": 3, "b": 1}), None)  # c has no slot
     log.record(_sched({"c": 4, "d": 1}, {"a": 3, "b": 1}), None)  # one step, not two
     assert box.get().adapter_wait_steps_total == 2
+    assert box.get().steps_total == 5  # the share's denominator: every step
 
 
 def test_each_rank_counts_its_own_steps() -> None:
@@ -74,9 +75,10 @@ def test_each_rank_counts_its_own_steps() -> None:
 
 def test_the_counter_is_exported_with_its_definition() -> None:
     m = Metrics()
-    m.watch(lambda: {**_LIVE, "adapter_wait_steps": 7})
+    m.watch(lambda: {**_LIVE, "adapter_wait_steps": 7, "engine_steps": 40})
     text = m.render().decode()
     assert "sluice_engine_adapter_wait_steps_total 7.0" in text
+    assert "sluice_engine_steps_total 40.0" in text
     assert "# HELP sluice_engine_adapter_wait_steps_total Engine steps in which" in text
 
 
