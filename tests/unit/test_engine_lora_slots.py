@@ -102,7 +102,7 @@ _LIVE = {
 
 def test_the_adapter_wait_flag(demo_cache_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = ["--demo-cache-dir", str(demo_cache_root)]
-    assert parse_serve_args(base, {}).core.adapter_wait == 1.0
+    assert parse_serve_args(base, {}).core.adapter_wait == 0.0
     s = parse_serve_args([*base, "--backlog-adapter-wait", "0.25"], {})
     assert s.core.adapter_wait == 0.25
     with pytest.raises(SystemExit) as exit_:
