@@ -19,6 +19,7 @@ from bench.scenarios import (
     ALONE_POINT,
     CHAT_MIX,
     CONCURRENCY,
+    DATA_PARALLEL,
     FLOOD_POINT,
     IDENTICAL,
     MIXED,
@@ -402,7 +403,48 @@ def _every_rep_short_p95(records: Sequence[rp.Record]) -> list[Row]:
     return rows
 
 
+# Issue 19: two data-parallel ranks of vLLM's CPU default max_num_seqs (128).
+DP_SLOTS = 2 * 128
+# A 0.5 s sample may land while freed slots are being refilled.
+DP_SLOTS_REACHED = 0.95
+
+
+def issue19(records: Sequence[rp.Record]) -> list[Row]:
+    """Issue 19: data parallelism fed to its summed slots, at vLLM's throughput and tail."""
+    rows: list[Row] = []
+    dp = rp.aggregate(records, DATA_PARALLEL)
+    for point in dp.points:
+        peak = dp.get(point, rp.SLUICE, "running_peak")
+        if peak is not None:
+            other = dp.get(point, rp.VLLM, "running_peak")
+            rows.append(
+                (
+                    f"data parallel ({point}): the engine's running count reaches the summed "
+                    f"slots (2 x 128 = {DP_SLOTS})",
+                    f"peak {peak.median:.0f}"
+                    + (f" (vLLM's server: {other.median:.0f})" if other is not None else ""),
+                    _met(peak.median >= DP_SLOTS_REACHED * DP_SLOTS),
+                )
+            )
+        rows += _row(
+            f"data parallel ({point}): req/s >= 0.95x vLLM",
+            dp.get(point, rp.SLUICE, "req_s"),
+            dp.get(point, rp.VLLM, "req_s"),
+            lambda r: r >= 0.95,
+            "req/s",
+        )
+        rows += _row(
+            f"data parallel ({point}): TTFT p99 <= 1.1x vLLM",
+            dp.get(point, rp.SLUICE, "ttft_p99"),
+            dp.get(point, rp.VLLM, "ttft_p99"),
+            lambda r: r <= 1.1,
+            "ms",
+        )
+    return rows
+
+
 TARGET_SETS: tuple[tuple[str, Callable[[Sequence[rp.Record]], list[Row]]], ...] = (
+    ("issue 19: data parallelism", issue19),
     ("issue 21: the release key and the engine step", issue21),
     ("issue 11: the held backlog", issue11),
     ("issue 7", issue7),
