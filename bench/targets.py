@@ -259,6 +259,11 @@ def _row(
     return [(name, f"{fmt(s.median)} vs {fmt(v.median)} ({r:.2f}x)", _met(ok(r)))]
 
 
+def _pair(tab: rp.Table, point: str, m: str) -> tuple[rp.Spread | None, rp.Spread | None]:
+    """One point's metric on Sluice and on vLLM's server, for `_row`."""
+    return tab.get(point, rp.SLUICE, m), tab.get(point, rp.VLLM, m)
+
+
 def _met(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
@@ -367,8 +372,7 @@ def issue21(records: Sequence[rp.Record]) -> list[Row]:
     for point in mix.points:
         rows += _row(
             f"chat mix below capacity ({point}): short TTFT p95 <= 0.8x vLLM's",
-            mix.get(point, rp.SLUICE, "short_ttft_p95"),
-            mix.get(point, rp.VLLM, "short_ttft_p95"),
+            *_pair(mix, point, "short_ttft_p95"),
             lambda r: r <= 0.8,
             "ms",
         )
@@ -428,15 +432,13 @@ def issue19(records: Sequence[rp.Record]) -> list[Row]:
             )
         rows += _row(
             f"data parallel ({point}): req/s >= 0.95x vLLM",
-            dp.get(point, rp.SLUICE, "req_s"),
-            dp.get(point, rp.VLLM, "req_s"),
+            *_pair(dp, point, "req_s"),
             lambda r: r >= 0.95,
             "req/s",
         )
         rows += _row(
             f"data parallel ({point}): TTFT p99 <= 1.1x vLLM",
-            dp.get(point, rp.SLUICE, "ttft_p99"),
-            dp.get(point, rp.VLLM, "ttft_p99"),
+            *_pair(dp, point, "ttft_p99"),
             lambda r: r <= 1.1,
             "ms",
         )
