@@ -773,6 +773,19 @@ PANELS: tuple[rp.Panel, ...] = (
         "req/s",
     ),
     rp.BarPanel(CHAT_MIX, _CLASSES, "Chat mix 70/20/10 below capacity: TTFT p95", "TTFT p95 (ms)"),
+    rp.BarPanel(DATA_PARALLEL, (("req/s", "req_s"),), "Data parallelism (DP=2): req/s", "req/s"),
+    rp.BarPanel(
+        DATA_PARALLEL,
+        (("running", "running_p50"),),
+        "Data parallelism: the engine's median running count (2 x 128 slots)",
+        "requests running",
+    ),
+    rp.BarPanel(
+        DATA_PARALLEL,
+        (("p50", "ttft_p50"), ("p99", "ttft_p99")),
+        "Data parallelism (DP=2): TTFT",
+        "TTFT (ms)",
+    ),
 )
 
 
