@@ -21,6 +21,15 @@ Three signals feed one state:
   (``--scheduling-policy priority``: one running request per urgent arrival that
   finds no room): set ``preempt_shed`` above the number of urgent arrivals a window
   can bring.
+  With data-parallel ranks (vLLM's --data-parallel-size) the storm is judged per
+  rank, each rank's preemptions against its own KV use, and the worst rank
+  decides: each rank has its own scheduler and cache, and evicts only its own
+  requests. Not the mean: one full rank evicting beside an idle one averages
+  0.55 used, below ``kv_storm_usage``, and its storm would never count. Not the
+  least-used rank: the free rank takes new work, but the running requests of
+  the full one are still evicted again and again. Not preemptions summed over
+  ranks: the thresholds are one scheduler's (two ranks each evicting 12 in 5 s
+  are two busy engines, not one storm of 24).
 * **host** - available host RAM (MemAvailable), for the OOM killer's sake.
 
 Each signal keeps its own level with hysteresis (enter below one level, leave
@@ -41,7 +50,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MIB = 1024 * 1024
 
@@ -92,6 +101,7 @@ class RankStats:
     kv_cache_usage: float  # 0..1
     running: int
     waiting: int
+    preemptions_total: int = 0  # cumulative, this rank's own (the storm is per rank)
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,6 +296,50 @@ class _Signal:
     abort_ref: int | None = None
 
 
+@dataclass(slots=True)
+class _Storm:
+    """One scheduler's preemption window (the engine's, or one DP rank's)."""
+
+    last: int | None = None  # the cumulative count at the previous poll
+    # (time, preemptions) of polls that counted towards a storm, oldest first.
+    counted: deque[tuple[float, int]] = field(default_factory=deque)
+    count: int = 0
+
+    def add(self, total: int, usage: float, now: float, cfg: PressureConfig) -> int:
+        """Take this poll's counter; the preemptions new since the last poll."""
+        # A counter that went down means the engine restarted: rebase, not "rising".
+        new = 0 if self.last is None else max(0, total - self.last)
+        self.last = total
+        if new and usage >= cfg.kv_storm_usage:
+            self.counted.append((now, new))
+            self.count += new
+        while self.counted and self.counted[0][0] <= now - cfg.preempt_window:
+            self.count -= self.counted.popleft()[1]
+        return new
+
+
+def _schedulers(reading: EngineStats) -> tuple[tuple[str, float, int], ...]:
+    """(name, KV use, cumulative preemptions) per scheduler the storm is judged on."""
+    if not reading.ranks:
+        return (("", reading.kv_cache_usage, reading.preemptions_total),)
+    return tuple(
+        (f"rank {i}", r.kv_cache_usage, r.preemptions_total) for i, r in enumerate(reading.ranks)
+    )
+
+
+def _storm_level(count: int, usage: float, prev: State, cfg: PressureConfig) -> State:
+    """One scheduler's storm level, given the kv signal's previous level."""
+    # Enter CRITICAL on a big storm with a full cache; stay while it goes on.
+    critical = count >= cfg.preempt_critical and usage >= cfg.kv_critical_usage
+    critical |= prev is State.CRITICAL and count >= cfg.preempt_shed
+    critical &= usage >= cfg.kv_storm_usage
+    if critical:
+        return State.CRITICAL
+    if count >= (cfg.preempt_leave if prev is not State.OK else cfg.preempt_shed):
+        return State.SHEDDING
+    return State.OK
+
+
 def _low_is_bad(value_mib: float, prev: State, crit: float, enter: float, leave: float) -> State:
     """Hysteresis for "free memory": enter below ``enter``, leave above ``leave``.
 
@@ -318,10 +372,8 @@ class PressurePolicy:
         self._gpu = _Signal("gpu")
         self._kv = _Signal("kv")
         self._host = _Signal("host")
-        self._last_preemptions: int | None = None
-        # (time, preemptions) of polls that counted towards a storm, oldest first.
-        self._storm: deque[tuple[float, int]] = deque()
-        self._storm_count = 0
+        # Preemption windows by scheduler name ("" for one, "rank N" with DP).
+        self._storms: dict[str, _Storm] = {}
 
     @property
     def state(self) -> State:
@@ -455,37 +507,30 @@ class PressurePolicy:
             self._unknown(sig, reading)
             return False
         self._known(sig)
-        last = self._last_preemptions
-        # A counter that went down means the engine restarted: rebase, not "rising".
-        new_preemptions = 0 if last is None else max(0, reading.preemptions_total - last)
-        self._last_preemptions = reading.preemptions_total
-        usage, prev = reading.kv_cache_usage, sig.level
-        storm = self._storm
-        if new_preemptions and usage >= cfg.kv_storm_usage:
-            storm.append((now, new_preemptions))
-            self._storm_count += new_preemptions
-        while storm and storm[0][0] <= now - cfg.preempt_window:
-            self._storm_count -= storm.popleft()[1]
-        count = self._storm_count
-        # Enter CRITICAL on a big storm with a full cache; stay while it goes on.
-        critical = count >= cfg.preempt_critical and usage >= cfg.kv_critical_usage
-        critical |= prev is State.CRITICAL and count >= cfg.preempt_shed
-        critical &= usage >= cfg.kv_storm_usage
-        if critical:
-            sig.level = State.CRITICAL
-        elif count >= (cfg.preempt_leave if prev is not State.OK else cfg.preempt_shed):
-            sig.level = State.SHEDDING
-        else:
-            sig.level = State.OK
+        schedulers = _schedulers(reading)
+        for gone in self._storms.keys() - {name for name, _, _ in schedulers}:
+            del self._storms[gone]  # the rank layout changed (start-up): start afresh
+        prev = sig.level
+        worst: tuple[State, int, str, float] | None = None
+        evicting = False  # a critical scheduler still evicting running requests
+        for name, usage, total in schedulers:
+            storm = self._storms.setdefault(name, _Storm())
+            new = storm.add(total, usage, now, cfg)
+            level = _storm_level(storm.count, usage, prev, cfg)
+            evicting |= level is State.CRITICAL and new > 0
+            if worst is None or (level, storm.count) > worst[:2]:
+                worst = (level, storm.count, name, usage)
+        assert worst is not None  # _schedulers gives at least one
+        sig.level, count, name, usage = worst
         sig.detail = (
-            f"kv cache {usage:.1%} used, {count} preemptions in {cfg.preempt_window:g} s "
-            f"at >= {cfg.kv_storm_usage:.0%} use, {reading.running} running, "
-            f"{reading.waiting} waiting (storm: shed >= {cfg.preempt_shed}, leave < "
+            f"{name + ' ' if name else ''}kv cache {usage:.1%} used, {count} preemptions in "
+            f"{cfg.preempt_window:g} s at >= {cfg.kv_storm_usage:.0%} use, {reading.running} "
+            f"running, {reading.waiting} waiting (storm: shed >= {cfg.preempt_shed}, leave < "
             f"{cfg.preempt_leave}, critical >= {cfg.preempt_critical} at >= "
             f"{cfg.kv_critical_usage:.0%} use)"
         )
         # vLLM still evicting running requests: aborting the newest frees blocks.
-        return sig.level is State.CRITICAL and new_preemptions > 0
+        return sig.level is State.CRITICAL and evicting
 
     def _summary(self) -> str:
         return "; ".join(f"{s.name} {s.detail}" for s in (self._gpu, self._kv, self._host))

@@ -56,6 +56,8 @@ METRIC_TITLES: dict[str, str] = {
     "itl_p99": "ITL p99 (ms)",
     "e2el_p99": "E2E latency p99 (ms)",
     "failed": "failed requests",
+    "running_peak": "engine running (peak)",
+    "running_p50": "engine running (median)",
     "prefill_tokens": "prefill tokens computed",
     "prefix_queries": "prompt tokens looked up",
     "prefix_hits": "prefix-cache hit tokens",
@@ -500,6 +502,21 @@ def prefill_delta(
     queries = after[q_name] - before.get(q_name, 0.0)
     hits = after[h_name] - before.get(h_name, 0.0)
     return {"prefix_queries": queries, "prefix_hits": hits, "prefill_tokens": queries - hits}
+
+
+# The engine's running count on each server's /metrics (summed over vLLM's
+# per-engine label sets by parse_prometheus: one series per DP rank).
+RUNNING_METRICS: dict[str, str] = {
+    SLUICE: "sluice_engine_requests_running",
+    VLLM: "vllm:num_requests_running",
+}
+
+
+def running_summary(samples: Sequence[float]) -> dict[str, float]:
+    """Peak and median of the running counts sampled while a point ran."""
+    if not samples:
+        return {}
+    return {"running_peak": max(samples), "running_p50": statistics.median(samples)}
 
 
 # ------------------------------------------------------------------ records

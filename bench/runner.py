@@ -32,6 +32,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -271,6 +272,38 @@ def _headline(m: dict[str, float]) -> str:
     return f"{m.get('req_s', float('nan')):.1f} req/s"
 
 
+# Twice a second: a DP point at c=256 runs 20-60 s here, and each scrape of
+# vLLM's /metrics costs its API process a few ms.
+RUNNING_POLL_S = 0.5
+
+
+@contextlib.contextmanager
+def _running_sampler(server: Server, system: str, on: bool) -> Iterator[list[float]]:
+    """The engine's running count from /metrics every RUNNING_POLL_S while the
+    block runs (a thread; the list fills as it goes). Empty when `on` is False."""
+    samples: list[float] = []
+    name = rp.RUNNING_METRICS.get(system)
+    if not on or name is None:
+        yield samples
+        return
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(RUNNING_POLL_S):
+            with contextlib.suppress(Exception):  # a missed scrape is a missing sample
+                value = rp.parse_prometheus(server.metrics()).get(name)
+                if value is not None:
+                    samples.append(value)
+
+    thread = threading.Thread(target=poll, name="running-sampler", daemon=True)
+    thread.start()
+    try:
+        yield samples
+    finally:
+        stop.set()
+        thread.join()
+
+
 def _slug(s: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in s).strip("_")
 
@@ -331,12 +364,13 @@ class Runner:
         before = rp.parse_prometheus(server.metrics()) if scrape else {}
         assert self.pool is not None
         t0 = time.monotonic()
-        outcomes = self.pool.run(
-            [
-                (a, cfg.raw_dir / f"{tag}-{j.role}.log")
-                for (a, _), j in zip(jobs, point.jobs, strict=True)
-            ]
-        )
+        with _running_sampler(server, system, point.running_metrics) as running:
+            outcomes = self.pool.run(
+                [
+                    (a, cfg.raw_dir / f"{tag}-{j.role}.log")
+                    for (a, _), j in zip(jobs, point.jobs, strict=True)
+                ]
+            )
         elapsed = time.monotonic() - t0
         per_role: dict[str, dict[str, float]] = {}
         logs: dict[str, rp.RequestLog] = {}
@@ -370,6 +404,7 @@ class Runner:
             for key, name in point.counters:
                 if name in after:
                     metrics = {**metrics, key: after[name] - before.get(name, 0.0)}
+        metrics = {**metrics, **rp.running_summary(running)}
         if point.prefix_metrics:
             time.sleep(1.0)  # let the engine's last step stats reach /metrics
             metrics = {
@@ -701,7 +736,16 @@ SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
         "chat_beside_bulk",
     ),
     CHAT_MIX: CLASS_METRICS,
-    DATA_PARALLEL: ("req_s", "out_tok_s", "ttft_p50", "ttft_p99", "tpot_p50", "failed"),
+    DATA_PARALLEL: (
+        "req_s",
+        "out_tok_s",
+        "ttft_p50",
+        "ttft_p99",
+        "tpot_p50",
+        "running_peak",
+        "running_p50",
+        "failed",
+    ),
 }
 WINDOW_METRICS = ("req_s", "ttft_p50", "ttft_p99", "tpot_p50", "failed")
 
@@ -787,6 +831,19 @@ PANELS: tuple[rp.Panel, ...] = (
         tuple((c.removeprefix("lora_"), f"{c}_share") for c in LORA_CALLERS),
         "LoRA: each caller's share of service (prompt + 2 x generated; fair: 0.25)",
         "share",
+    ),
+    rp.BarPanel(DATA_PARALLEL, (("req/s", "req_s"),), "Data parallelism (DP=2): req/s", "req/s"),
+    rp.BarPanel(
+        DATA_PARALLEL,
+        (("running", "running_p50"),),
+        "Data parallelism: the engine's median running count (2 x 128 slots)",
+        "requests running",
+    ),
+    rp.BarPanel(
+        DATA_PARALLEL,
+        (("p50", "ttft_p50"), ("p99", "ttft_p99")),
+        "Data parallelism (DP=2): TTFT",
+        "TTFT (ms)",
     ),
 )
 
@@ -948,6 +1005,16 @@ def render_markdown(
             out += [
                 f"Chat completions (the role frame comes with the first token), closed loop: "
                 f"{mix}; three client processes at once, on the run's engine.",
+                "",
+            ]
+        if sc == DATA_PARALLEL:
+            out += [
+                "Both servers with `--data-parallel-size 2` (two engine cores, vLLM's DP "
+                "coordinator; 2 x 128 slots on CPU). Engine running = the engine's running "
+                f"count on each server's `/metrics` (`{rp.RUNNING_METRICS[rp.SLUICE]}`; "
+                f"`{rp.RUNNING_METRICS[rp.VLLM]}` summed over its engines), sampled every "
+                f"{RUNNING_POLL_S:g} s while the point ran: its peak and its median (the "
+                "median includes the ramp-down, as the last requests finish).",
                 "",
             ]
         if sc in (PREFIX, IDENTICAL):

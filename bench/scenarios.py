@@ -140,6 +140,9 @@ class Point:
     concurrency: int | None = None
     seed_name: str | None = None  # seed key when `name` carries more (window configs)
     engine: EngineProfile | None = None
+    # Sample the engine's running count from /metrics while it runs (issue 19:
+    # does the engine reach its summed data-parallel slots?).
+    running_metrics: bool = False
 
     @property
     def callers(self) -> tuple[str, ...]:
@@ -663,7 +666,16 @@ def build_plan(
         for c, n in sizes.data_parallel:
             job = _closed_loop(*DP_LEN, n, c)
             name = f"c={c} ({DP_LEN[0]} in, {DP_LEN[1]} out)"
-            points.append(Point(DATA_PARALLEL, name, (job,), concurrency=c, engine=DP_ENGINE))
+            points.append(
+                Point(
+                    DATA_PARALLEL,
+                    name,
+                    (job,),
+                    concurrency=c,
+                    engine=DP_ENGINE,
+                    running_metrics=True,
+                )
+            )
     check_callers(points)
     window_points: list[Point] = []
     if WINDOW in sel:

@@ -104,6 +104,9 @@ class _StatsBox:
         # Data-parallel ranks' latest scheduler numbers, by engine index: each
         # rank's logger reports only its own (vLLM's PerEngineStatLoggerAdapter).
         self._ranks: dict[int, RankStats] = {}
+        # Each rank's own preemptions, cumulative: the watchdog judges a storm per
+        # rank (batching/pressure.py says why).
+        self._preempted: dict[int, int] = {}
 
     def get(self) -> EngineStats:
         with self._lock:
@@ -113,6 +116,7 @@ class _StatsBox:
         with self._lock:
             s = self._stats
             preempted = getattr(iteration_stats, "num_preempted_reqs", 0) if iteration_stats else 0
+            self._preempted[rank] = self._preempted.get(rank, 0) + preempted
             if scheduler_stats is None:
                 if preempted:
                     self._stats = dataclasses.replace(
@@ -124,6 +128,7 @@ class _StatsBox:
                 kv_cache_usage=float(scheduler_stats.kv_cache_usage),
                 running=int(scheduler_stats.num_running_reqs),
                 waiting=int(scheduler_stats.num_waiting_reqs),
+                preemptions_total=self._preempted[rank],
             )
             ranks = tuple(self._ranks[i] for i in sorted(self._ranks))
             waited = s.adapter_wait_steps_total + adapter_waited(scheduler_stats)

@@ -13,6 +13,10 @@ How it stays cheap:
 * TTFT and batch-size observations since the previous snapshot come in as a
   short sequence (the server drains a list it appends to); p50/p95 are exact
   over that second, not interpolated from histogram buckets.
+* With data-parallel ranks (vLLM's --data-parallel-size), each rank's running,
+  waiting and KV use are keyed columns ("rank 0 running", ...), so the page
+  draws them only when the engine has more than one rank: one rank's numbers
+  are the engine's, already plotted.
 * The JSON body is built at most once per sample (orjson) and cached: many
   browsers refreshing every second cost one build.
 * Measured on the 2-core test machine (tests/unit/test_status.py): about
@@ -32,6 +36,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import orjson
+
+from batching.pressure import RankStats
 
 log = logging.getLogger("sluice.status")
 
@@ -63,6 +69,7 @@ class Snapshot:
     engine_running: float = 0.0
     engine_waiting: float = 0.0
     kv_cache_usage: float | None = None  # 0..1
+    ranks: Sequence[RankStats] = ()  # data-parallel ranks, in rank order (none with one)
     gpu_free_bytes: float | None = None  # the least free of the engine's devices
     host_available_bytes: float | None = None
     ttft: Sequence[float] = ()  # seconds, observed since the previous snapshot
@@ -92,6 +99,8 @@ class Sample:
     refusals_by_reason: Mapping[str, float]
     callers: Mapping[str, float]
     adapters: Mapping[str, float]  # req/s by LoRA adapter
+    rank_queue: Mapping[str, float]  # "rank N running" / "rank N waiting"
+    rank_kv_pct: Mapping[str, float]  # "rank N"
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +113,7 @@ class Mark:
 
 
 # Sample fields sent as plain columns, and the keyed ones (a column per key).
-_KEYED: tuple[str, ...] = ("refusals_by_reason", "callers", "adapters")
+_KEYED: tuple[str, ...] = ("refusals_by_reason", "callers", "adapters", "rank_queue", "rank_kv_pct")
 _COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(Sample) if f.name not in ("t", *_KEYED))
 
 
@@ -122,6 +131,17 @@ def _rate(new: float, old: float, dt: float) -> float:
 
 def _rates(new: Mapping[str, float], old: Mapping[str, float], dt: float) -> dict[str, float]:
     return {k: _rate(v, old.get(k, 0.0), dt) for k, v in new.items()}
+
+
+def _rank_columns(ranks: Sequence[RankStats]) -> tuple[dict[str, float], dict[str, float]]:
+    """Each rank's running and waiting, and its KV use in percent, by column key."""
+    queue: dict[str, float] = {}
+    kv: dict[str, float] = {}
+    for i, r in enumerate(ranks):
+        queue[f"rank {i} running"] = float(r.running)
+        queue[f"rank {i} waiting"] = float(r.waiting)
+        kv[f"rank {i}"] = 100.0 * r.kv_cache_usage
+    return queue, kv
 
 
 def _round(x: float | None) -> float | None:
@@ -223,6 +243,7 @@ class StatusSampler:
             adapters = _rates(snap.adapters, old.adapters, dt)
         ttft = sorted(snap.ttft)
         sizes = snap.batch_sizes
+        rank_queue, rank_kv = _rank_columns(snap.ranks)
         return Sample(
             t=t,
             req_s=req,
@@ -245,6 +266,8 @@ class StatusSampler:
             refusals_by_reason=by_reason,
             callers=callers,
             adapters=adapters,
+            rank_queue=rank_queue,
+            rank_kv_pct=rank_kv,
         )
 
     def _append(self, s: Sample) -> None:

@@ -124,6 +124,7 @@ def snapshot(app: web.Application) -> Snapshot:
         engine_running=stats.running,
         engine_waiting=stats.waiting,
         kv_cache_usage=stats.kv_cache_usage,
+        ranks=stats.ranks,
         gpu_free_bytes=min(g.free for g in gpus) if isinstance(gpus, tuple) and gpus else None,
         host_available_bytes=host.available if isinstance(host, HostMemory) else None,
         ttft=ttft,

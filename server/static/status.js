@@ -28,6 +28,12 @@
     { id: "batches", title: "Released batch size", unit: "generations",
       series: [["batch_mean", "mean"], ["batch_max", "max"]] },
     { id: "kv", title: "KV-cache use", unit: "%", series: [["kv_pct", "KV cache"]], max: 100 },
+    // Data-parallel ranks only (vLLM's --data-parallel-size): with one rank the
+    // plots above are that rank's, and these stay hidden.
+    { id: "rank-queue", title: "Engine queue per rank", unit: "requests", series: [],
+      keyed: "rank_queue", onlyWithData: true },
+    { id: "rank-kv", title: "KV-cache use per rank", unit: "%", series: [],
+      keyed: "rank_kv_pct", onlyWithData: true, max: 100 },
     { id: "memory", title: "Free memory", unit: "GiB", scale: 1 / 1024, thresholds: true,
       series: [["gpu_free_mib", "free VRAM"], ["host_available_mib", "host available"]] },
     { id: "refusals", title: "Refusals by reason", unit: "req/s",

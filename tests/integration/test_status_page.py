@@ -25,6 +25,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from batching.pressure import RankStats
 from server.callers import CallerDirectory
 from server.metrics import Metrics
 from server.middleware import install
@@ -60,6 +61,9 @@ ALL_CHARTS = (
     "callers",
     "adapters",
 )
+# Drawn only with data-parallel ranks: the made-up server has two, the demo
+# server one (check_page then asserts that they stay hidden).
+RANK_CHARTS = ("rank-queue", "rank-kv")
 
 
 def chromium_path() -> str:
@@ -159,7 +163,7 @@ async def give_key(page: Any, key: str) -> None:
 
 def busy_snapshots(n: int) -> list[Snapshot]:
     """Five minutes of a made-up busy server: load waves, a shedding spell with
-    refusals (samples 200-229), two callers, NVML present."""
+    refusals (samples 200-229), two callers, two data-parallel ranks, NVML present."""
     out = []
     req = prompt = gen = 0.0
     refused = 0.0
@@ -183,6 +187,10 @@ def busy_snapshots(n: int) -> list[Snapshot]:
                 queued=max(0.0, load - 25),
                 engine_running=min(load, 32),
                 kv_cache_usage=min(1.0, load / 40),
+                ranks=(
+                    RankStats(min(1.0, load / 30), int(min(load, 32) * 0.6), 1),
+                    RankStats(min(1.0, load / 60), int(min(load, 32) * 0.4), 0),
+                ),
                 gpu_free_bytes=(6 - 5.2 * shedding) * 1024**3,
                 host_available_bytes=(12 - 11.1 * shedding) * 1024**3,
                 ttft=tuple(0.01 + 0.001 * load * (k % 7) for k in range(int(load))),
@@ -246,12 +254,19 @@ async def harness(request: pytest.FixtureRequest) -> AsyncIterator[TestServer]:
 async def test_every_plot_draws_a_busy_server(harness: TestServer, browser_page: Any) -> None:
     console = Console(browser_page)
     probe = await check_page(
-        browser_page, str(harness.make_url("/")), charts=ALL_CHARTS, screenshot="harness.png"
+        browser_page,
+        str(harness.make_url("/")),
+        charts=ALL_CHARTS + RANK_CHARTS,
+        screenshot="harness.png",
     )
     assert probe["charts"]["refusals"]["series"] == ["all", "memory", "queue_full"]
     assert probe["charts"]["callers"]["series"] == ["batch-jobs", "chat"]
     assert probe["charts"]["adapters"]["series"] == ["Qwen/Qwen3-14B", "sql", "support"]
     assert probe["charts"]["memory"]["series"] == ["free VRAM", "host available"]
+    assert probe["charts"]["rank-queue"]["series"] == [
+        f"rank {i} {what}" for i in (0, 1) for what in ("running", "waiting")
+    ]
+    assert probe["charts"]["rank-kv"]["series"] == ["rank 0", "rank 1"]
     assert probe["marks"] == 3  # ok, shedding, ok
     assert await browser_page.text_content("#model") == "Qwen/Qwen3-14B"
     assert console.errors == []
@@ -274,7 +289,7 @@ async def test_the_key_is_asked_once_and_sent_as_a_header(
     await check_page(
         browser_page,
         str(harness.make_url("/")),
-        charts=ALL_CHARTS,
+        charts=ALL_CHARTS + RANK_CHARTS,
         screenshot="harness-key.png",
         before=lambda page: give_key(page, "s3cret-key"),
     )

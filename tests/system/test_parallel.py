@@ -2,7 +2,8 @@
 
 * `--data-parallel-size 2` (two engine cores and vLLM's DP coordinator): at
   c=256 with 64-in / 64-out prompts the engine's running count reaches the
-  summed slots (2 x 128), both ranks run work, and `/metrics` shows each.
+  summed slots (2 x 128), both ranks run work, and `/metrics` and the status
+  page's `/status.json` show each.
   Before Sluice counted ranks it held the engine at one rank's worth: 36-79
   running and 120 in its backlog on the same load (issue 19).
 * `--tensor-parallel-size 2` (the demo model has 2 KV heads): one scheduler,
@@ -95,6 +96,12 @@ async def test_data_parallel_fills_both_ranks(demo_cache_root: Path, tmp_path: P
         assert peak["sluice_engine_requests_running"] >= 240, peak
         for rank in ("0", "1"):
             assert peak[f'sluice_engine_rank_requests_running{{rank="{rank}"}}'] >= 100, peak
+        # The status page's snapshot has both ranks (sampled once a second).
+        series = (await asyncio.to_thread(httpx.get, proc.base + "/status.json")).json()["series"]
+        assert set(series["rank_kv_pct"]) == {"rank 0", "rank 1"}, series["rank_kv_pct"]
+        for rank in ("0", "1"):
+            running = [v for v in series["rank_queue"][f"rank {rank} running"] if v is not None]
+            assert max(running) >= 100, series["rank_queue"]
     finally:
         proc.stop()
 
@@ -116,5 +123,7 @@ async def test_tensor_parallel_keeps_one_scheduler(demo_cache_root: Path, tmp_pa
         assert await _load(proc.base, 8, 16) == [200] * 16
         metrics = (await asyncio.to_thread(httpx.get, proc.base + "/metrics")).text
         assert "sluice_engine_rank_requests_running" not in metrics
+        series = (await asyncio.to_thread(httpx.get, proc.base + "/status.json")).json()["series"]
+        assert series["rank_queue"] == {} and series["rank_kv_pct"] == {}
     finally:
         proc.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -257,7 +258,10 @@ def test_plan_data_parallel() -> None:
         args = p.jobs[0].args
         assert args[args.index("--random-input-len") + 1] == "64"
         assert args[args.index("--random-output-len") + 1] == "64"
+        assert p.running_metrics  # the engine's running count is sampled (issue 19)
     assert DATA_PARALLEL in SCENARIOS and DATA_PARALLEL not in DEFAULT_SCENARIOS
+    others = build_plan(DEFAULT_SCENARIOS, FULL, max_model_len=8192, kv_bytes_per_token=1024)
+    assert not any(p.running_metrics for p in others.points)
 
 
 def test_plan_structured_pair() -> None:
@@ -1081,3 +1085,76 @@ def test_api_point_reports_three_apis_and_their_translation_cost() -> None:
     assert all(line in md for line in ap.translation_cost(results))
     assert set(ap.APIS) == {"chat", "responses", "messages"}
     assert ap.APIS["messages"][:2] == ("anthropic-messages", "/v1/messages")
+
+
+def test_running_summary_and_the_sampler_read_each_servers_gauge() -> None:
+    """The runner's /metrics sampler sums vLLM's per-engine series (one per DP
+    rank) and reads Sluice's gauge; peak and median of what it saw."""
+    from bench.runner import _running_sampler
+
+    class Scraped:
+        def __init__(self, texts: list[str]) -> None:
+            self.texts = texts
+            self.calls = 0
+
+        def metrics(self) -> str:
+            self.calls += 1
+            return self.texts[min(self.calls, len(self.texts)) - 1]
+
+    def text(*per_engine: float) -> str:
+        return "\n".join(
+            f'vllm:num_requests_running{{engine="{i}"}} {v}' for i, v in enumerate(per_engine)
+        )
+
+    vllm = Scraped([text(60.0, 60.0), text(128.0, 120.0)])
+    with _running_sampler(vllm, rp.VLLM, on=True) as samples:  # type: ignore[arg-type]
+        deadline = time.monotonic() + 10
+        while len(samples) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling for the sampler thread's third scrape
+    assert samples[:2] == [120.0, 248.0]
+    assert rp.running_summary(samples[:2]) == {"running_peak": 248.0, "running_p50": 184.0}
+    sluice = Scraped(["sluice_engine_requests_running 17.0"])
+    with _running_sampler(sluice, rp.SLUICE, on=False) as none:  # type: ignore[arg-type]
+        pass
+    assert none == [] and sluice.calls == 0 and rp.running_summary(none) == {}
+
+
+def _dp_records(peak: float, s_req: float, s_p99: float) -> list[rp.Record]:
+    from bench.scenarios import DATA_PARALLEL
+
+    point = "c=256 (64 in, 64 out)"
+    return [
+        r
+        for rep in (1, 2, 3)
+        for r in (
+            rp.Record(
+                DATA_PARALLEL,
+                point,
+                rp.SLUICE,
+                rep,
+                {"running_peak": peak, "req_s": s_req, "ttft_p99": s_p99},
+            ),
+            rp.Record(
+                DATA_PARALLEL,
+                point,
+                rp.VLLM,
+                rep,
+                {"running_peak": 256.0, "req_s": 40.0, "ttft_p99": 3000.0},
+            ),
+        )
+    ]
+
+
+def test_issue19_data_parallel_targets() -> None:
+    rows = {t: (m, v) for t, m, v in tg.issue19(_dp_records(250.0, 39.0, 3200.0))}
+    p = "data parallel (c=256 (64 in, 64 out))"
+    assert rows[f"{p}: the engine's running count reaches the summed slots (2 x 128 = 256)"] == (
+        "peak 250 (vLLM's server: 256)",
+        "met",
+    )
+    assert rows[f"{p}: req/s >= 0.95x vLLM"] == ("39.00 req/s vs 40.00 req/s (0.97x)", "met")
+    assert rows[f"{p}: TTFT p99 <= 1.1x vLLM"] == ("3,200 ms vs 3,000 ms (1.07x)", "met")
+    # One rank's worth running (issue 19's 43-93), slower and with a long tail.
+    missed = {t: v for t, _, v in tg.issue19(_dp_records(93.0, 30.0, 9000.0))}
+    assert set(missed.values()) == {"MISSED"} and len(missed) == 3
+    assert tg.issue19([]) == []

@@ -15,6 +15,7 @@ from batching.pressure import (
     HostMemory,
     PressureConfig,
     PressurePolicy,
+    RankStats,
     Readings,
     State,
     Unknown,
@@ -199,6 +200,48 @@ def test_preemption_counter_reset_is_not_rising() -> None:
     assert p.update(kv(0.99, preemptions=5), 2.0).state is State.OK
 
 
+def ranks(*per_rank: tuple[float, int]) -> Readings:
+    """Data-parallel ranks' (KV use, cumulative preemptions), summed and averaged
+    into the engine's numbers as the engine adapter does (server/engine.py)."""
+    stats = tuple(RankStats(u, 120, 0, preemptions_total=n) for u, n in per_rank)
+    engine = EngineStats(
+        kv_cache_usage=sum(r.kv_cache_usage for r in stats) / len(stats),
+        running=sum(r.running for r in stats),
+        waiting=0,
+        preemptions_total=sum(r.preemptions_total for r in stats),
+        ranks=stats,
+    )
+    return Readings(gpus=(), host=HOST_OK, engine=engine)
+
+
+def test_a_storm_on_one_rank_sheds_beside_an_idle_rank() -> None:
+    # Rank 0 full and evicting 20 in 5 s, rank 1 at 10%: the mean (55%) is below
+    # kv_storm_usage, but rank 0's running requests are evicted again and again.
+    p = PressurePolicy(PressureConfig(min_dwell=0.0))
+    assert p.update(ranks((0.99, 0), (0.1, 0)), 0.0).state is State.OK
+    d = p.update(ranks((0.99, 20), (0.1, 0)), 1.0)
+    assert d.state is State.SHEDDING and d.reason.signal == "kv"
+    assert d.reason.detail.startswith("rank 0 kv cache 99.0% used, 20 preemptions in 5 s")
+    # 100 more on rank 0 with its cache past 98%: critical, though the mean is 55%.
+    d = p.update(ranks((0.99, 120), (0.1, 0)), 1.5)
+    assert d.state is State.CRITICAL and d.abort_newest == 0
+    assert p.update(ranks((0.99, 125), (0.1, 0)), 2.0).abort_newest == 1  # still evicting
+    # Preemptions on the idle rank are not the storming one's: no abort for them.
+    assert p.update(ranks((0.99, 125), (0.1, 40)), 2.5).abort_newest == 0
+    assert p.update(ranks((0.99, 125), (0.1, 40)), 7.1).state is State.OK
+
+
+def test_ranks_each_below_the_storm_are_not_one_storm() -> None:
+    # Both ranks full, each evicting 12 in 5 s (2.4/s): 24 in all, over
+    # preempt_shed, but each scheduler is below what one storm is.
+    p = PressurePolicy(PressureConfig(min_dwell=0.0))
+    p.update(ranks((0.95, 0), (0.95, 0)), 0.0)
+    for i in range(1, 13):
+        assert p.update(ranks((0.95, i), (0.95, i)), 0.4 * i).state is State.OK
+    # One rank's storm still counts on its own.
+    assert p.update(ranks((0.95, 20), (0.95, 12)), 4.9).state is State.SHEDDING
+
+
 def test_host_memory_signal() -> None:
     p = PressurePolicy(PressureConfig(min_dwell=0.0))
     assert p.update(host(4096), 0.0).state is State.OK
@@ -309,3 +352,28 @@ def test_invariants_on_random_sequences(steps: list[tuple[int, float, float, int
         if d.abort_newest:
             assert d.state is State.CRITICAL and t is None
         assert d.abort_newest in (0, 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(2, 4),
+    st.lists(st.tuples(st.floats(0.0, 1.0), st.floats(0.8, 1.0), st.integers(0, 40)), max_size=40),
+)
+def test_identical_ranks_act_as_one_scheduler(
+    n: int, steps: list[tuple[float, float, int]]
+) -> None:
+    """N ranks that each see the same KV use and preemptions get the decisions
+    one engine with those numbers gets: the storm is a rank's, never the sum."""
+    cfg = PressureConfig(min_dwell=0.5)
+    one, many = PressurePolicy(cfg), PressurePolicy(cfg)
+    now, total = 0.0, 0
+    for dt, usage, new in steps:
+        now += dt
+        total += new
+        a = one.update(kv(usage, total), now)
+        b = many.update(ranks(*[(usage, total)] * n), now)
+        assert (a.state, a.abort_newest, a.reason.signal) == (
+            b.state,
+            b.abort_newest,
+            b.reason.signal,
+        )

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from vllm.v1.metrics.loggers import PerEngineStatLoggerAdapter
-from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
+from vllm.v1.metrics.stats import IterationStats, PrefixCacheStats, SchedulerStats
 
 from batching import EngineCapacity
 from batching.pressure import RankStats
@@ -177,6 +177,24 @@ def test_stats_from_every_rank() -> None:
     assert s.kv_cache_usage == pytest.approx(0.5)
     assert s.ranks == (RankStats(0.7, 110, 2), RankStats(0.3, 120, 1))
     assert s.kv_usage_least == pytest.approx(0.3)
+
+
+def test_preemptions_are_counted_per_rank() -> None:
+    """Each rank's preemptions stay its own (the watchdog's storm is per rank);
+    the engine-wide counter is their sum."""
+    box = _StatsBox()
+    adapter = PerEngineStatLoggerAdapter(
+        vllm_config=None,  # type: ignore[arg-type] - Sluice's logger reads none of it
+        engine_indexes=[0, 1],
+        per_engine_stat_logger_factory=_stat_logger_factory(box),
+    )
+    for rank, preempted in ((0, 5), (1, 0), (0, 3), (1, 2)):
+        it = IterationStats()
+        it.num_preempted_reqs = preempted
+        adapter.record(_sched(100, 0, 0.9), it, engine_idx=rank)
+    s = box.get()
+    assert [r.preemptions_total for r in s.ranks] == [8, 2]
+    assert s.preemptions_total == 10
 
 
 def test_one_rank_has_no_rank_series() -> None:

@@ -10,6 +10,7 @@ from dataclasses import replace
 import orjson
 import pytest
 
+from batching.pressure import RankStats
 from server.status import Snapshot, StatusSampler, quantile
 from tests.support import until
 
@@ -253,3 +254,35 @@ def test_sampling_costs_the_loop_next_to_nothing() -> None:
     print(f"per sample {mean:.0f} us, body {body_s * 1e3:.1f} ms for {len(built)} bytes")
     assert mean < 1000  # 1 ms a second is 0.1% of the loop; measured ~50 us
     assert body_s < 0.02  # measured 0.5 ms (26 ms when built from sample objects)
+
+
+def test_data_parallel_ranks_get_columns_of_their_own_and_one_rank_none() -> None:
+    """Two ranks: each rank's running, waiting and KV use, keyed by rank; the
+    engine-wide columns stay the sums and the mean. One rank (no `ranks`, as
+    the engine adapter reports it): no rank column at all."""
+    clock = Clock()
+    two = (RankStats(0.75, 120, 3), RankStats(0.25, 100, 0))
+    snaps = [Snapshot("ok", engine_running=220, engine_waiting=3, kv_cache_usage=0.5, ranks=two)]
+    s = sampler(snaps, clock)
+    got = s.sample()
+    assert got is not None
+    assert got.rank_queue == {
+        "rank 0 running": 120,
+        "rank 0 waiting": 3,
+        "rank 1 running": 100,
+        "rank 1 waiting": 0,
+    }
+    assert got.rank_kv_pct == {"rank 0": 75.0, "rank 1": 25.0}
+    clock.tick()
+    snaps.append(replace(snaps[-1], ranks=(RankStats(1.0, 128, 9), RankStats(0.5, 110, 1))))
+    s.sample()
+    series = orjson.loads(s.body())["series"]
+    assert series["rank_queue"]["rank 0 running"] == [120.0, 128.0]
+    assert series["rank_queue"]["rank 1 waiting"] == [0.0, 1.0]
+    assert series["rank_kv_pct"] == {"rank 0": [75.0, 100.0], "rank 1": [25.0, 50.0]}
+    assert (series["engine_running"], series["kv_pct"]) == ([220.0, 220.0], [50.0, 50.0])
+
+    one = sampler([Snapshot("ok", engine_running=5, kv_cache_usage=0.2)], Clock())
+    one.sample()
+    series = orjson.loads(one.body())["series"]
+    assert series["rank_queue"] == {} and series["rank_kv_pct"] == {}

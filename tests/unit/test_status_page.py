@@ -8,10 +8,13 @@ from typing import Any
 
 import orjson
 import pytest
+from vllm.v1.metrics.loggers import PerEngineStatLoggerAdapter
+from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 
 from batching import DEFAULT_CALLER, AdmissionState
 from batching.pressure import EngineStats
 from server.app import drain, on_admission
+from server.engine import _stat_logger_factory, _StatsBox
 from server.state import STATUS
 from server.status_page import engine_label, snapshot
 from tests.fakes import FakeEngine
@@ -120,3 +123,32 @@ async def test_the_sampler_runs_in_the_apps_task_group(make_client: Any) -> None
         await asyncio.sleep(0.01)
     assert len(sampler.columns["t"]) >= 2
     assert sampler.marks[0].state in ("starting", "ok")
+
+
+async def test_snapshot_carries_each_data_parallel_rank(make_client: Any) -> None:
+    """Per-rank stats replayed through vLLM's per-engine logger adapter (as
+    AsyncLLM builds it for --data-parallel-size 2) reach the page's snapshot."""
+    box = _StatsBox()
+    adapter = PerEngineStatLoggerAdapter(
+        vllm_config=None,  # type: ignore[arg-type] - Sluice's logger reads none of it
+        engine_indexes=[0, 1],
+        per_engine_stat_logger_factory=_stat_logger_factory(box),
+    )
+    for rank, (running, waiting, kv) in enumerate(((120, 3, 0.75), (100, 0, 0.25))):
+        stats = SchedulerStats(
+            num_running_reqs=running,
+            num_waiting_reqs=waiting,
+            kv_cache_usage=kv,
+            prefix_cache_stats=PrefixCacheStats(),
+        )
+        adapter.record(stats, None, engine_idx=rank)
+    _, app, _ = await make_client(engine=FakeEngine(stats_value=box.get()))
+    snap = snapshot(app)
+    assert (snap.engine_running, snap.engine_waiting, snap.kv_cache_usage) == (220, 3, 0.5)
+    assert [(r.running, r.waiting, r.kv_cache_usage) for r in snap.ranks] == [
+        (120, 3, 0.75),
+        (100, 0, 0.25),
+    ]
+    # One rank: the engine's numbers are the rank's, and no rank series.
+    _, app, _ = await make_client(engine=FakeEngine())
+    assert snapshot(app).ranks == ()
