@@ -120,4 +120,6 @@ def engine_capacity(info: ModelInfo) -> EngineCapacity:
         step_tokens=info.max_num_batched_tokens,
         kv_tokens=info.kv_cache_tokens // ranks,
         ranks=ranks,
+        # Room rule 3 books an unstarted prompt's next chunk, not the whole prompt.
+        prefill_chunk=info.long_prefill_token_threshold,
     )
