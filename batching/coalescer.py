@@ -26,8 +26,7 @@ Rules:
 4. A batch holds one GroupKey.
 5. Backlog (backlog.py, room.py): eligible generations wait in their caller's backlog
    and `due()` releases them only while the engine has room: a running slot, about
-   one scheduler step of unstarted prefill (each prompt counted at most at the
-   engine's per-prompt chunk cap), KV room. The driver reports a generation's
+   one scheduler step of unstarted prefill, KV room. The driver reports a generation's
    first output with `started()`, its end with `finished()`, and the engine's stats
    with each `due(now, load)`; the backlog is not time-driven, so while
    `backlog_generations` is non-zero the driver calls `due()` after each of those.
@@ -113,7 +112,7 @@ from .events import (
     Refusal,
 )
 from .keys import GroupKey
-from .room import EngineCapacity, Room, step_demand
+from .room import EngineCapacity, Room
 from .types import (
     AdmissionState,
     Admitted,
@@ -205,9 +204,7 @@ class Coalescer:
         self._kv_usage_least: float | None = None  # its least-used DP rank's (room rule 6)
         self._engine_queue = 0  # its waiting count
         self._unstarted_n = 0  # released generations without a first output yet
-        self._unstarted_tokens = 0  # their prompt tokens (room rule 4)
-        self._unstarted_step = 0  # their demand on the next step (room rule 3)
-        self._chunk = config.engine.prefill_chunk  # the engine's per-prompt chunk cap
+        self._unstarted_tokens = 0  # their prompt tokens
         self._n_admitted = 0
         self._n_refused = 0
         self._n_dispatched = 0
@@ -238,7 +235,7 @@ class Coalescer:
         limits). Queued work stays and keeps its release key; a new order applies
         to what is admitted afterwards."""
         self._config = value
-        self._set_engine(value.engine)
+        self._known = value.engine.known
         self._backlog.max_delay = value.order.max_delay
         self._set_slots()
         self._apply_callers()
@@ -251,19 +248,8 @@ class Coalescer:
     @capacity.setter
     def capacity(self, value: EngineCapacity) -> None:
         self._config = replace(self._config, engine=value)
-        self._set_engine(value)
-
-    def _set_engine(self, engine: EngineCapacity) -> None:
-        """A new capacity: rebook what is unstarted under its chunk cap (room rule 3).
-
-        O(in flight), once per capacity change (the server sets it once the engine
-        has resolved its limits), so the hot path keeps one counter."""
-        self._known = engine.known
+        self._known = value.known
         self._set_slots()
-        chunk = self._chunk = engine.prefill_chunk
-        self._unstarted_step = sum(
-            step_demand(g.ptok, chunk) for g in self._in_flight.values() if not g.started
-        )
 
     def _set_slots(self) -> None:
         """The engine's max_loras and the slot wait (rule 13); slots in flight stay."""
@@ -848,7 +834,6 @@ class Coalescer:
             self._kv_usage_least,
             self._backlog.slots,
             now,
-            unstarted_step=self._unstarted_step,
         )
 
     def _room_for(self, fresh: list[tuple[list[Gen], ReleaseReason]], now: float) -> bool:
@@ -930,8 +915,6 @@ class Coalescer:
         entries = []
         tokens = 0
         ptok = 0
-        step = 0
-        chunk = self._chunk
         nsubs = 0
         for g in gens:
             g.state = GONE
@@ -959,7 +942,6 @@ class Coalescer:
             nsubs += len(subs)
             tokens += g.tokens
             ptok += g.ptok
-            step += step_demand(g.ptok, chunk)
             entries.append(_fast.entry(req, tuple(subs), g.key))
         self._q_reqs -= nsubs
         self._f_reqs += nsubs
@@ -967,7 +949,6 @@ class Coalescer:
         self._f_tokens += tokens
         self._unstarted_n += len(gens)
         self._unstarted_tokens += ptok
-        self._unstarted_step += step
         self._n_dispatched += nsubs
         self._n_generations += len(gens)
         self._n_batches += 1
@@ -989,7 +970,6 @@ class Coalescer:
         gen.started = True
         self._unstarted_n -= 1
         self._unstarted_tokens -= gen.ptok
-        self._unstarted_step -= step_demand(gen.ptok, self._chunk)
         return True
 
     def finished(self, request_id: str, now: float, tokens: int | None = None) -> bool:
@@ -1015,7 +995,6 @@ class Coalescer:
         if not gen.started:
             self._unstarted_n -= 1
             self._unstarted_tokens -= gen.ptok
-            self._unstarted_step -= step_demand(gen.ptok, self._chunk)
         req = gen.request
         generated = req.max_new_tokens if tokens is None else tokens
         c = gen.caller

@@ -22,9 +22,9 @@ Rules:
 * `kv_reserve_short` (0 <= x < 1) is the share of the KV cache that prompts longer
   than `short_prompt_tokens` may not use (room.py rule 5); 0 turns it off.
 * `step_lookahead` (>= 1) and `slot_spare` (>= 0) size the engine's own queue
-  (room.py rules 2 and 3): unstarted prompts' next chunks up to 1 step's token
-  budget, and 1/16 more requests than the engine has slots (16 on 256 slots),
-  so that the engine never waits a step for the driver. 1, not 2: with two steps of long prompts
+  (room.py rules 2 and 3): unstarted prompts up to 1 step's token budget, and 1/16
+  more requests than the engine has slots (16 on 256 slots), so that the engine
+  never waits a step for the driver. 1, not 2: with two steps of long prompts
   released and not started, a chat turn released after them waits behind them
   (issue 21, three callers: chat TTFT p95 47 ms at 1 against 153-158 ms at 2).
 * `adapter_wait` (seconds >= 0) is how long the fair-share head may wait for a LoRA

@@ -15,30 +15,14 @@ engine number, and an unknown number never holds anything back):
    (rounded down). The driver learns that a slot freed one engine step late (the
    engine has scheduled its next step by then); a few spare requests in the
    engine's own queue fill a freed slot at once instead of a step later.
-3. Step budget: what the unstarted prompts (released, no first output yet) ask
-   of the engine's next step, plus this one's, <= `step_lookahead` x
-   `step_tokens`, unless nothing is unstarted (a prompt larger than that then
-   goes alone: chunked prefill takes it in pieces). A prompt asks
-   `step_demand()`: min(its tokens, `prefill_chunk`), the engine's per-prompt
-   chunk cap (vLLM's resolved `long_prefill_token_threshold`; 0 = no cap = the
-   whole prompt). Whole prompts were counted until a capped chunk made that
-   wrong (issue 21, CPU, 512-token chunks of a 2,048-token step): a 2,000-token
-   flood prompt stays unstarted for about 4 steps, and 2,000 + 64 > 2,048 held
-   a chat turn behind it although the step had 1,536 tokens free for it: chat
-   TTFT p95 189 ms beside the flood against 18 ms alone, and the flood kept at
-   most one prompt unstarted (none 43-48% of the time), 0.89x vLLM's
-   throughput. The static cap is the bound even with vLLM's
-   `--long-prefill-token-threshold-adaptive`, which raises each prompt's chunk
-   to max(cap, budget // n) for the n requests running or waiting: it exceeds
-   the cap only when budget // n does, and then the n requests' chunks sum to
-   at most the budget, so the released one still fits the step; with one
-   request alone vLLM drops the cap, but nothing then waits beside it. Rule 4
-   still books whole prompts: each needs all its KV within a few steps. One
-   step by default (config.py says why: two let released long prompts fill
-   the step a chat turn needs). Together with rule 2 this keeps the engine's
-   own waiting queue at about one step of prefill; the number of unstarted
-   requests needs no bound of its own, since the engine admits them in its
-   next steps when both hold.
+3. Step budget: prompt tokens released but not yet started (no first output yet)
+   plus this one <= `step_lookahead` x `step_tokens`, unless nothing is unstarted
+   (a prompt larger than that then goes alone: chunked prefill takes it in
+   pieces). One step by default (config.py says why: two let released long
+   prompts fill the step a chat turn needs). Together with rule 2 this keeps
+   the engine's own waiting queue at about one step of prefill; the number of
+   unstarted requests needs no bound of its own, since the engine admits them
+   in its next steps when both hold.
 4. KV room: estimated KV tokens in use plus this prompt <= `kv_tokens`. The estimate
    is `kv_usage` x `kv_tokens` from the engine's latest stats, plus the prompts the
    engine has not allocated yet: of the unstarted prompts, the share the engine
@@ -74,7 +58,7 @@ from dataclasses import dataclass
 
 from .adapters import AdapterSlots
 
-__all__ = ["EngineCapacity", "Room", "step_demand"]
+__all__ = ["EngineCapacity", "Room"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,13 +70,9 @@ class EngineCapacity:
     kv_tokens: int = 0  # KV cache size in tokens: num_gpu_blocks x block_size
     ranks: int = 1  # data-parallel ranks, each with the numbers above (rule 6)
     max_loras: int = 0  # vLLM lora_config.max_loras; 0 = LoRA off (rule 7)
-    prefill_chunk: int = 0  # vLLM long_prefill_token_threshold: rule 3 (0 = no cap)
 
     def __post_init__(self) -> None:
-        if (
-            min(self.max_seqs, self.step_tokens, self.kv_tokens, self.max_loras, self.prefill_chunk)
-            < 0
-        ):
+        if min(self.max_seqs, self.step_tokens, self.kv_tokens, self.max_loras) < 0:
             raise ValueError("engine capacity numbers must be >= 0 (0 = unknown)")
         if self.ranks < 1:
             raise ValueError("data-parallel ranks must be >= 1")
@@ -102,16 +82,10 @@ class EngineCapacity:
         return bool(self.max_seqs or self.step_tokens or self.kv_tokens or self.max_loras)
 
 
-def step_demand(ptok: int, chunk: int) -> int:
-    """Rule 3: what one unstarted prompt of `ptok` tokens asks of the next step."""
-    return min(ptok, chunk) if chunk else ptok
-
-
 class Room:
     """One release round's view of the engine; `take()` books each release."""
 
     __slots__ = (
-        "chunk",
         "in_flight",
         "kv_long",
         "kv_pending",
@@ -127,7 +101,7 @@ class Room:
         "slots",
         "step_tokens",
         "unstarted_n",
-        "unstarted_step",
+        "unstarted_tokens",
     )
 
     def __init__(
@@ -145,11 +119,7 @@ class Room:
         kv_usage_least: float | None = None,
         slots: AdapterSlots | None = None,
         now: float = 0.0,
-        unstarted_step: int | None = None,
     ) -> None:
-        """`unstarted_tokens` books KV (rule 4), `unstarted_step` the step (rule 3):
-        the sum of `step_demand()` over the unstarted prompts, None meaning they
-        are booked whole (what step_demand gives with no chunk cap)."""
         self.limited = capacity.known
         ranks = capacity.ranks
         seqs = capacity.max_seqs * ranks
@@ -164,14 +134,13 @@ class Room:
         self.short_prompt = short_prompt
         self.in_flight = in_flight
         self.unstarted_n = unstarted_n
+        self.unstarted_tokens = unstarted_tokens
         # Rule 7: only with LoRA on; the set copies the adapters in flight, and grows
         # with this round's releases.
         self.loras = bool(slots is not None and slots.max_loras)
         self.slots = slots
         self.resident: set[str] = set(slots.flying) if slots is not None else set()
         self.now = now
-        self.chunk = capacity.prefill_chunk
-        self.unstarted_step = unstarted_tokens if unstarted_step is None else unstarted_step
 
     @property
     def full(self) -> bool:
@@ -184,7 +153,7 @@ class Room:
         if self.seq_limit and self.in_flight >= self.seq_limit:
             return False
         step = self.step_tokens
-        if step and self.unstarted_n and self.unstarted_step + step_demand(ptok, self.chunk) > step:
+        if step and self.unstarted_n and self.unstarted_tokens + ptok > step:
             return False
         kv = self.kv_tokens
         if kv:
@@ -214,7 +183,7 @@ class Room:
             self.resident.add(adapter)
         self.in_flight += 1
         self.unstarted_n += 1
-        self.unstarted_step += step_demand(ptok, self.chunk)
+        self.unstarted_tokens += ptok
         self.kv_pending += ptok
 
 

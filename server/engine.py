@@ -321,7 +321,6 @@ class EngineAdapter:
             ),
             max_num_seqs=int(sched.max_num_seqs),
             max_num_batched_tokens=int(sched.max_num_batched_tokens),
-            long_prefill_token_threshold=int(sched.long_prefill_token_threshold or 0),
             # Known once the engine core's handshake filled num_gpu_blocks
             # (summed over data-parallel ranks); 0 if not.
             kv_cache_tokens=int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0),
@@ -335,7 +334,6 @@ class EngineAdapter:
                     "max_num_seqs": self.info.max_num_seqs,
                     "max_num_batched_tokens": self.info.max_num_batched_tokens,
                     "kv_cache_tokens": self.info.kv_cache_tokens,
-                    "long_prefill_token_threshold": self.info.long_prefill_token_threshold,
                     "dp_ranks": self.info.dp_ranks,
                 }
             },

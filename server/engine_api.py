@@ -56,7 +56,6 @@ class ModelInfo:
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 0
     kv_cache_tokens: int = 0  # num_gpu_blocks x block_size, summed over DP ranks
-    long_prefill_token_threshold: int = 0  # one prompt's chunk cap per step (0: none)
     # Data-parallel ranks this engine client feeds (server/engine.py, dp_ranks):
     # max_num_seqs and max_num_batched_tokens are each rank's.
     dp_ranks: int = 1

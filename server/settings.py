@@ -131,6 +131,4 @@ def engine_capacity(info: ModelInfo) -> EngineCapacity:
         kv_tokens=info.kv_cache_tokens // ranks,
         ranks=ranks,
         max_loras=info.max_loras,
-        # Room rule 3 books an unstarted prompt's next chunk, not the whole prompt.
-        prefill_chunk=info.long_prefill_token_threshold,
     )

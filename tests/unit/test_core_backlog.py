@@ -58,13 +58,12 @@ def co_(
     step: int = 0,
     kv: int = 0,
     callers: tuple[CallerPolicy, ...] = (),
-    chunk: int = 0,
     **kw: object,
 ) -> Coalescer:
     kw.setdefault("window", 0.0)
     kw.setdefault("release_lone", False)
     cfg = CoalescerConfig(
-        engine=EngineCapacity(max_seqs=seqs, step_tokens=step, kv_tokens=kv, prefill_chunk=chunk),
+        engine=EngineCapacity(max_seqs=seqs, step_tokens=step, kv_tokens=kv),
         callers=Callers(callers),
         **kw,  # type: ignore[arg-type]
     )
@@ -152,51 +151,6 @@ def test_the_engine_gets_one_step_of_prompts_and_a_few_spare_requests() -> None:
     for i in range(40):
         co.add(req(f"r{i}"), 0.0)
     assert len(ids(co.due(0.0))) == 32
-
-
-def test_step_budget_counts_an_unstarted_prompt_at_the_engines_chunk_cap() -> None:
-    # Issue 21 on CPU: a 2,000-token flood prompt prefilled in 512-token chunks
-    # of a 2,048-token step asks 512 of the next step. Counted whole, it held a
-    # 64-token chat turn (2,000 + 64 > 2,048) for its ~4 steps of prefill.
-    whole = co_(step=2048)
-    capped = co_(step=2048, chunk=512)
-    for co in (whole, capped):
-        co.add(req("flood", prompt=2000, caller="flood"), 0.0)
-        assert ids(co.due(0.0)) == ["flood"]
-        co.add(req("chat", prompt=64, caller="chat"), 0.1)
-    assert whole.due(0.1) == []  # no cap (0): the whole prompt, as before
-    assert ids(capped.due(0.1)) == ["chat"]  # 512 + 64 <= 2,048
-    # Four long prompts' chunks fill the step (4 x 512): a chat turn then waits
-    # for one of them to start, which frees its 512, not its 2,000.
-    co = co_(step=2048, chunk=512)
-    for i in range(4):
-        co.add(req(f"f{i}", prompt=2000, caller="flood"), 0.0)
-    assert ids(co.due(0.0)) == ["f0", "f1", "f2", "f3"]
-    co.add(req("chat", prompt=64, caller="chat"), 0.1)
-    assert co.due(0.1) == []
-    co.started("f0", 0.2)
-    assert ids(co.due(0.2)) == ["chat"]
-    co.add(req("f4", prompt=2000, caller="flood"), 0.3)
-    assert co.due(0.3) == []  # 3 x 512 + 64 + 512 > 2,048
-    co.finished("f1", 0.4)  # ended unstarted (an abort): its chunk leaves too
-    assert ids(co.due(0.4)) == ["f4"]
-
-
-def test_a_new_chunk_cap_rebooks_the_unstarted_prompts() -> None:
-    # The server gives the core the engine's numbers once the engine has
-    # resolved them; what is already unstarted is counted under the new cap.
-    co = co_(step=2048)
-    co.add(req("flood", prompt=2000, caller="flood"), 0.0)
-    assert ids(co.due(0.0)) == ["flood"]
-    co.add(req("chat", prompt=64, caller="chat"), 0.1)
-    assert co.due(0.1) == []
-    co.capacity = EngineCapacity(step_tokens=2048, prefill_chunk=512)
-    assert ids(co.due(0.2)) == ["chat"]
-    co.config = dataclasses.replace(co.config, engine=EngineCapacity(step_tokens=2048))
-    co.add(req("chat2", prompt=64, caller="chat"), 0.3)
-    assert co.due(0.3) == []  # whole prompts again: 2,000 + 64 + 64 > 2,048
-    co.started("flood", 0.4)
-    assert ids(co.due(0.4)) == ["chat2"]
 
 
 def test_kv_room_counts_engine_usage_and_unstarted_prompts() -> None:
@@ -520,8 +474,6 @@ def test_batches_group_one_round_by_key_and_reason_and_respect_the_caps() -> Non
 def test_capacity_and_order_validation() -> None:
     with pytest.raises(ValueError):
         EngineCapacity(max_seqs=-1)
-    with pytest.raises(ValueError):
-        EngineCapacity(prefill_chunk=-1)
     for bad in ({"exchange_rate": 0.0}, {"max_delay": -1.0}, {"max_delay": math.inf}):
         with pytest.raises(ValueError):
             ReleaseOrder(**bad)  # type: ignore[arg-type]

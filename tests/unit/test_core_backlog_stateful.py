@@ -131,7 +131,6 @@ class BacklogMachine(RuleBasedStateMachine):
         dedupe=st.booleans(),
         lookahead=st.sampled_from([1.0, 2.0]),
         spare=st.sampled_from([0.0, 0.5]),
-        chunk=st.sampled_from([0, 0, 5, 16]),
     )
     def setup(
         self,
@@ -146,7 +145,6 @@ class BacklogMachine(RuleBasedStateMachine):
         dedupe: bool,
         lookahead: float,
         spare: float,
-        chunk: int = 0,
     ) -> None:
         self.callers = table(policies)
         self.cfg = CoalescerConfig(
@@ -154,9 +152,7 @@ class BacklogMachine(RuleBasedStateMachine):
             dedupe=dedupe,
             release_lone=False,
             callers=self.callers,
-            engine=EngineCapacity(
-                max_seqs=seqs, step_tokens=step, kv_tokens=kv, prefill_chunk=chunk
-            ),
+            engine=EngineCapacity(max_seqs=seqs, step_tokens=step, kv_tokens=kv),
             order=ReleaseOrder(rate, delay, lclass),
             kv_reserve_short=reserve,
             short_prompt_tokens=8,
@@ -214,17 +210,10 @@ class BacklogMachine(RuleBasedStateMachine):
             self.cfg.short_prompt_tokens,
             self.cfg.step_lookahead,
             self.cfg.slot_spare,
-            unstarted_step=sum(self._next_chunk(f.ptok) for f in unstarted),
         )
         for g in released:
             room.take(g.ptok)
         return room
-
-    def _next_chunk(self, ptok: int) -> int:
-        """room.py rule 3, written out again: an unstarted prompt's demand on the
-        engine's next step is its next chunk, at most the engine's chunk cap."""
-        chunk = self.cfg.engine.prefill_chunk
-        return min(ptok, chunk) if chunk > 0 else ptok
 
     def _counter(self, name: str) -> float:
         st_ = self.co.caller(name)
@@ -485,11 +474,6 @@ class BacklogMachine(RuleBasedStateMachine):
         assert co.queued_generations == len(self.queued)
         assert co.in_flight == len(self.flying)
         assert co.engine_waiting == sum(1 for f in self.flying.values() if not f.started)
-        # room.py rule 3's bound: the unstarted prompts' next chunks fit the
-        # lookahead's steps, or one prompt went alone.
-        step = self.cfg.engine.step_tokens * self.cfg.step_lookahead
-        waiting = [self._next_chunk(f.ptok) for f in self.flying.values() if not f.started]
-        assert not step or len(waiting) <= 1 or sum(waiting) <= step, (waiting, step)
         if self.eligible:
             assert co.backlog_generations == len(self.queued)
         for name in NAMES:
@@ -528,17 +512,14 @@ class FairnessMachine(RuleBasedStateMachine):
         step=st.sampled_from([0, 20, 60]),
         kv=st.sampled_from([0, 80, 200]),
         delay=st.sampled_from([0.0, 0.05, 10.0]),
-        chunk=st.sampled_from([0, 8]),
     )
-    def setup(self, seqs: int, step: int, kv: int, delay: float, chunk: int) -> None:
+    def setup(self, seqs: int, step: int, kv: int, delay: float) -> None:
         self.slots = seqs
         self.co = Coalescer(
             CoalescerConfig(
                 window=0.0,
                 release_lone=False,
-                engine=EngineCapacity(
-                    max_seqs=seqs, step_tokens=step, kv_tokens=kv, prefill_chunk=chunk
-                ),
+                engine=EngineCapacity(max_seqs=seqs, step_tokens=step, kv_tokens=kv),
                 order=ReleaseOrder(max_delay=delay),
             )
         )
@@ -646,14 +627,12 @@ class AgingMachine(BacklogMachine):
         delay=st.sampled_from([0.0, 0.02, 0.1]),
         rate=st.sampled_from([100.0, 1000.0]),
         lclass=st.sampled_from([1, 16]),
-        chunk=st.sampled_from([0, 30]),
     )
     def setup(  # type: ignore[override]
-        self, seqs: int, step: int, kv: int, delay: float, rate: float, lclass: int, chunk: int
+        self, seqs: int, step: int, kv: int, delay: float, rate: float, lclass: int
     ) -> None:
         plain = CallerPolicy("x")
-        policies = [plain] * 3
-        super().setup(seqs, step, kv, 0.0, delay, rate, lclass, policies, False, 1.0, 0.0, chunk)
+        super().setup(seqs, step, kv, 0.0, delay, rate, lclass, [plain] * 3, False, 1.0, 0.0)
 
     @rule(
         caller=st.sampled_from(["a", "a", "a", "b"]),

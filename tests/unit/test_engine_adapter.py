@@ -9,7 +9,7 @@ the engine core). So the tests see:
   (`Renderer.render_chat` / `render_cmpl`) for the same messages and prompts;
 * `add` hands the InputProcessor a rendered engine input (no deprecated
   raw-prompt path) that becomes an EngineCoreRequest with those ids;
-* `info` carries the engine's resolved capacity, the per-prompt chunk cap too.
+* `info` carries the engine's resolved capacity.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from server.cli import parse_serve_args
 from server.engine import EngineAdapter
 from server.errors import SluiceError
 from server.protocol import Constraint, Limits, Message, Sampling, parse_chat
-from server.settings import engine_capacity
 
 GPU_BLOCKS = 1000  # what the engine core's handshake would report
 
@@ -236,10 +235,6 @@ def test_info_carries_the_resolved_capacity(adapter: EngineAdapter) -> None:
     assert (info.max_num_seqs, info.max_num_batched_tokens) == (128, 2048)  # CPU, server context
     assert info.kv_cache_tokens == GPU_BLOCKS * config.cache_config.block_size
     assert info.max_model_len == 8192
-    # Sluice's own per-prompt chunk cap (server/engine_step.py: a quarter of the
-    # step), as vLLM resolved it: room.py rule 3 books unstarted prompts at it.
-    assert info.long_prefill_token_threshold == 512
-    assert engine_capacity(info).prefill_chunk == 512
 
 
 async def test_the_tool_call_parser_flag_reaches_the_parsers(demo_model_dir: Path) -> None:
