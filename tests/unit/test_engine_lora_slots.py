@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from vllm.v1.metrics.loggers import PerEngineStatLoggerAdapter
 from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 
 from server.cli import parse_serve_args
@@ -19,6 +18,7 @@ from server.engine_api import ModelInfo
 from server.metrics import Metrics
 from server.settings import engine_capacity
 from tests.unit.test_engine_config import _flags
+from tests.unit.test_scale_capacity import dp_stat_loggers
 
 
 def test_max_loras_from_vllms_lora_config(demo_model_dir: Path) -> None:
@@ -61,12 +61,7 @@ def test_a_step_counts_when_an_adapter_waits_with_none_running() -> None:
 
 
 def test_each_rank_counts_its_own_steps() -> None:
-    box = _StatsBox()
-    adapter = PerEngineStatLoggerAdapter(
-        vllm_config=None,  # type: ignore[arg-type] - Sluice's logger reads none of it
-        engine_indexes=[0, 1],
-        per_engine_stat_logger_factory=_stat_logger_factory(box),
-    )
+    box, adapter = dp_stat_loggers()
     adapter.record(_sched({"c": 1}, {"a": 1}), None, engine_idx=0)
     adapter.record(_sched({"c": 1}, {"c": 1}), None, engine_idx=1)
     adapter.record(_sched({"b": 1}, {}), None, engine_idx=1)

@@ -161,14 +161,21 @@ def _sched(running: int, waiting: int, kv: float) -> SchedulerStats:
     )
 
 
-def test_stats_from_every_rank() -> None:
-    """Through vLLM's own per-engine adapter, as AsyncLLM builds it for DP=2."""
+def dp_stat_loggers() -> tuple[_StatsBox, PerEngineStatLoggerAdapter]:
+    """vLLM's per-engine logger adapter as AsyncLLM builds it for
+    --data-parallel-size 2, each rank's Sluice logger feeding one stats box."""
     box = _StatsBox()
     adapter = PerEngineStatLoggerAdapter(
         vllm_config=None,  # type: ignore[arg-type] - Sluice's logger reads none of it
         engine_indexes=[0, 1],
         per_engine_stat_logger_factory=_stat_logger_factory(box),
     )
+    return box, adapter
+
+
+def test_stats_from_every_rank() -> None:
+    """Through vLLM's own per-engine adapter, as AsyncLLM builds it for DP=2."""
+    box, adapter = dp_stat_loggers()
     adapter.record(_sched(100, 3, 0.5), None, engine_idx=0)
     adapter.record(_sched(120, 1, 0.3), None, engine_idx=1)
     adapter.record(_sched(110, 2, 0.7), None, engine_idx=0)  # rank 0 again: its latest
@@ -182,12 +189,7 @@ def test_stats_from_every_rank() -> None:
 def test_preemptions_are_counted_per_rank() -> None:
     """Each rank's preemptions stay its own (the watchdog's storm is per rank);
     the engine-wide counter is their sum."""
-    box = _StatsBox()
-    adapter = PerEngineStatLoggerAdapter(
-        vllm_config=None,  # type: ignore[arg-type] - Sluice's logger reads none of it
-        engine_indexes=[0, 1],
-        per_engine_stat_logger_factory=_stat_logger_factory(box),
-    )
+    box, adapter = dp_stat_loggers()
     for rank, preempted in ((0, 5), (1, 0), (0, 3), (1, 2)):
         it = IterationStats()
         it.num_preempted_reqs = preempted

@@ -8,16 +8,15 @@ from typing import Any
 
 import orjson
 import pytest
-from vllm.v1.metrics.loggers import PerEngineStatLoggerAdapter
 from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 
 from batching import DEFAULT_CALLER, AdmissionState
 from batching.pressure import EngineStats
 from server.app import drain, on_admission
-from server.engine import _stat_logger_factory, _StatsBox
 from server.state import STATUS
 from server.status_page import engine_label, snapshot
 from tests.fakes import FakeEngine
+from tests.unit.test_scale_capacity import dp_stat_loggers
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -128,12 +127,7 @@ async def test_the_sampler_runs_in_the_apps_task_group(make_client: Any) -> None
 async def test_snapshot_carries_each_data_parallel_rank(make_client: Any) -> None:
     """Per-rank stats replayed through vLLM's per-engine logger adapter (as
     AsyncLLM builds it for --data-parallel-size 2) reach the page's snapshot."""
-    box = _StatsBox()
-    adapter = PerEngineStatLoggerAdapter(
-        vllm_config=None,  # type: ignore[arg-type] - Sluice's logger reads none of it
-        engine_indexes=[0, 1],
-        per_engine_stat_logger_factory=_stat_logger_factory(box),
-    )
+    box, adapter = dp_stat_loggers()
     for rank, (running, waiting, kv) in enumerate(((120, 3, 0.75), (100, 0, 0.25))):
         stats = SchedulerStats(
             num_running_reqs=running,
