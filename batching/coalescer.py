@@ -205,6 +205,7 @@ class Coalescer:
         self._engine_queue = 0  # its waiting count
         self._unstarted_n = 0  # released generations without a first output yet
         self._unstarted_tokens = 0  # their prompt tokens
+        self._unstarted_chunks = 0  # their next prefill chunks (room.py rule 3)
         self._n_admitted = 0
         self._n_refused = 0
         self._n_dispatched = 0
@@ -250,6 +251,10 @@ class Coalescer:
         self._config = replace(self._config, engine=value)
         self._known = value.known
         self._set_slots()
+        chunk = value.next_chunk
+        self._unstarted_chunks = sum(
+            chunk(g.ptok) for g in self._in_flight.values() if not g.started
+        )
 
     def _set_slots(self) -> None:
         """The engine's max_loras and the slot wait (rule 13); slots in flight stay."""
@@ -825,6 +830,7 @@ class Coalescer:
             len(self._in_flight),
             self._unstarted_n,
             self._unstarted_tokens,
+            self._unstarted_chunks,
             self._kv_usage,
             self._engine_queue,
             cfg.kv_reserve_short,
@@ -915,6 +921,8 @@ class Coalescer:
         entries = []
         tokens = 0
         ptok = 0
+        chunks = 0
+        chunk = self._config.engine.next_chunk
         nsubs = 0
         for g in gens:
             g.state = GONE
@@ -942,6 +950,7 @@ class Coalescer:
             nsubs += len(subs)
             tokens += g.tokens
             ptok += g.ptok
+            chunks += chunk(g.ptok)
             entries.append(_fast.entry(req, tuple(subs), g.key))
         self._q_reqs -= nsubs
         self._f_reqs += nsubs
@@ -949,6 +958,7 @@ class Coalescer:
         self._f_tokens += tokens
         self._unstarted_n += len(gens)
         self._unstarted_tokens += ptok
+        self._unstarted_chunks += chunks
         self._n_dispatched += nsubs
         self._n_generations += len(gens)
         self._n_batches += 1
@@ -970,6 +980,7 @@ class Coalescer:
         gen.started = True
         self._unstarted_n -= 1
         self._unstarted_tokens -= gen.ptok
+        self._unstarted_chunks -= self._config.engine.next_chunk(gen.ptok)
         return True
 
     def finished(self, request_id: str, now: float, tokens: int | None = None) -> bool:
@@ -995,6 +1006,7 @@ class Coalescer:
         if not gen.started:
             self._unstarted_n -= 1
             self._unstarted_tokens -= gen.ptok
+            self._unstarted_chunks -= self._config.engine.next_chunk(gen.ptok)
         req = gen.request
         generated = req.max_new_tokens if tokens is None else tokens
         c = gen.caller

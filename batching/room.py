@@ -23,6 +23,16 @@ engine number, and an unknown number never holds anything back):
    the engine's own waiting queue at about one step of prefill; the number of
    unstarted requests needs no bound of its own, since the engine admits them
    in its next steps when both hold.
+   A short prompt (`short_prompt` tokens or fewer, as in rule 5) counts the
+   unstarted prompts' next chunks instead of their whole prompts: with vLLM's
+   per-prompt cap (`prefill_chunk`, its --long-prefill-token-threshold) an
+   unstarted 2,000-token prompt takes 512 tokens of the next step, so a chat
+   turn fits in that step beside it. Booking it whole held the chat turn in
+   Sluice's queue for the 4 steps of that prefill (issue 21: chat TTFT p95
+   189 ms beside the flood against 18 ms alone). Long prompts still count
+   whole prompts: counting chunks for them too let four flood prompts be
+   unstarted at once, which filled the step and the KV cache (chat p95
+   1,223 ms; bench/results/issue21-rule3-cpu.md).
 4. KV room: estimated KV tokens in use plus this prompt <= `kv_tokens`. The estimate
    is `kv_usage` x `kv_tokens` from the engine's latest stats, plus the prompts the
    engine has not allocated yet: of the unstarted prompts, the share the engine
@@ -70,12 +80,21 @@ class EngineCapacity:
     kv_tokens: int = 0  # KV cache size in tokens: num_gpu_blocks x block_size
     ranks: int = 1  # data-parallel ranks, each with the numbers above (rule 6)
     max_loras: int = 0  # vLLM lora_config.max_loras; 0 = LoRA off (rule 7)
+    prefill_chunk: int = 0  # vLLM long_prefill_token_threshold; 0 = no cap (rule 3)
 
     def __post_init__(self) -> None:
-        if min(self.max_seqs, self.step_tokens, self.kv_tokens, self.max_loras) < 0:
+        if (
+            min(self.max_seqs, self.step_tokens, self.kv_tokens, self.max_loras, self.prefill_chunk)
+            < 0
+        ):
             raise ValueError("engine capacity numbers must be >= 0 (0 = unknown)")
         if self.ranks < 1:
             raise ValueError("data-parallel ranks must be >= 1")
+
+    def next_chunk(self, ptok: int) -> int:
+        """Rule 3: the tokens an unstarted prompt of `ptok` takes in one engine step."""
+        chunk = self.prefill_chunk
+        return ptok if not chunk or ptok <= chunk else chunk
 
     @property
     def known(self) -> bool:
@@ -94,12 +113,14 @@ class Room:
         "kv_used",
         "limited",
         "loras",
+        "next_chunk",
         "now",
         "resident",
         "seq_limit",
         "short_prompt",
         "slots",
         "step_tokens",
+        "unstarted_chunks",
         "unstarted_n",
         "unstarted_tokens",
     )
@@ -110,6 +131,7 @@ class Room:
         in_flight: int,
         unstarted_n: int,
         unstarted_tokens: int,
+        unstarted_chunks: int,
         kv_usage: float,
         engine_waiting: int,
         reserve: float,
@@ -135,6 +157,8 @@ class Room:
         self.in_flight = in_flight
         self.unstarted_n = unstarted_n
         self.unstarted_tokens = unstarted_tokens
+        self.unstarted_chunks = unstarted_chunks
+        self.next_chunk = capacity.next_chunk
         # Rule 7: only with LoRA on; the set copies the adapters in flight, and grows
         # with this round's releases.
         self.loras = bool(slots is not None and slots.max_loras)
@@ -153,8 +177,11 @@ class Room:
         if self.seq_limit and self.in_flight >= self.seq_limit:
             return False
         step = self.step_tokens
-        if step and self.unstarted_n and self.unstarted_tokens + ptok > step:
-            return False
+        if step and self.unstarted_n:
+            short = ptok <= self.short_prompt
+            ahead = self.unstarted_chunks if short else self.unstarted_tokens
+            if ahead + ptok > step:
+                return False
         kv = self.kv_tokens
         if kv:
             limit = kv if ptok <= self.short_prompt else self.kv_long
@@ -184,6 +211,7 @@ class Room:
         self.in_flight += 1
         self.unstarted_n += 1
         self.unstarted_tokens += ptok
+        self.unstarted_chunks += self.next_chunk(ptok)
         self.kv_pending += ptok
 
 

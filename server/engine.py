@@ -326,6 +326,7 @@ class EngineAdapter:
             kv_cache_tokens=int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0),
             dp_ranks=dp_ranks(llm.vllm_config),
             max_loras=max_loras(llm.vllm_config),
+            prefill_chunk=int(sched.long_prefill_token_threshold or 0),
         )
         log.info(
             "engine capacity",
@@ -335,6 +336,7 @@ class EngineAdapter:
                     "max_num_batched_tokens": self.info.max_num_batched_tokens,
                     "kv_cache_tokens": self.info.kv_cache_tokens,
                     "dp_ranks": self.info.dp_ranks,
+                    "long_prefill_token_threshold": self.info.prefill_chunk,
                 }
             },
         )

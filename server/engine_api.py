@@ -61,6 +61,9 @@ class ModelInfo:
     dp_ranks: int = 1
     # LoRA adapters one engine step may batch (vLLM's max_loras); 0: LoRA off.
     max_loras: int = 0
+    # vLLM's per-prompt prefill chunk per step (long_prefill_token_threshold,
+    # server/engine_step.py); 0: no cap.
+    prefill_chunk: int = 0
     # True: the reasoning parser is qwen3 (or there are no parsers), so
     # requests without tools take server/reasoning.py's copy of its split;
     # False: vLLM's parsers (chat_parser) read every chat request.

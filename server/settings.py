@@ -131,4 +131,5 @@ def engine_capacity(info: ModelInfo) -> EngineCapacity:
         kv_tokens=info.kv_cache_tokens // ranks,
         ranks=ranks,
         max_loras=info.max_loras,
+        prefill_chunk=info.prefill_chunk,
     )

@@ -135,6 +135,58 @@ def test_step_budget_counts_unstarted_prompts_until_their_first_output() -> None
     assert co.engine_waiting == 0
 
 
+def test_a_short_prompt_counts_the_next_chunk_of_an_unstarted_long_one() -> None:
+    # Room rule 3: the engine caps a prompt's prefill at 512 tokens a step, so an
+    # unstarted 2,000-token prompt leaves room for a chat turn in the next step;
+    # a long prompt still books it whole.
+    cfg = CoalescerConfig(
+        window=0.0,
+        release_lone=False,
+        engine=EngineCapacity(step_tokens=2048, prefill_chunk=512),
+        short_prompt_tokens=256,
+    )
+    co = Coalescer(cfg)
+    co.add(req("flood", prompt=2000), 0.0)
+    assert ids(co.due(0.0)) == ["flood"]
+    co.add(req("long", prompt=300), 0.1)
+    co.add(req("chat", prompt=64), 0.1)
+    assert ids(co.due(0.1)) == ["chat"]  # 512 + 64 <= 2048; 2000 + 300 > 2048
+    co.started("flood", 0.2)
+    assert ids(co.due(0.2)) == ["long"]  # 64 + 300 <= 2048
+    co.started("chat", 0.3)
+    co.started("long", 0.3)
+    assert co.engine_waiting == 0
+    # Without a cap the engine may give the whole step to the long prompt.
+    co.capacity = EngineCapacity(step_tokens=2048)
+    co.add(req("flood2", prompt=2000), 0.4)
+    assert ids(co.due(0.4)) == ["flood2"]
+    co.add(req("chat2", prompt=64), 0.5)
+    assert co.due(0.5) == []
+    co.started("flood2", 0.6)
+    assert ids(co.due(0.6)) == ["chat2"]
+
+
+def test_changing_the_chunk_rebooks_the_unstarted_prompts() -> None:
+    cfg = CoalescerConfig(
+        window=0.0,
+        release_lone=False,
+        engine=EngineCapacity(step_tokens=2048),
+        short_prompt_tokens=256,
+    )
+    co = Coalescer(cfg)
+    co.add(req("flood", prompt=2000), 0.0)
+    assert ids(co.due(0.0)) == ["flood"]
+    co.capacity = EngineCapacity(step_tokens=2048, prefill_chunk=512)
+    co.add(req("chat", prompt=64), 0.1)
+    assert ids(co.due(0.1)) == ["chat"]
+    co.finished("flood", 0.2)
+    co.finished("chat", 0.2)
+    co.add(req("big", prompt=2040), 0.3)
+    assert ids(co.due(0.3)) == ["big"]
+    co.add(req("chat2", prompt=64), 0.3)
+    assert ids(co.due(0.3)) == ["chat2"]  # the two finished ones left no booking
+
+
 def test_the_engine_gets_one_step_of_prompts_and_a_few_spare_requests() -> None:
     # By default: unstarted prompts up to one step budget (issue 21: two let
     # long prompts fill the step a chat turn needs), and 1/16 more requests

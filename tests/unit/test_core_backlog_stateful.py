@@ -131,6 +131,7 @@ class BacklogMachine(RuleBasedStateMachine):
         dedupe=st.booleans(),
         lookahead=st.sampled_from([1.0, 2.0]),
         spare=st.sampled_from([0.0, 0.5]),
+        chunk=st.sampled_from([0, 0, 4, 16]),
     )
     def setup(
         self,
@@ -145,6 +146,7 @@ class BacklogMachine(RuleBasedStateMachine):
         dedupe: bool,
         lookahead: float,
         spare: float,
+        chunk: int,
     ) -> None:
         self.callers = table(policies)
         self.cfg = CoalescerConfig(
@@ -152,7 +154,9 @@ class BacklogMachine(RuleBasedStateMachine):
             dedupe=dedupe,
             release_lone=False,
             callers=self.callers,
-            engine=EngineCapacity(max_seqs=seqs, step_tokens=step, kv_tokens=kv),
+            engine=EngineCapacity(
+                max_seqs=seqs, step_tokens=step, kv_tokens=kv, prefill_chunk=chunk
+            ),
             order=ReleaseOrder(rate, delay, lclass),
             kv_reserve_short=reserve,
             short_prompt_tokens=8,
@@ -204,6 +208,7 @@ class BacklogMachine(RuleBasedStateMachine):
             len(self.flying) - len(now_released),
             len(unstarted),
             sum(f.ptok for f in unstarted),
+            sum(self.cfg.engine.next_chunk(f.ptok) for f in unstarted),
             self.kv_usage,
             self.engine_queue,
             self.cfg.kv_reserve_short,
@@ -627,12 +632,13 @@ class AgingMachine(BacklogMachine):
         delay=st.sampled_from([0.0, 0.02, 0.1]),
         rate=st.sampled_from([100.0, 1000.0]),
         lclass=st.sampled_from([1, 16]),
+        chunk=st.sampled_from([0, 16]),
     )
     def setup(  # type: ignore[override]
-        self, seqs: int, step: int, kv: int, delay: float, rate: float, lclass: int
+        self, seqs: int, step: int, kv: int, delay: float, rate: float, lclass: int, chunk: int
     ) -> None:
         plain = CallerPolicy("x")
-        super().setup(seqs, step, kv, 0.0, delay, rate, lclass, [plain] * 3, False, 1.0, 0.0)
+        super().setup(seqs, step, kv, 0.0, delay, rate, lclass, [plain] * 3, False, 1.0, 0.0, chunk)
 
     @rule(
         caller=st.sampled_from(["a", "a", "a", "b"]),

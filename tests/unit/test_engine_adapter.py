@@ -33,6 +33,7 @@ from server.cli import parse_serve_args
 from server.engine import EngineAdapter
 from server.errors import SluiceError
 from server.protocol import Constraint, Limits, Message, Sampling, parse_chat
+from server.settings import engine_capacity
 
 GPU_BLOCKS = 1000  # what the engine core's handshake would report
 
@@ -235,6 +236,9 @@ def test_info_carries_the_resolved_capacity(adapter: EngineAdapter) -> None:
     assert (info.max_num_seqs, info.max_num_batched_tokens) == (128, 2048)  # CPU, server context
     assert info.kv_cache_tokens == GPU_BLOCKS * config.cache_config.block_size
     assert info.max_model_len == 8192
+    # The prefill cap Sluice set (server/engine_step.py) reaches room rule 3.
+    assert info.prefill_chunk == 512 == config.scheduler_config.long_prefill_token_threshold
+    assert engine_capacity(info).prefill_chunk == 512
 
 
 async def test_the_tool_call_parser_flag_reaches_the_parsers(demo_model_dir: Path) -> None:

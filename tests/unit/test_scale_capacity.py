@@ -59,6 +59,7 @@ def _room(cap: EngineCapacity, in_flight: int = 1, **kw: Any) -> Room:
         "in_flight": in_flight,
         "unstarted_n": 0,
         "unstarted_tokens": 0,
+        "unstarted_chunks": 0,
         "kv_usage": 0.0,
         "engine_waiting": 0,
         "reserve": 0.0,
@@ -107,7 +108,7 @@ def test_slots_and_step_budget_add_up_over_ranks() -> None:
     assert _room(two, in_flight=200).fits(64)  # past one rank's 128
     assert not _room(two, in_flight=256).fits(64)
     # Step budget: 2 steps x 2 ranks x 2,048 of unstarted prompt tokens.
-    kw = {"unstarted_n": 10, "unstarted_tokens": 6000}
+    kw = {"unstarted_n": 10, "unstarted_tokens": 6000, "unstarted_chunks": 6000}
     assert not _room(one, **kw).fits(64)
     assert _room(two, **kw).fits(64)
     assert not _room(two, **kw).fits(2200)
