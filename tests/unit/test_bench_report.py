@@ -961,6 +961,16 @@ def _issue21_records(
     return recs
 
 
+@pytest.mark.parametrize(
+    ("per_a", "verdict"), [(2.45, "met"), (3.55, "met"), (2.35, "MISSED"), (3.65, "MISSED")]
+)
+def test_the_bulk_split_bound_is_20_percent_either_side_of_3(per_a: float, verdict: str) -> None:
+    recs = _issue21_records(s_p99=6300.0, s_short=3000.0, s_three=45.0, s_bulk=9.6, per_a=per_a)
+    by = {t: (m, v) for t, m, v in tg.issue21(recs)}
+    got = by["three callers: bulk callers' completed work within 20% of 1:3 (Sluice)"]
+    assert got == (f"bulk_b / bulk_a = {per_a:.2f} (bound 2.40-3.60)", verdict)
+
+
 def test_issue21_targets() -> None:
     from bench.scenarios import SPREAD_POINT
 
