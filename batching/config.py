@@ -72,7 +72,7 @@ class CoalescerConfig:
     callers: Callers = _NO_CALLERS
     engine: EngineCapacity = _UNKNOWN_ENGINE
     order: ReleaseOrder = _ORDER  # the release key (order.py)
-    kv_reserve_short: float = 0.0  # KV share long prompts leave free for short ones
+    kv_reserve_short: float = 0.1  # KV share long prompts leave free for short ones
     short_prompt_tokens: int = 256  # a prompt this long or shorter counts as short
     step_lookahead: float = 1.0  # engine step budgets of unstarted prompts (issue 21)
     slot_spare: float = 0.0625  # share of engine slots released beyond max_num_seqs

@@ -206,7 +206,7 @@ def test_the_engine_gets_one_step_of_prompts_and_a_few_spare_requests() -> None:
 
 
 def test_kv_room_counts_engine_usage_and_unstarted_prompts() -> None:
-    co = co_(kv=1000)
+    co = co_(kv=1000, kv_reserve_short=0.0)  # rule 4 alone
     co.add(req("x", prompt=10), 0.0)
     assert release_all(co, 0.0) == ["x"]
     co.add(req("a", prompt=200), 0.1)
