@@ -40,9 +40,10 @@ engine number, and an unknown number never holds anything back):
    blocks are in `kv_usage` already), and everything released in this round.
    Decode growth of running requests is in `kv_usage` as it happens; vLLM
    preempts when it runs out, as it would without Sluice.
-5. Headroom for short requests (optional, `reserve` > 0): a prompt longer than
-   `short_prompt` tokens may only use (1 - reserve) of the KV cache, so a short chat
-   turn finds room at the next step instead of waiting for a long request to end.
+5. Headroom for short requests (`reserve` > 0; a tenth by default, config.py): a
+   prompt longer than `short_prompt` tokens may only use (1 - reserve) of the KV
+   cache, so a short chat turn finds room at the next step instead of waiting for a
+   long request to end.
 6. Data-parallel ranks (`ranks` > 1; vLLM's --data-parallel-size): each rank has
    its own scheduler and KV cache, and the capacity numbers are one rank's. Slots
    and step budgets add up (each rank runs its own steps), so rules 2 and 3 use
