@@ -32,6 +32,9 @@ Rules:
   never waits a step for the driver. 1, not 2: with two steps of long prompts
   released and not started, a chat turn released after them waits behind them
   (issue 21, three callers: chat TTFT p95 47 ms at 1 against 153-158 ms at 2).
+  Measured again with room.py rule 3's short/long split (one repetition): at 2,
+  chat TTFT p95 586 ms beside the flood and 460 ms beside the bulk callers,
+  against 70 and 58 ms at 1, and no gain in throughput at c=384 (40.2 req/s).
 * `adapter_wait` (seconds >= 0) is how long the fair-share head may wait for a LoRA
   slot before the adapter in flight longest is drained for it (adapters.py rule 4;
   only with `engine.max_loras` > 0). 0 by default: the drain starts as soon as the
