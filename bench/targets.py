@@ -317,15 +317,13 @@ def issue21(records: Sequence[rp.Record]) -> list[Row]:
     conc = rp.aggregate(records, CONCURRENCY)
     rows += _row(
         f"{WIDE_POINT}: TTFT p99 <= vLLM's",
-        conc.get(WIDE_POINT, rp.SLUICE, "ttft_p99"),
-        conc.get(WIDE_POINT, rp.VLLM, "ttft_p99"),
+        *_pair(conc, WIDE_POINT, "ttft_p99"),
         lambda r: r <= 1.0,
         "ms",
     )
     rows += _row(
         f"{WIDE_POINT}: req/s >= 0.95x vLLM's",
-        conc.get(WIDE_POINT, rp.SLUICE, "req_s"),
-        conc.get(WIDE_POINT, rp.VLLM, "req_s"),
+        *_pair(conc, WIDE_POINT, "req_s"),
         lambda r: r >= 0.95,
         "req/s",
     )
@@ -349,15 +347,13 @@ def issue21(records: Sequence[rp.Record]) -> list[Row]:
             )
     rows += _row(
         "noisy neighbour: flood throughput >= 0.95x vLLM's",
-        noisy.get(FLOOD_POINT, rp.SLUICE, "flood_span_req_s"),
-        noisy.get(FLOOD_POINT, rp.VLLM, "flood_span_req_s"),
+        *_pair(noisy, FLOOD_POINT, "flood_span_req_s"),
         lambda r: r >= 0.95,
         "req/s",
     )
     rows += _row(
         "three callers: bulk throughput >= 0.95x vLLM's",
-        three.get(THREE_POINT, rp.SLUICE, "bulk_span_req_s"),
-        three.get(THREE_POINT, rp.VLLM, "bulk_span_req_s"),
+        *_pair(three, THREE_POINT, "bulk_span_req_s"),
         lambda r: r >= 0.95,
         "req/s",
     )
@@ -416,8 +412,7 @@ def issue20(records: Sequence[rp.Record]) -> list[Row]:
     tab = rp.aggregate(records, LORA)
     rows = _row(
         f"LoRA ({LORA_POINT}): req/s >= 0.95x vLLM's",
-        tab.get(LORA_POINT, rp.SLUICE, "req_s"),
-        tab.get(LORA_POINT, rp.VLLM, "req_s"),
+        *_pair(tab, LORA_POINT, "req_s"),
         lambda r: r >= 0.95,
         "req/s",
     )
@@ -434,8 +429,7 @@ def issue20(records: Sequence[rp.Record]) -> list[Row]:
         )
     rows += _row(
         "LoRA: worst caller's TTFT p95 <= vLLM's worst",
-        tab.get(LORA_POINT, rp.SLUICE, "worst_ttft_p95"),
-        tab.get(LORA_POINT, rp.VLLM, "worst_ttft_p95"),
+        *_pair(tab, LORA_POINT, "worst_ttft_p95"),
         lambda r: r <= 1.0,
         "ms",
     )
