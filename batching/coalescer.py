@@ -978,10 +978,14 @@ class Coalescer:
         if gen is None or gen.started:
             return False
         gen.started = True
+        self._leaves_engine_queue(gen)
+        return True
+
+    def _leaves_engine_queue(self, gen: Gen) -> None:
+        """A released generation is no longer unstarted (room.py rules 3-4)."""
         self._unstarted_n -= 1
         self._unstarted_tokens -= gen.ptok
         self._unstarted_chunks -= self._config.engine.next_chunk(gen.ptok)
-        return True
 
     def finished(self, request_id: str, now: float, tokens: int | None = None) -> bool:
         """A released generation (by `Entry.request.id`) ended in the engine.
@@ -1004,9 +1008,7 @@ class Coalescer:
         self._f_reqs -= n
         self._f_tokens -= gen.tokens
         if not gen.started:
-            self._unstarted_n -= 1
-            self._unstarted_tokens -= gen.ptok
-            self._unstarted_chunks -= self._config.engine.next_chunk(gen.ptok)
+            self._leaves_engine_queue(gen)
         req = gen.request
         generated = req.max_new_tokens if tokens is None else tokens
         c = gen.caller
