@@ -58,12 +58,13 @@ def co_(
     step: int = 0,
     kv: int = 0,
     callers: tuple[CallerPolicy, ...] = (),
+    chunk: int = 0,
     **kw: object,
 ) -> Coalescer:
     kw.setdefault("window", 0.0)
     kw.setdefault("release_lone", False)
     cfg = CoalescerConfig(
-        engine=EngineCapacity(max_seqs=seqs, step_tokens=step, kv_tokens=kv),
+        engine=EngineCapacity(max_seqs=seqs, step_tokens=step, kv_tokens=kv, prefill_chunk=chunk),
         callers=Callers(callers),
         **kw,  # type: ignore[arg-type]
     )
@@ -139,13 +140,7 @@ def test_a_short_prompt_counts_the_next_chunk_of_an_unstarted_long_one() -> None
     # Room rule 3: the engine caps a prompt's prefill at 512 tokens a step, so an
     # unstarted 2,000-token prompt leaves room for a chat turn in the next step;
     # a long prompt still books it whole.
-    cfg = CoalescerConfig(
-        window=0.0,
-        release_lone=False,
-        engine=EngineCapacity(step_tokens=2048, prefill_chunk=512),
-        short_prompt_tokens=256,
-    )
-    co = Coalescer(cfg)
+    co = co_(step=2048, chunk=512, short_prompt_tokens=256)
     co.add(req("flood", prompt=2000), 0.0)
     assert ids(co.due(0.0)) == ["flood"]
     co.add(req("long", prompt=300), 0.1)
@@ -167,13 +162,7 @@ def test_a_short_prompt_counts_the_next_chunk_of_an_unstarted_long_one() -> None
 
 
 def test_changing_the_chunk_rebooks_the_unstarted_prompts() -> None:
-    cfg = CoalescerConfig(
-        window=0.0,
-        release_lone=False,
-        engine=EngineCapacity(step_tokens=2048),
-        short_prompt_tokens=256,
-    )
-    co = Coalescer(cfg)
+    co = co_(step=2048, short_prompt_tokens=256)
     co.add(req("flood", prompt=2000), 0.0)
     assert ids(co.due(0.0)) == ["flood"]
     co.capacity = EngineCapacity(step_tokens=2048, prefill_chunk=512)
