@@ -93,7 +93,7 @@ the `Admitted`, the `Entry` and the `Ended` event. See bench/core_bench.py for n
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import replace
 from heapq import heappop, heappush
 
@@ -110,14 +110,16 @@ from .events import (
     Ended,
     Event,
     Refusal,
+    RoomCounters,
 )
 from .keys import GroupKey
-from .room import EngineCapacity, Room
+from .room import EngineCapacity, EngineView, Hold, Room, underfed
 from .types import (
     AdmissionState,
     Admitted,
     Batch,
     EngineLoad,
+    EngineStep,
     Outcome,
     RefusalReason,
     Refused,
@@ -128,6 +130,8 @@ from .types import (
 __all__ = ["Coalescer"]
 
 _KEEP_GROUPS = 64  # empty groups kept for reuse (see Coalescer.__init__)
+# room.py rule 2: the share of the feed's spare a step with waiting work left takes off.
+_SPARE_DECAY = 1.0 / 16.0
 
 _OK = AdmissionState.OK
 _CRITICAL = AdmissionState.CRITICAL
@@ -201,11 +205,17 @@ class Coalescer:
         self._uncapped = self._no_caps()
         self._known = config.engine.known  # any engine number known: room.py applies
         self._kv_usage = 0.0  # from the latest EngineLoad
-        self._kv_usage_least: float | None = None  # its least-used DP rank's (room rule 6)
+        self._kv_usage_least: float | None = None  # its least-used DP rank's (room rule 5)
         self._engine_queue = 0  # its waiting count
+        # Each data-parallel rank's latest step (room.py rule 2; None: none yet), and
+        # the spare slots and step tokens the steps set.
+        self._last_steps: list[EngineStep | None] = [None] * config.engine.ranks
+        self._spare_slots = 0.0
+        self._spare_tokens = 0.0
+        self._slot_bound = False  # the last round's feed ran short of slots, not budget
         self._unstarted_n = 0  # released generations without a first output yet
         self._unstarted_tokens = 0  # their prompt tokens
-        self._unstarted_chunks = 0  # their next prefill chunks (room.py rule 3)
+        self._unstarted_feed = 0  # what the engine's next steps prefill of them (rule 2)
         self._n_admitted = 0
         self._n_refused = 0
         self._n_dispatched = 0
@@ -215,6 +225,13 @@ class Coalescer:
         self._n_batches = 0
         self._n_generations = 0
         self._n_dedupe = 0
+        # The engine's steps and what the backlog held beside them (RoomCounters).
+        self._n_steps = 0
+        self._n_steps_held = 0
+        self._n_underfed = 0
+        self._held_by: Hold | None = None  # the rule that held work since `_held_at`
+        self._held_at = 0.0
+        self._held_s: dict[Hold, float] = dict.fromkeys(Hold, 0.0)
 
     # -- state, gauges, callers ----------------------------------------------------
 
@@ -239,6 +256,7 @@ class Coalescer:
         self._known = value.engine.known
         self._backlog.max_delay = value.order.max_delay
         self._set_slots()
+        self._refeed()
         self._apply_callers()
 
     @property
@@ -251,10 +269,18 @@ class Coalescer:
         self._config = replace(self._config, engine=value)
         self._known = value.known
         self._set_slots()
-        chunk = value.next_chunk
-        self._unstarted_chunks = sum(
-            chunk(g.ptok) for g in self._in_flight.values() if not g.started
+        self._refeed()
+
+    def _refeed(self) -> None:
+        """The engine capacity or the feed steps changed: recount room.py rule 2's
+        unstarted tokens, and forget steps of ranks that are gone."""
+        cfg = self._config
+        size, steps = cfg.engine.feed_size, cfg.feed_steps
+        self._unstarted_feed = sum(
+            size(g.ptok, steps) for g in self._in_flight.values() if not g.started
         )
+        ranks = cfg.engine.ranks
+        self._last_steps = (self._last_steps + [None] * ranks)[:ranks]
 
     def _set_slots(self) -> None:
         """The engine's max_loras and the slot wait (rule 13); slots in flight stay."""
@@ -324,6 +350,20 @@ class Coalescer:
             batches=self._n_batches,
             generations=self._n_generations,
             dedupe_hits=self._n_dedupe,
+        )
+
+    @property
+    def feed_spare(self) -> tuple[float, float]:
+        """Room.py rule 2's spare (slots, step tokens) the engine's steps have set."""
+        return self._spare_slots, self._spare_tokens
+
+    @property
+    def room_counters(self) -> RoomCounters:
+        return RoomCounters(
+            steps=self._n_steps,
+            steps_held=self._n_steps_held,
+            underfed_steps=self._n_underfed,
+            held_seconds=tuple((h.value, s) for h, s in self._held_s.items()),
         )
 
     def callers(self) -> tuple[CallerStats, ...]:
@@ -706,13 +746,25 @@ class Coalescer:
         while wheap and wheap[0][2].state != QUEUED:
             heappop(wheap)
 
-    def due(self, now: float, load: EngineLoad | None = None) -> list[Batch]:
-        """Expire, make due work eligible, then release what the engine has room for."""
+    def due(
+        self, now: float, load: EngineLoad | None = None, steps: Sequence[EngineStep] = ()
+    ) -> list[Batch]:
+        """Expire, make due work eligible, then release what the engine has room for.
+
+        `steps` are the engine steps reported since the previous call: each is judged
+        against what the backlog held meanwhile (rule 5) before anything changes.
+        """
         out: list[Batch] = []
+        if steps:
+            self._judge(steps)
+        if self._held_by is not None and now > self._held_at:
+            self._held_s[self._held_by] += now - self._held_at
+        self._held_at = now
         xheap = self._xheap
         if xheap and xheap[0][0] <= now:
             self._expire(now)
         if self._state is _CRITICAL:
+            self._held_by = None  # held by the admission state, not by a room rule
             self._tidy()
             return out
         if load is not None:
@@ -768,10 +820,57 @@ class Coalescer:
                         push(g)
         if backlog.n:
             self._release(now, out)
+        self._held_by = backlog.held_by if backlog.n else None
         if out:
             self._drain.busy(now)
         self._tidy()
         return out
+
+    def _judge(self, steps: Sequence[EngineStep]) -> None:
+        """Count the engine's steps, and the under-fed ones (room.underfed) beside what
+        the backlog held since the previous `due()`; keep each rank's latest."""
+        last = self._last_steps
+        for s in steps:
+            if 0 <= s.rank < len(last):
+                last[s.rank] = s
+        self._n_steps += len(steps)
+        if not self._backlog.n:
+            return
+        self._n_steps_held += len(steps)
+        held = self._held_prompt(self._room(self._held_at))
+        if not held:
+            return
+        cap = self._config.engine
+        fed = self._held_by is Hold.FEED
+        for s in steps:
+            if underfed(s, cap, held):
+                self._n_underfed += 1
+                if fed:
+                    self._respare(s, self._slot_bound)
+            elif s.waiting:
+                self._spare_slots -= self._spare_slots * _SPARE_DECAY
+                self._spare_tokens -= self._spare_tokens * _SPARE_DECAY
+
+    def _respare(self, step: EngineStep, slot_bound: bool) -> None:
+        """Room.py rule 2's spare: an under-fed step while the feed held work adds
+        what it left unused, of the dimension the feed ran short of."""
+        cap = self._config.engine
+        if slot_bound and cap.max_seqs:
+            unused = max(0, cap.max_seqs - step.requests)
+            self._spare_slots = min(cap.max_seqs * cap.ranks, self._spare_slots + unused)
+        elif cap.step_tokens:
+            unused = max(0, cap.step_tokens - step.tokens)
+            self._spare_tokens = min(cap.step_tokens * cap.ranks, self._spare_tokens + unused)
+
+    def _held_prompt(self, room: Room) -> int:
+        """The smallest prompt among the callers' first generations that wait for
+        engine room (not at their caller's max_concurrency, not for a LoRA slot); 0
+        if none."""
+        best = 0
+        for g in self._backlog.heads():
+            if room.admits(g.request.key.adapter) and (not best or g.ptok < best):
+                best = g.ptok
+        return best
 
     def _cut(self, group: Group, reason: ReleaseReason | None) -> None:
         """Make a group's queued generations eligible (rule 3), in rule-6 order.
@@ -821,22 +920,30 @@ class Coalescer:
             room.take(g.ptok, g.request.key.adapter)
             serve(g)
             released.append(g)
+        self._slot_bound = room.slot_bound
         self._round_done(released, now, out)
 
     def _room(self, now: float) -> Room:
         cfg = self._config
+        in_flight = len(self._in_flight)
         return Room(
             cfg.engine,
-            len(self._in_flight),
+            in_flight,
             self._unstarted_n,
             self._unstarted_tokens,
-            self._unstarted_chunks,
+            self._unstarted_feed,
+            EngineView.of(
+                cfg.engine,
+                self._last_steps,
+                in_flight - self._unstarted_n,
+                self._spare_slots,
+                self._spare_tokens,
+            ),
             self._kv_usage,
             self._engine_queue,
             cfg.kv_reserve_short,
             cfg.short_prompt_tokens,
-            cfg.step_lookahead,
-            cfg.slot_spare,
+            cfg.feed_steps,
             self._kv_usage_least,
             self._backlog.slots,
             now,
@@ -921,8 +1028,8 @@ class Coalescer:
         entries = []
         tokens = 0
         ptok = 0
-        chunks = 0
-        chunk = self._config.engine.next_chunk
+        feed = 0
+        size, steps = self._config.engine.feed_size, self._config.feed_steps
         nsubs = 0
         for g in gens:
             g.state = GONE
@@ -950,7 +1057,7 @@ class Coalescer:
             nsubs += len(subs)
             tokens += g.tokens
             ptok += g.ptok
-            chunks += chunk(g.ptok)
+            feed += size(g.ptok, steps)
             entries.append(_fast.entry(req, tuple(subs), g.key))
         self._q_reqs -= nsubs
         self._f_reqs += nsubs
@@ -958,7 +1065,7 @@ class Coalescer:
         self._f_tokens += tokens
         self._unstarted_n += len(gens)
         self._unstarted_tokens += ptok
-        self._unstarted_chunks += chunks
+        self._unstarted_feed += feed
         self._n_dispatched += nsubs
         self._n_generations += len(gens)
         self._n_batches += 1
@@ -982,10 +1089,11 @@ class Coalescer:
         return True
 
     def _leaves_engine_queue(self, gen: Gen) -> None:
-        """A released generation is no longer unstarted (room.py rules 3-4)."""
+        """A released generation is no longer unstarted (room.py rules 2-3)."""
+        cfg = self._config
         self._unstarted_n -= 1
         self._unstarted_tokens -= gen.ptok
-        self._unstarted_chunks -= self._config.engine.next_chunk(gen.ptok)
+        self._unstarted_feed -= cfg.engine.feed_size(gen.ptok, cfg.feed_steps)
 
     def finished(self, request_id: str, now: float, tokens: int | None = None) -> bool:
         """A released generation (by `Entry.request.id`) ended in the engine.

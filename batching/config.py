@@ -82,8 +82,7 @@ class CoalescerConfig:
     order: ReleaseOrder = _ORDER  # the release key (order.py)
     kv_reserve_short: float = 0.1  # KV share long prompts leave free for short ones
     short_prompt_tokens: int = 256  # a prompt this long or shorter counts as short
-    step_lookahead: float = 1.0  # engine step budgets of unstarted prompts (issue 21)
-    slot_spare: float = 0.0625  # share of engine slots released beyond max_num_seqs
+    feed_steps: float = 2.0  # engine steps of work kept in the engine's queue (room.py rule 2)
     adapter_wait: float = 0.0  # seconds the head may wait for a LoRA slot (adapters.py)
 
     def __post_init__(self) -> None:
@@ -101,6 +100,6 @@ class CoalescerConfig:
             raise ValueError("kv_reserve_short must be in [0, 1)")
         if self.short_prompt_tokens < 0:
             raise ValueError("short_prompt_tokens must be >= 0")
-        if not self.step_lookahead >= 1.0 or not self.slot_spare >= 0.0:
-            raise ValueError("need step_lookahead >= 1 and slot_spare >= 0")
+        if not self.feed_steps >= 1.0:
+            raise ValueError("need feed_steps >= 1")
         check_wait(self.adapter_wait)

@@ -404,6 +404,7 @@ class Runner:
             for key, name in point.counters:
                 if name in after:
                     metrics = {**metrics, key: after[name] - before.get(name, 0.0)}
+            metrics = {**metrics, **rp.underfed_share(metrics)}
         metrics = {**metrics, **rp.running_summary(running)}
         if point.prefix_metrics:
             time.sleep(1.0)  # let the engine's last step stats reach /metrics
@@ -427,7 +428,7 @@ class Runner:
     def _callers_flags(self, system: str, callers: Sequence[str]) -> list[str]:
         """`--callers FILE` for Sluice when the block's jobs name callers and this
         Sluice has the flag (issue 11); the file goes to the run's raw dir, 0600."""
-        if system != rp.SLUICE or not callers:
+        if system not in (rp.SLUICE, rp.NOHOLD) or not callers:
             return []
         if self._sluice_callers is None:
             self._sluice_callers = sluice_has_flag("--callers", ROOT)
@@ -591,7 +592,8 @@ class Runner:
         try:
             groups = by_engine(plan.points)
             for rep in range(1, cfg.repeat + 1):
-                order = [rp.SLUICE, rp.VLLM] if rep % 2 else [rp.VLLM, rp.SLUICE]
+                order = [rp.SLUICE, rp.VLLM, rp.NOHOLD]
+                order = order if rep % 2 else order[::-1]
                 order = [system for system in order if system in cfg.systems]
                 for engine, points in groups:
                     for system in order:
@@ -681,8 +683,20 @@ CLASS_METRICS = (
 )
 # Each scenario's table, in SCENARIOS order; WINDOW and RAW_CEILING have
 # sections of their own.
+# Issue 27, on every saturated point: the engine's mean running count, and Sluice's
+# engine steps beside a held backlog, the under-fed ones and their share.
+UNDERFED_METRICS = ("held_steps", "underfed_steps", "underfed_share")
 SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
-    CONCURRENCY: ("req_s", "out_tok_s", "ttft_p50", "ttft_p99", "tpot_p50", "failed"),
+    CONCURRENCY: (
+        "req_s",
+        "out_tok_s",
+        "ttft_p50",
+        "ttft_p99",
+        "tpot_p50",
+        "running_mean",
+        *UNDERFED_METRICS,
+        "failed",
+    ),
     POISSON: ("req_s", "ttft_p50", "ttft_p99", "tpot_p50", "e2el_p99", "failed"),
     MIXED: CLASS_METRICS,
     PREFIX: BURST_METRICS,
@@ -700,6 +714,7 @@ SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
         "flood_completed",
         "flood_failed",
         "chat_beside_flood",
+        *UNDERFED_METRICS,
     ),
     PAST_CAPACITY: (*CLASS_METRICS[:-1], "short_failed", "failed"),
     SPREAD: (
@@ -710,6 +725,8 @@ SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
         "long_third_ttft_p99",
         "req_s",
         "completed",
+        "running_mean",
+        *UNDERFED_METRICS,
         "failed",
     ),
     LORA: (
@@ -720,6 +737,7 @@ SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
         "share_dev",
         "adapter_wait_steps",
         "engine_steps",
+        *UNDERFED_METRICS,
         "span_s",
     ),
     THREE: (
@@ -734,6 +752,7 @@ SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
         "bulk_b_span_completed",
         "bulk_b_per_a",
         "chat_beside_bulk",
+        *UNDERFED_METRICS,
     ),
     CHAT_MIX: CLASS_METRICS,
     DATA_PARALLEL: (
@@ -744,6 +763,8 @@ SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
         "tpot_p50",
         "running_peak",
         "running_p50",
+        "running_mean",
+        *UNDERFED_METRICS,
         "failed",
     ),
 }

@@ -464,8 +464,14 @@ class Driver:
         self._fired = max(self._fired, deadline)
         self._wakeup.set()
 
+    def _on_step(self) -> None:
+        """The engine ran a step: while work is held, the room it left is released now."""
+        if self.core.backlog_generations:
+            self._wake()
+
     async def run(self) -> None:
         """The driver task: runs until cancelled at shutdown."""
+        self.engine.watch_steps(self._on_step)
         try:
             while True:
                 await self._wakeup.wait()
@@ -476,12 +482,15 @@ class Driver:
                         await self.engine.abort(ids)
                     except Exception:
                         log.exception("engine abort failed")
-                batches = self.core.due(max(self.now(), self._fired), self.load())
+                batches = self.core.due(
+                    max(self.now(), self._fired), self.load(), self.engine.take_steps()
+                )
                 self._flush_events()
                 for batch in batches:
                     await self._dispatch(batch)
                 self._arm_timer()
         finally:
+            self.engine.watch_steps(None)
             if self._timer is not None:
                 self._timer.cancel()
 

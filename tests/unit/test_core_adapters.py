@@ -1,4 +1,4 @@
-"""LoRA slots by example: adapters.py rules 1-4, room.py rule 7, backlog.py rule 5.
+"""LoRA slots by example: adapters.py rules 1-4, room.py rule 6, backlog.py rule 5.
 A fake clock is just floats; window 0, so a due() makes everything admitted eligible."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def co_(max_loras: int = 2, seqs: int = 0, wait: float = 1.0) -> Coalescer:
             release_lone=False,
             dedupe=False,
             engine=EngineCapacity(max_seqs=seqs, max_loras=max_loras),
-            slot_spare=0.0,
+            feed_steps=1.0,
             adapter_wait=wait,
             callers=Callers(tuple(CallerPolicy(n) for n in names)),
         )

@@ -27,7 +27,8 @@ after every step:
 
 A second machine keeps two equal-weight callers backlogged the whole time and checks
 the fairness bound of backlog.py: their counters never differ by more than
-(2 + S) x U, S the engine's slots (a bound on either caller's generations in flight)
+(2 + 3S) x U, S the engine's slots (3S bounds either caller's generations in flight:
+the running ones and the engine's queue of two steps and a spare, room.py rule 2)
 and U the largest request's cost, prompt + 2 x max_new. Some requests are open-ended
 (charged an estimate): the bound is unchanged (backlog.py, "Open-ended requests").
 """
@@ -52,6 +53,7 @@ from batching import (
     Ended,
     EngineCapacity,
     EngineLoad,
+    EngineStep,
     Outcome,
     RefusalReason,
     Refused,
@@ -60,7 +62,7 @@ from batching import (
     Request,
     group_key,
 )
-from batching.room import Room
+from batching.room import EngineView, Room
 
 M = group_key("m")
 NAMES = ("a", "b", "c")
@@ -129,8 +131,7 @@ class BacklogMachine(RuleBasedStateMachine):
         lclass=st.sampled_from([1, 16]),
         policies=st.lists(POLICY, min_size=3, max_size=3),
         dedupe=st.booleans(),
-        lookahead=st.sampled_from([1.0, 2.0]),
-        spare=st.sampled_from([0.0, 0.5]),
+        feed=st.sampled_from([1.0, 2.0]),
         chunk=st.sampled_from([0, 0, 4, 16]),
     )
     def setup(
@@ -144,8 +145,7 @@ class BacklogMachine(RuleBasedStateMachine):
         lclass: int,
         policies: list[CallerPolicy],
         dedupe: bool,
-        lookahead: float,
-        spare: float,
+        feed: float,
         chunk: int,
     ) -> None:
         self.callers = table(policies)
@@ -160,13 +160,13 @@ class BacklogMachine(RuleBasedStateMachine):
             order=ReleaseOrder(rate, delay, lclass),
             kv_reserve_short=reserve,
             short_prompt_tokens=8,
-            step_lookahead=lookahead,
-            slot_spare=spare,
+            feed_steps=feed,
         )
         self.co = Coalescer(self.cfg)
         self.now = 0.0
         self.kv_usage = 0.0
         self.engine_queue = 0
+        self.last_step: EngineStep | None = None  # the engine's latest step reported
         self.n = 0
         self.seq = 0
         self.queued: dict[str, Gen] = {}  # generation id -> Gen (queued or backlogged)
@@ -203,18 +203,20 @@ class BacklogMachine(RuleBasedStateMachine):
         unstarted = [
             f for gid, f in self.flying.items() if not f.started and gid not in now_released
         ]
+        cap, feed = self.cfg.engine, self.cfg.feed_steps
+        running = sum(1 for f in self.flying.values() if f.started)
         room = Room(
-            self.cfg.engine,
+            cap,
             len(self.flying) - len(now_released),
             len(unstarted),
             sum(f.ptok for f in unstarted),
-            sum(self.cfg.engine.next_chunk(f.ptok) for f in unstarted),
+            sum(cap.feed_size(f.ptok, feed) for f in unstarted),
+            EngineView.of(cap, [self.last_step], running),
             self.kv_usage,
             self.engine_queue,
             self.cfg.kv_reserve_short,
             self.cfg.short_prompt_tokens,
-            self.cfg.step_lookahead,
-            self.cfg.slot_spare,
+            feed,
         )
         for g in released:
             room.take(g.ptok)
@@ -326,13 +328,26 @@ class BacklogMachine(RuleBasedStateMachine):
         dt=st.sampled_from([0.0, 0.005, 0.01, 0.03]),
         kv=st.sampled_from([0.0, 0.3, 0.6, 0.9, 1.0]),
         waiting=st.sampled_from([0, 0, 1, 3]),
+        report=st.booleans(),
+        decode=st.sampled_from([0, 1, 5]),
     )
-    def due(self, dt: float, kv: float, waiting: int = 0) -> None:
+    def due(
+        self, dt: float, kv: float, waiting: int = 0, report: bool = False, decode: int = 0
+    ) -> None:
+        """One release round; with `report`, after an engine step that ran the
+        started work (at most its slots) and `decode` tokens per request."""
         self.now += dt
         self.kv_usage = kv
         self.engine_queue = waiting
         before = {n: self._flying_of(n) for n in NAMES}
-        batches = self.co.due(self.now, EngineLoad(len(self.flying), waiting, kv))
+        steps: list[EngineStep] = []
+        if report:
+            seqs = self.cfg.engine.max_seqs
+            running = sum(1 for f in self.flying.values() if f.started)
+            running = min(running, seqs) if seqs else running
+            self.last_step = EngineStep(0, 0, running * decode, running, running, waiting, kv)
+            steps.append(self.last_step)
+        batches = self.co.due(self.now, EngineLoad(len(self.flying), waiting, kv), steps)
         events = self.co.pop_events()
         expired = {
             e.request_id for e in events if isinstance(e, Ended) and e.outcome is Outcome.EXPIRED
@@ -519,7 +534,11 @@ class FairnessMachine(RuleBasedStateMachine):
         delay=st.sampled_from([0.0, 0.05, 10.0]),
     )
     def setup(self, seqs: int, step: int, kv: int, delay: float) -> None:
-        self.slots = seqs
+        # The most generations in flight: the engine's queue holds two steps'
+        # worth of its free slots and a spare of at most its slots (room.py rule 2),
+        # so running plus queued stays within 3 x seqs.
+        self.slots = 3 * seqs
+        self.seqs = seqs
         self.co = Coalescer(
             CoalescerConfig(
                 window=0.0,
@@ -541,8 +560,9 @@ class FairnessMachine(RuleBasedStateMachine):
         sizes=st.lists(
             st.tuples(st.integers(0, MAX_PROMPT), st.integers(0, MAX_NEW)), min_size=10, max_size=10
         ),
+        report=st.booleans(),
     )
-    def due(self, dt: float, kv: float, sizes: list[tuple[int, int]]) -> None:
+    def due(self, dt: float, kv: float, sizes: list[tuple[int, int]], report: bool) -> None:
         # Top up: at most `slots` generations leave per due(), so 5 + slots waiting
         # means neither caller's backlog ever empties (no return from idle).
         sizes_left = iter(sizes * 4)
@@ -562,7 +582,11 @@ class FairnessMachine(RuleBasedStateMachine):
                 self.backlog[name] += 1
         self.now += dt
         largest_prompt = {"a": -1, "b": -1}  # per caller, among this round's releases
-        for b in self.co.due(self.now, EngineLoad(len(self.flying), 0, kv)):
+        steps = []
+        if report:  # an engine step that ran the started work, within its slots
+            running = min(len(self.flying) - len(self.unstarted), self.seqs)
+            steps.append(EngineStep(0, 0, running, running, running, 0, kv))
+        for b in self.co.due(self.now, EngineLoad(len(self.flying), 0, kv), steps):
             for e in b.entries:
                 rid = e.request.id
                 name = self.owner[rid]
@@ -638,7 +662,7 @@ class AgingMachine(BacklogMachine):
         self, seqs: int, step: int, kv: int, delay: float, rate: float, lclass: int, chunk: int
     ) -> None:
         plain = CallerPolicy("x")
-        super().setup(seqs, step, kv, 0.0, delay, rate, lclass, [plain] * 3, False, 1.0, 0.0, chunk)
+        super().setup(seqs, step, kv, 0.0, delay, rate, lclass, [plain] * 3, False, 1.0, chunk)
 
     @rule(
         caller=st.sampled_from(["a", "a", "a", "b"]),
