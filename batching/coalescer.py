@@ -25,11 +25,14 @@ Rules:
    group; a cap takes, in rule-6 order, batches while the rest still reaches a cap.
 4. A batch holds one GroupKey.
 5. Backlog (backlog.py, room.py): eligible generations wait in their caller's backlog
-   and `due()` releases them only while the engine has room: a running slot, about
-   one scheduler step of unstarted prefill, KV room. The driver reports a generation's
-   first output with `started()`, its end with `finished()`, and the engine's stats
-   with each `due(now, load)`; the backlog is not time-driven, so while
-   `backlog_generations` is non-zero the driver calls `due()` after each of those.
+   and `due()` releases them only while the engine's next steps will take them (its
+   queue fed for the steps room.py rule 2 says, KV room). The driver reports a
+   generation's first output with `started()`, its end with `finished()`, and the
+   engine's stats and the steps it ran with each `due(now, load, steps)`; the backlog
+   is not time-driven, so while `backlog_generations` is non-zero the driver calls
+   `due()` after each of those. Each step is judged against what the backlog held
+   beside it (room.underfed), and the time the backlog held work is integrated by the
+   rule that held it (`room_counters`).
    With nothing in flight the first backlogged generation always goes (the engine
    never idles while Sluice holds work). With the engine capacity unknown (all 0)
    and no caller's max_concurrency in the way, nothing is held: eligible means
