@@ -209,7 +209,9 @@ class Coalescer:
         self._known = config.engine.known  # any engine number known: room.py applies
         self._kv_usage = 0.0  # from the latest EngineLoad
         self._kv_usage_least: float | None = None  # its least-used DP rank's (room rule 5)
-        self._engine_queue = 0  # its waiting count
+        # Prompt tokens the engine's steps prefilled of the unstarted generations
+        # (room.py rule 3): in its KV use already.
+        self._prefilled = 0
         # Each data-parallel rank's latest step (room.py rule 2; None: none yet), and
         # the spare slots and step tokens the steps set.
         self._last_steps: list[EngineStep | None] = [None] * config.engine.ranks
@@ -773,7 +775,6 @@ class Coalescer:
         if load is not None:
             self._kv_usage = load.kv_usage
             self._kv_usage_least = load.kv_usage_least
-            self._engine_queue = load.waiting
         # Decided before this call releases anything (see rule 10).
         idle = (
             load is not None
@@ -833,9 +834,12 @@ class Coalescer:
         """Count the engine's steps, and the under-fed ones (room.underfed) beside what
         the backlog held since the previous `due()`; keep each rank's latest."""
         last = self._last_steps
+        prefilled = self._prefilled
         for s in steps:
             if 0 <= s.rank < len(last):
                 last[s.rank] = s
+            prefilled += s.prefill_tokens
+        self._prefilled = min(prefilled, self._unstarted_tokens)
         self._n_steps += len(steps)
         if not self._backlog.n:
             return
@@ -943,7 +947,7 @@ class Coalescer:
                 self._spare_tokens,
             ),
             self._kv_usage,
-            self._engine_queue,
+            self._prefilled,
             cfg.kv_reserve_short,
             cfg.short_prompt_tokens,
             cfg.feed_steps,
@@ -1079,24 +1083,28 @@ class Coalescer:
 
     # -- after release -------------------------------------------------------------
 
-    def started(self, request_id: str, now: float) -> bool:
+    def started(self, request_id: str, now: float, cached: int = 0) -> bool:
         """A released generation produced its first output: it left the engine's queue.
 
-        Returns False for an unknown, finished or already started id (a no-op).
+        `cached` is how many of its prompt tokens the engine's prefix cache held (vLLM's
+        num_cached_tokens): those it did not prefill. Returns False for an unknown,
+        finished or already started id (a no-op).
         """
         gen = self._in_flight.get(request_id)
         if gen is None or gen.started:
             return False
         gen.started = True
-        self._leaves_engine_queue(gen)
+        self._leaves_engine_queue(gen, gen.ptok - min(max(0, cached), gen.ptok))
         return True
 
-    def _leaves_engine_queue(self, gen: Gen) -> None:
-        """A released generation is no longer unstarted (room.py rules 2-3)."""
+    def _leaves_engine_queue(self, gen: Gen, prefilled: int) -> None:
+        """A released generation is no longer unstarted (room.py rules 2-3), after the
+        engine prefilled `prefilled` of its prompt tokens."""
         cfg = self._config
         self._unstarted_n -= 1
         self._unstarted_tokens -= gen.ptok
         self._unstarted_feed -= cfg.engine.feed_size(gen.ptok, cfg.feed_steps)
+        self._prefilled = max(0, self._prefilled - prefilled) if self._unstarted_n else 0
 
     def finished(self, request_id: str, now: float, tokens: int | None = None) -> bool:
         """A released generation (by `Entry.request.id`) ended in the engine.
@@ -1119,7 +1127,9 @@ class Coalescer:
         self._f_reqs -= n
         self._f_tokens -= gen.tokens
         if not gen.started:
-            self._leaves_engine_queue(gen)
+            # Ended before its first output (an abort): how much of it the engine had
+            # prefilled is not known; all of it, so the KV estimate errs high.
+            self._leaves_engine_queue(gen, gen.ptok)
         req = gen.request
         generated = req.max_new_tokens if tokens is None else tokens
         c = gen.caller

@@ -34,14 +34,20 @@ engine number, and an unknown number never holds anything back):
    engine has reported a step, running is Sluice's own count of started and
    unfinished work and a step's decodes are that many tokens.
 3. KV room: estimated KV tokens in use plus this prompt <= `kv_tokens`. The estimate
-   is `kv_usage` x `kv_tokens` from the engine's latest stats, plus the prompts the
-   engine has not allocated yet: of the unstarted prompts, the share the engine
-   reports waiting (`engine_waiting` of them; the others are in prefill, and their
-   blocks are in `kv_usage` already), and everything released in this round.
-   Decode growth of running requests is in `kv_usage` as it happens; vLLM
-   preempts when it runs out, as it would without Sluice. The engine cannot tell
-   this ahead: a prompt it cannot place blocks the requests behind it in its
+   is `kv_usage` x `kv_tokens` from the engine's latest stats, plus what the engine
+   has still to allocate for the prompts released to it: the unstarted prompts'
+   tokens less the prompt tokens its steps have prefilled of them (`prefilled`,
+   from each step's scheduled prompt tokens, which are in `kv_usage` once
+   scheduled), and everything released in this round. The engine cannot tell
+   this ahead: vLLM starts a prompt on its first chunk's blocks, and a prompt
+   whose later chunks find none blocks the requests behind it in its
    first-come-first-served queue, so it has to be held before it is released.
+   (Counted instead as the share of unstarted prompts the engine reported
+   waiting, as issue 21's room did, a release on its way to the engine counted
+   nothing until the engine's next report: at the flood, 2-4 flood prompts then
+   waited for KV in vLLM's queue in 74% of the steps, where a chat turn waits
+   behind them.) Decode growth of running requests is in `kv_usage` as it
+   happens; vLLM preempts when it runs out, as it would without Sluice.
 4. Headroom for short requests (`reserve` > 0; a tenth by default, config.py): a
    prompt longer than `short_prompt` tokens may only use (1 - reserve) of the KV
    cache, so a short chat turn finds room at the next step instead of waiting for a
@@ -191,7 +197,7 @@ class Room:
         unstarted_feed: int,
         view: EngineView,
         kv_usage: float,
-        engine_waiting: int,
+        prefilled: int,
         reserve: float,
         short_prompt: int,
         feed_steps: float,
@@ -210,8 +216,7 @@ class Room:
         self.kv_rank_free = _rank_free(capacity, kv_usage, kv_usage_least)
         self.kv_long = kv * (1.0 - reserve)
         self.kv_used = kv_usage * kv
-        waiting = min(1.0, engine_waiting / unstarted_n) if unstarted_n else 0.0
-        self.kv_pending = unstarted_tokens * waiting
+        self.kv_pending = max(0, unstarted_tokens - prefilled)
         self.short_prompt = short_prompt
         self.in_flight = in_flight
         self.unstarted_n = unstarted_n

@@ -185,7 +185,7 @@ class Generation:
     def _count(self, out: EngineOutput) -> None:
         if self._first:
             self._first = False
-            self.driver.generation_started(self)
+            self.driver.generation_started(self, out.num_cached_tokens or 0)
         for c in out.outputs:
             self.completion_tokens += len(c.token_ids)
 
@@ -343,9 +343,10 @@ class Driver:
         self._check_idle()
         self._wake()
 
-    def generation_started(self, gen: Generation) -> None:
-        """Its first output: it left the engine's waiting queue (room for more)."""
-        if self.core.started(gen.engine_id, self.now()) and self.core.backlog_generations:
+    def generation_started(self, gen: Generation, cached: int = 0) -> None:
+        """Its first output: it left the engine's waiting queue (room for more);
+        `cached` of its prompt tokens were in the prefix cache."""
+        if self.core.started(gen.engine_id, self.now(), cached) and self.core.backlog_generations:
             self._wake()
 
     def load(self) -> EngineLoad:

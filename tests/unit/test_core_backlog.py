@@ -18,6 +18,7 @@ from batching import (
     Ended,
     EngineCapacity,
     EngineLoad,
+    EngineStep,
     Outcome,
     Refused,
     Released,
@@ -170,20 +171,31 @@ def test_by_default_the_engine_queue_holds_two_steps_of_work() -> None:
     assert len(ids(co.due(0.0))) == 64
 
 
-def test_kv_room_counts_engine_usage_and_unstarted_prompts() -> None:
-    co = co_(kv=1000, kv_reserve_short=0.0)  # rule 4 alone
+def test_kv_room_counts_engine_usage_and_what_it_has_not_prefilled() -> None:
+    co = co_(kv=1000, kv_reserve_short=0.0)  # rule 3 alone
     co.add(req("x", prompt=10), 0.0)
     assert release_all(co, 0.0) == ["x"]
     co.add(req("a", prompt=200), 0.1)
     co.add(req("b", prompt=400), 0.1)
     half = EngineLoad(running=1, waiting=0, kv_usage=0.5)
-    # 500 in use + 200 = 700 fits; then + 200 unstarted + 400 does not.
+    # 500 in use + 200 = 700 fits; then + 200 not prefilled + 400 does not.
     assert ids(co.due(0.1, half)) == ["a"]
-    # The engine reports a waiting: its prompt is not in the usage yet.
-    assert co.due(0.2, EngineLoad(1, 1, 0.5)) == []
-    # In prefill (nothing waiting): its blocks are in the usage, counted once.
-    assert co.due(0.3, EngineLoad(2, 0, 0.7)) == []
-    assert ids(co.due(0.4, EngineLoad(2, 0, 0.6))) == ["b"]  # 600 + 400 <= 1000
+    # On its way to the engine, or in its queue: counted whatever the engine reports
+    # waiting (issue 21's room counted the waiting share: nothing here).
+    assert co.due(0.2, EngineLoad(1, 0, 0.5)) == []
+    # A step prefilled 100 of its tokens, in the usage now: 100 left to count.
+    step = EngineStep(0, 100, 1, 2, 2, 0, 0.6)
+    assert co.due(0.3, EngineLoad(2, 0, 0.6), [step]) == []  # 600 + 100 + 400 > 1000
+    assert ids(co.due(0.4, EngineLoad(2, 0, 0.5))) == ["b"]  # 500 + 100 + 400 <= 1000
+    # The rest of "a" (50 tokens: its prefix cache held the other 50), and it starts.
+    co.due(0.5, EngineLoad(2, 0, 0.55), [EngineStep(0, 50, 1, 2, 2, 0, 0.55)])
+    assert co.started("a", 0.5, cached=50)
+    co.add(req("c", prompt=100), 0.6)
+    # "b" is unstarted and none of it prefilled: 550 + 400 + 100 > 1000.
+    assert co.due(0.6, EngineLoad(2, 0, 0.55)) == []
+    # A step prefills "b" whole: nothing left to allocate, 800 + 100 <= 1000.
+    got = co.due(0.7, EngineLoad(3, 0, 0.8), [EngineStep(0, 400, 1, 3, 3, 0, 0.8)])
+    assert ids(got) == ["c"]
 
 
 def test_work_conserving_a_too_large_head_goes_when_nothing_is_in_flight() -> None:

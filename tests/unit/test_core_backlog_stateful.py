@@ -165,7 +165,7 @@ class BacklogMachine(RuleBasedStateMachine):
         self.co = Coalescer(self.cfg)
         self.now = 0.0
         self.kv_usage = 0.0
-        self.engine_queue = 0
+        self.prefilled = 0  # prompt tokens the engine's steps prefilled of unstarted work
         self.last_step: EngineStep | None = None  # the engine's latest step reported
         self.n = 0
         self.seq = 0
@@ -196,7 +196,7 @@ class BacklogMachine(RuleBasedStateMachine):
         mc = self._policy(name).max_concurrency
         return mc is not None and self._flying_of(name) >= mc
 
-    def _room(self, released: list[Gen]) -> Room:
+    def _room(self, released: list[Gen], book: bool = True) -> Room:
         """The room as the core saw it at the start of the last due(), with that
         call's releases booked (the engine's waiting share applies to the older)."""
         now_released = {g.request.id for g in released}
@@ -211,15 +211,17 @@ class BacklogMachine(RuleBasedStateMachine):
             len(unstarted),
             sum(f.ptok for f in unstarted),
             sum(cap.feed_size(f.ptok, feed) for f in unstarted),
-            EngineView.of(cap, [self.last_step], running),
+            # The spare is the core's own (set by the steps it judged under-fed).
+            EngineView.of(cap, [self.last_step], running, *self.co.feed_spare),
             self.kv_usage,
-            self.engine_queue,
+            self.prefilled,
             self.cfg.kv_reserve_short,
             self.cfg.short_prompt_tokens,
             feed,
         )
-        for g in released:
-            room.take(g.ptok)
+        if book:
+            for g in released:
+                room.take(g.ptok)
         return room
 
     def _counter(self, name: str) -> float:
@@ -330,23 +332,32 @@ class BacklogMachine(RuleBasedStateMachine):
         waiting=st.sampled_from([0, 0, 1, 3]),
         report=st.booleans(),
         decode=st.sampled_from([0, 1, 5]),
+        prefill=st.sampled_from([0, 0, 5, 40]),
     )
     def due(
-        self, dt: float, kv: float, waiting: int = 0, report: bool = False, decode: int = 0
+        self,
+        dt: float,
+        kv: float,
+        waiting: int = 0,
+        report: bool = False,
+        decode: int = 0,
+        prefill: int = 0,
     ) -> None:
         """One release round; with `report`, after an engine step that ran the
-        started work (at most its slots) and `decode` tokens per request."""
+        started work (at most its slots), `decode` tokens per request, and
+        `prefill` prompt tokens of the unstarted work (room.py rule 3)."""
         self.now += dt
         self.kv_usage = kv
-        self.engine_queue = waiting
         before = {n: self._flying_of(n) for n in NAMES}
         steps: list[EngineStep] = []
         if report:
             seqs = self.cfg.engine.max_seqs
             running = sum(1 for f in self.flying.values() if f.started)
             running = min(running, seqs) if seqs else running
-            self.last_step = EngineStep(0, 0, running * decode, running, running, waiting, kv)
+            self.last_step = EngineStep(0, prefill, running * decode, running, running, waiting, kv)
             steps.append(self.last_step)
+            unstarted = sum(f.ptok for f in self.flying.values() if not f.started)
+            self.prefilled = min(self.prefilled + prefill, unstarted)
         batches = self.co.due(self.now, EngineLoad(len(self.flying), waiting, kv), steps)
         events = self.co.pop_events()
         expired = {
@@ -397,7 +408,17 @@ class BacklogMachine(RuleBasedStateMachine):
             held = [release_key(self.cfg.order, h.request, h.seq) for h in self._backlog_of(name)]
             if keys != sorted(keys) or (held and keys and max(keys) > min(held)):
                 event("key order bent by the room")
+        self._check_released_fit(released)
         self._check_work_conserving(released)
+
+    def _check_released_fit(self, released: list[Gen]) -> None:
+        """Safety: each release of the round fitted the room as the model sees it,
+        with the round's earlier releases booked (the first may go to an idle engine,
+        room.py rule 1)."""
+        room = self._room(released, book=False)
+        for g in released:
+            assert room.fits(g.ptok), (g.request.id, g.ptok)
+            room.take(g.ptok)
 
     def _check_work_conserving(self, released: list[Gen]) -> None:
         if not self.queued:
@@ -438,12 +459,22 @@ class BacklogMachine(RuleBasedStateMachine):
             barrier = min(barrier, g.request.arrival + self.cfg.order.max_delay)
         return False
 
+    def _leaves_engine_queue(self, f: Flying, prefilled: int) -> None:
+        """room.py rule 3, modelled: an unstarted generation leaves the engine's queue
+        after `prefilled` of its tokens were prefilled."""
+        f.started = True
+        if any(not g.started for g in self.flying.values()):
+            self.prefilled = max(0, self.prefilled - prefilled)
+        else:
+            self.prefilled = 0
+
     @precondition(lambda self: any(not f.started for f in self.flying.values()))
-    @rule(data=st.data())
-    def started(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), cached=st.sampled_from([0, 0, 3, 50]))
+    def started(self, data: st.DataObject, cached: int) -> None:
         gid = data.draw(st.sampled_from(sorted(g for g, f in self.flying.items() if not f.started)))
-        assert self.co.started(gid, self.now) is True
-        self.flying[gid].started = True
+        assert self.co.started(gid, self.now, cached) is True
+        f = self.flying[gid]
+        self._leaves_engine_queue(f, f.ptok - min(cached, f.ptok))
 
     @precondition(lambda self: bool(self.flying))
     @rule(data=st.data(), every=st.booleans(), tokens=st.integers(0, 300))
@@ -451,7 +482,10 @@ class BacklogMachine(RuleBasedStateMachine):
         done = sorted(self.flying) if every else [data.draw(st.sampled_from(sorted(self.flying)))]
         for gid in done:
             assert self.co.finished(gid, self.now, tokens) is True
-            f = self.flying.pop(gid)
+            f = self.flying[gid]
+            if not f.started:  # an abort: counted as all prefilled
+                self._leaves_engine_queue(f, f.ptok)
+            del self.flying[gid]
             if f.open_ended:
                 est = self.estimate[f.caller]
                 self.estimate[f.caller] = est + (tokens - est) / 16
@@ -472,7 +506,9 @@ class BacklogMachine(RuleBasedStateMachine):
         self.co.state = AdmissionState.OK
         for _ in range(len(self.queued) + 2):
             for gid, f in list(self.flying.items()):
-                self.co.started(gid, self.now)
+                if not f.started:
+                    self.co.started(gid, self.now)
+                    self._leaves_engine_queue(f, f.ptok)
                 self.co.finished(gid, self.now, 1)
                 if f.open_ended:
                     est = self.estimate[f.caller]

@@ -63,7 +63,7 @@ def _room(cap: EngineCapacity, in_flight: int = 1, **kw: Any) -> Room:
         "unstarted_feed": 0,
         "view": EngineView.of(cap, [None] * cap.ranks, 0),
         "kv_usage": 0.0,
-        "engine_waiting": 0,
+        "prefilled": 0,
         "reserve": 0.0,
         "short_prompt": 0,
         "feed_steps": 2.0,
