@@ -380,17 +380,21 @@ async def test_an_engine_step_reaches_the_core_and_releases_the_room_it_left(
     monkeypatch.setattr("server.driver.BACKLOG_RECHECK", 60.0)  # no second look
     engine = FakeEngine(step=0.05)
     cap = EngineCapacity(max_seqs=2, step_tokens=1000)
-    async with (
-        running(engine, cap, window=0.0, feed_steps=1.0) as (driver, _),
-        asyncio.TaskGroup() as readers,
-    ):
-        for _ in range(5):
-            readers.create_task(read_all(submit(driver, max_tokens=20)))
-        await until(lambda: len(engine.added) == 2 and driver.core.engine_waiting == 0)
-        await asyncio.sleep(0.1)  # both run; no step reported: nothing more goes
+    async with running(engine, cap, window=0.0, feed_steps=1.0) as (driver, _):
+        tickets = [submit(driver, max_tokens=500) for _ in range(5)]
+        await until(lambda: len(engine.added) == 2)
+        for t in tickets[:2]:  # their first outputs: both run (started, 25 s to go)
+            outputs = (await t.wait()).outputs(t.id)
+            await anext(outputs)
+            await outputs.aclose()
+        assert driver.core.engine_waiting == 0
+        await asyncio.sleep(0.1)  # no step reported: nothing more goes
         assert len(engine.added) == 2 and driver.core.backlog_generations == 3
         # The engine says its step ran both and neither runs now: two slots free.
         engine.report_steps(EngineStep(0, 0, 2, 2, 0, 0, 0.0))
-        await until(lambda: len(engine.added) == 4)
+        await until(lambda: len(engine.added) == 4, timeout=2.0)
         c = driver.core.room_counters
         assert (c.steps, c.steps_held, c.underfed_steps) == (1, 1, 0)
+        for t in tickets:
+            t.leave()
+        await settled(driver, engine)
