@@ -46,8 +46,14 @@ engine number, and an unknown number never holds anything back):
    waiting, as issue 21's room did, a release on its way to the engine counted
    nothing until the engine's next report: at the flood, 2-4 flood prompts then
    waited for KV in vLLM's queue in 74% of the steps, where a chat turn waits
-   behind them.) Decode growth of running requests is in `kv_usage` as it
-   happens; vLLM preempts when it runs out, as it would without Sluice.
+   behind them.) A short prompt (rule 4's) counts only the engine's use and this
+   round's releases: vLLM allocates it whole in its first step, beside whatever is
+   still to come of the long prompts in prefill, which then wait for blocks or are
+   preempted; that is the room rule 4 keeps for it. Counting their pending tokens
+   too held chat turns in Sluice's queue while a flood prompt was in prefill (chat
+   queue wait p95 10 s beside the flood, one run on a loaded machine). Decode growth
+   of running requests is in `kv_usage` as it happens; vLLM preempts when it runs
+   out, as it would without Sluice.
 4. Headroom for short requests (`reserve` > 0; a tenth by default, config.py): a
    prompt longer than `short_prompt` tokens may only use (1 - reserve) of the KV
    cache, so a short chat turn finds room at the next step instead of waiting for a
@@ -175,6 +181,7 @@ class Room:
         "kv_long",
         "kv_pending",
         "kv_rank_free",
+        "kv_round",
         "kv_tokens",
         "kv_used",
         "limited",
@@ -217,6 +224,7 @@ class Room:
         self.kv_long = kv * (1.0 - reserve)
         self.kv_used = kv_usage * kv
         self.kv_pending = max(0, unstarted_tokens - prefilled)
+        self.kv_round = 0  # prompt tokens released in this round (rule 3, short prompts)
         self.short_prompt = short_prompt
         self.in_flight = in_flight
         self.unstarted_n = unstarted_n
@@ -253,9 +261,11 @@ class Room:
             return Hold.FEED
         kv = self.kv_tokens
         if kv:
-            if self.kv_used + self.kv_pending + ptok > kv:
+            short = ptok <= self.short_prompt
+            ahead = self.kv_round if short else self.kv_pending
+            if self.kv_used + ahead + ptok > kv:
                 return Hold.KV
-            if ptok > self.short_prompt and self.kv_used + self.kv_pending + ptok > self.kv_long:
+            if not short and self.kv_used + self.kv_pending + ptok > self.kv_long:
                 return Hold.RESERVE
             if ptok > self.kv_rank_free:
                 return Hold.KV
@@ -282,6 +292,7 @@ class Room:
         self.unstarted_n += 1
         self.unstarted_feed += self.feed_size(ptok, self.steps)
         self.kv_pending += ptok
+        self.kv_round += ptok
 
 
 def _rank_free(capacity: EngineCapacity, kv_usage: float, least: float | None) -> float:

@@ -172,7 +172,7 @@ def test_by_default_the_engine_queue_holds_two_steps_of_work() -> None:
 
 
 def test_kv_room_counts_engine_usage_and_what_it_has_not_prefilled() -> None:
-    co = co_(kv=1000, kv_reserve_short=0.0)  # rule 3 alone
+    co = co_(kv=1000, kv_reserve_short=0.0, short_prompt_tokens=50)  # rule 3 alone
     co.add(req("x", prompt=10), 0.0)
     assert release_all(co, 0.0) == ["x"]
     co.add(req("a", prompt=200), 0.1)
@@ -196,6 +196,25 @@ def test_kv_room_counts_engine_usage_and_what_it_has_not_prefilled() -> None:
     # A step prefills "b" whole: nothing left to allocate, 800 + 100 <= 1000.
     got = co.due(0.7, EngineLoad(3, 0, 0.8), [EngineStep(0, 400, 1, 3, 3, 0, 0.8)])
     assert ids(got) == ["c"]
+
+
+def test_a_short_prompt_counts_the_engines_use_not_what_long_prompts_have_to_come() -> None:
+    """Room rule 3: vLLM allocates a short prompt whole in its first step; a long
+    prompt in prefill waits for its later chunks' blocks (rule 4's room)."""
+    co = co_(kv=1000, kv_reserve_short=0.0, short_prompt_tokens=50)
+    co.add(req("x", prompt=10), 0.0)
+    assert release_all(co, 0.0) == ["x"]
+    co.add(req("long", prompt=600), 0.1)
+    assert ids(co.due(0.1, EngineLoad(1, 0, 0.3))) == ["long"]  # 300 + 600
+    co.due(0.2, EngineLoad(2, 0, 0.5), [EngineStep(0, 200, 1, 2, 2, 0, 0.5)])  # 400 to come
+    for i, rid in enumerate(("chat1", "chat2", "chat3")):
+        co.add(req(rid, prompt=40, now=0.3 + i / 1000), 0.3)
+    co.add(req("long2", prompt=60, now=0.3), 0.3)
+    # 500 in use: each chat turn counts that and the turns before it in the round
+    # (not the 400 to come of "long"); "long2" counts them all: 500 + 400 + 120 + 60.
+    assert ids(co.due(0.3, EngineLoad(2, 0, 0.5))) == ["chat1", "chat2", "chat3"]
+    co.add(req("chat4", prompt=40), 0.4)
+    assert ids(co.due(0.4, EngineLoad(2, 0, 0.97))) == []  # 970 + 40 > 1000
 
 
 def test_work_conserving_a_too_large_head_goes_when_nothing_is_in_flight() -> None:
