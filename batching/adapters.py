@@ -7,7 +7,7 @@ take no slot). Work Sluice released on a third adapter beside two busy ones woul
 in vLLM's own queue, where Sluice can no longer reorder or cancel it cheaply, and vLLM
 frees a slot only when every running request of an adapter has ended: in a closed loop
 that may be never. So the backlog keeps the adapters in flight within `max_loras` and
-decides itself when one gives up its slot. The room (room.py rule 6) asks the queries
+decides itself when one gives up its slot. The room (room.py rule 7) asks the queries
 here; the backlog (backlog.py rule 5) starts and stops the clock.
 
 Rules (`max_loras` 0: LoRA is off, every query answers as if this module did not exist):

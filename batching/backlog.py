@@ -32,7 +32,7 @@ OSDI 2024, for the first rule):
    caller: skipping it costs it at most one request's worth of service, so it cannot
    starve.
 4. A caller at its max_concurrency is passed over (it does not block others).
-5. LoRA slots (room.py rule 6, adapters.py; only with `max_loras` > 0). A generation
+5. LoRA slots (room.py rule 7, adapters.py; only with `max_loras` > 0). A generation
    goes only if its adapter may have a slot. A caller whose work waits only for a
    slot (its head fits the room, but no generation rule 3 may take gets a slot) is
    passed over for the round without rule 3's floor: the engine keeps running the

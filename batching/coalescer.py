@@ -134,7 +134,10 @@ __all__ = ["Coalescer"]
 
 _KEEP_GROUPS = 64  # empty groups kept for reuse (see Coalescer.__init__)
 # room.py rule 2: the share of the feed's spare a step with waiting work left takes off.
-_SPARE_DECAY = 1.0 / 16.0
+# Modelled at the c=384 spread (bench/room_sim.py): under-fed steps 10.8% of the held
+# ones at 1/16, 5.1% at 1/64, 2.7% at 1/256, 1.0% at 0, with the engine's waiting
+# queue at 1.8, 2.3, 2.7 and 3.4 requests on average (vLLM's server: 245).
+_SPARE_DECAY = 1.0 / 256.0
 
 _OK = AdmissionState.OK
 _CRITICAL = AdmissionState.CRITICAL
@@ -208,7 +211,7 @@ class Coalescer:
         self._uncapped = self._no_caps()
         self._known = config.engine.known  # any engine number known: room.py applies
         self._kv_usage = 0.0  # from the latest EngineLoad
-        self._kv_usage_least: float | None = None  # its least-used DP rank's (room rule 5)
+        self._kv_usage_least: float | None = None  # its least-used DP rank's (room rule 6)
         # Prompt tokens the engine's steps prefilled of the unstarted generations
         # (room.py rule 3): in its KV use already.
         self._prefilled = 0
@@ -221,6 +224,7 @@ class Coalescer:
         self._unstarted_n = 0  # released generations without a first output yet
         self._unstarted_tokens = 0  # their prompt tokens
         self._unstarted_feed = 0  # what the engine's next steps prefill of them (rule 2)
+        self._unstarted_long = 0  # of them, prompts that take more than a step's chunk (rule 5)
         self._n_admitted = 0
         self._n_refused = 0
         self._n_dispatched = 0
@@ -281,9 +285,10 @@ class Coalescer:
         unstarted tokens, and forget steps of ranks that are gone."""
         cfg = self._config
         size, steps = cfg.engine.feed_size, cfg.feed_steps
-        self._unstarted_feed = sum(
-            size(g.ptok, steps) for g in self._in_flight.values() if not g.started
-        )
+        unstarted = [g.ptok for g in self._in_flight.values() if not g.started]
+        self._unstarted_feed = sum(size(p, steps) for p in unstarted)
+        multi, short = cfg.engine.multi_step, cfg.short_prompt_tokens
+        self._unstarted_long = sum(1 for p in unstarted if multi(p, short))
         ranks = cfg.engine.ranks
         self._last_steps = (self._last_steps + [None] * ranks)[:ranks]
 
@@ -954,7 +959,19 @@ class Coalescer:
             self._kv_usage_least,
             self._backlog.slots,
             now,
+            self._unstarted_long,
+            cfg.long_prefills if self._callers_busy() > 1 else 0,
         )
+
+    def _callers_busy(self) -> int:
+        """Callers with work in flight or queued (room.py rule 5), counted up to two."""
+        n = 0
+        for c in self._callers.values():
+            if c.in_flight or c.queued:
+                n += 1
+                if n > 1:
+                    break
+        return n
 
     def _room_for(self, fresh: list[tuple[list[Gen], ReleaseReason]], now: float) -> bool:
         """Would the engine take all of `fresh` now (the backlog being empty)?"""
@@ -1036,7 +1053,10 @@ class Coalescer:
         tokens = 0
         ptok = 0
         feed = 0
-        size, steps = self._config.engine.feed_size, self._config.feed_steps
+        longs = 0
+        cfg = self._config
+        size, steps = cfg.engine.feed_size, cfg.feed_steps
+        multi, short = cfg.engine.multi_step, cfg.short_prompt_tokens
         nsubs = 0
         for g in gens:
             g.state = GONE
@@ -1065,6 +1085,7 @@ class Coalescer:
             tokens += g.tokens
             ptok += g.ptok
             feed += size(g.ptok, steps)
+            longs += multi(g.ptok, short)
             entries.append(_fast.entry(req, tuple(subs), g.key))
         self._q_reqs -= nsubs
         self._f_reqs += nsubs
@@ -1073,6 +1094,7 @@ class Coalescer:
         self._unstarted_n += len(gens)
         self._unstarted_tokens += ptok
         self._unstarted_feed += feed
+        self._unstarted_long += longs
         self._n_dispatched += nsubs
         self._n_generations += len(gens)
         self._n_batches += 1
@@ -1104,6 +1126,7 @@ class Coalescer:
         self._unstarted_n -= 1
         self._unstarted_tokens -= gen.ptok
         self._unstarted_feed -= cfg.engine.feed_size(gen.ptok, cfg.feed_steps)
+        self._unstarted_long -= cfg.engine.multi_step(gen.ptok, cfg.short_prompt_tokens)
         self._prefilled = max(0, self._prefilled - prefilled) if self._unstarted_n else 0
 
     def finished(self, request_id: str, now: float, tokens: int | None = None) -> bool:

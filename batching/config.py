@@ -30,6 +30,10 @@ Rules:
   of step N when step N+1 is scheduled). Issue 21's room (released slots up to
   max_num_seqs + 1/16, unstarted prompt tokens up to one step's budget) left 89%
   of the steps under-fed at the c=384 spread (issue 27).
+* `long_prefills` (>= 0; 0 turns it off) bounds, while more than one caller has work,
+  the unstarted prompts that take more than one step's prefill chunk (room.py rule 5,
+  which gives the numbers): one by default, so a chat turn finds budget in the next
+  step beside a flood of long prompts.
 * `adapter_wait` (seconds >= 0) is how long the fair-share head may wait for a LoRA
   slot before the adapter in flight longest is drained for it (adapters.py rule 4;
   only with `engine.max_loras` > 0). 0 by default: the drain starts as soon as the
@@ -78,6 +82,7 @@ class CoalescerConfig:
     kv_reserve_short: float = 0.1  # KV share long prompts leave free for short ones
     short_prompt_tokens: int = 256  # a prompt this long or shorter counts as short
     feed_steps: float = 2.0  # engine steps of work kept in the engine's queue (room.py rule 2)
+    long_prefills: int = 1  # multi-step prompts unstarted beside others' work (room.py rule 5)
     adapter_wait: float = 0.0  # seconds the head may wait for a LoRA slot (adapters.py)
 
     def __post_init__(self) -> None:
@@ -97,4 +102,6 @@ class CoalescerConfig:
             raise ValueError("short_prompt_tokens must be >= 0")
         if not self.feed_steps >= 1.0:
             raise ValueError("need feed_steps >= 1")
+        if self.long_prefills < 0:
+            raise ValueError("long_prefills must be >= 0 (0: no bound)")
         check_wait(self.adapter_wait)

@@ -19,20 +19,28 @@ engine number, and an unknown number never holds anything back):
    can take, as its last step on each data-parallel rank showed: requests up to
    `feed_steps` x the running slots the steps left free (`max_seqs` - running
    after the step), prompt tokens up to `feed_steps` x the budget their decodes
-   left (`step_tokens` - decode tokens of the step). An unstarted prompt counts
+   left (`step_tokens` - decode tokens of the step); plus a spare of each that the
+   steps set (`EngineView.spare_*`, coalescer.py): a step under-fed while this rule
+   held work adds what it left unused, of the dimension the rule ran short of (at
+   most one engine's slots and budget), and a step after which the engine still
+   had waiting work of its own takes a 256th back. An unstarted prompt counts
    what the engine prefills of it in those steps: at most `feed_steps` chunks of
    vLLM's per-prompt cap (`prefill_chunk`, --long-prefill-token-threshold). With
    nothing unstarted, any prompt may go (a larger one then goes alone: chunked
-   prefill takes it in pieces). Two steps by default, because a release reaches
-   the engine one step late: the driver hears of step N once the engine has
-   scheduled step N+1, so what it releases then feeds step N+2. Measured on the
-   c=384 spread (one caller, 16-700-token prompts, 2 cores): the old room's
-   prediction (released slots up to max_num_seqs + 1/16, unstarted prompt tokens
-   up to one step's budget) left 89% of the engine's steps under-fed while the
-   backlog held work (mean 679 prefill tokens of 2,048 scheduled, 63 of 128 slots
-   running), at 37.0 req/s; bench/results/issue27-*.md has the run. Before the
-   engine has reported a step, running is Sluice's own count of started and
-   unfinished work and a step's decodes are that many tokens.
+   prefill takes it in pieces). Two steps, because a release reaches the engine
+   one step late: the driver hears of step N once the engine has scheduled step
+   N+1, so what it releases then feeds step N+2; the spare covers what that
+   misses (steps that finish more requests than the one before). Measured at the
+   c=384 spread (one caller, 16-700-token prompts; one run on a loaded 2-core
+   machine): issue 21's prediction (released slots up to max_num_seqs + 1/16,
+   unstarted prompt tokens up to one step's budget) left 89% of the engine's
+   steps under-fed while the backlog held work (679 prefill tokens of 2,048 a
+   step, 61 of 128 slots running); two steps, 45% (107 running); with the spare,
+   12% (a spare decay of 1/16 then). Modelled (bench/room_sim.py): 10.8%
+   under-fed at a decay of 1/16, 2.7% at 1/256, with vLLM's waiting queue 1.8 and
+   2.7 requests deep on average (vLLM's server: 245). Before the engine has
+   reported a step, running is Sluice's own count of started and unfinished work
+   and a step's decodes are that many tokens.
 3. KV room: estimated KV tokens in use plus this prompt <= `kv_tokens`. The estimate
    is `kv_usage` x `kv_tokens` from the engine's latest stats, plus what the engine
    has still to allocate for the prompts released to it: the unstarted prompts'
@@ -59,14 +67,28 @@ engine number, and an unknown number never holds anything back):
    cache, so a short chat turn finds room at the next step instead of waiting for a
    long request to end. A policy, not a fact the engine has: measured (issue 21)
    beside two KV-bound bulk callers, chat TTFT p95 534 ms at 0 against 72 ms at 0.1.
-5. Data-parallel ranks (`ranks` > 1; vLLM's --data-parallel-size): each rank has
+5. Room for another caller's short turn (`long_prefills` > 0; one by default,
+   config.py): while more than one caller has work in flight or queued, at most
+   `long_prefills` unstarted prompts longer than one prefill chunk (vLLM's
+   per-prompt cap, or `short_prompt` without one) per rank. vLLM schedules its
+   running prefills before any waiting request, each a chunk per step, so with
+   four 2,000-token prompts in prefill a step is all chunks (4 x 512 of 2,048) and a
+   chat turn released beside them waits for their four steps. Modelled (the
+   scheduler's rules, 2-core step times, Sluice's core; bench/room_sim.py): chat
+   TTFT p95 beside the flood 293 ms with no bound, 151 ms at 3, 114 ms at 2, 67 ms
+   at 1 (issue 21's room: 71 ms; measured 75 ms), flood throughput 4.17, 4.11,
+   4.11, 4.06 req/s; beside two bulk callers 272 against 70 ms. With one caller
+   there is no one else's turn to keep room for (its own short prompts go first
+   in its order), and the bound only starves the engine: at the c=384 spread,
+   35.3 req/s at 1 against 40.5 without.
+6. Data-parallel ranks (`ranks` > 1; vLLM's --data-parallel-size): each rank has
    its own scheduler and KV cache, and the capacity numbers are one rank's. Rule 2
    adds up the ranks' own last steps (vLLM's coordinator places each request,
-   server/engine.py says why Sluice leaves it to it). KV adds up for the total in
-   use (rule 3 on `ranks` x `kv_tokens`, `kv_usage` being the ranks' mean), but a
-   prompt's blocks live on one rank: it also needs `kv_tokens` x (1 - the least-used
-   rank's usage) free on that rank.
-6. LoRA slots (`max_loras` > 0; vLLM's --max-loras with --enable-lora): work on an
+   server/engine.py says why Sluice leaves it to it), and rule 5's bound is per
+   rank. KV adds up for the total in use (rule 3 on `ranks` x `kv_tokens`,
+   `kv_usage` being the ranks' mean), but a prompt's blocks live on one rank: it
+   also needs `kv_tokens` x (1 - the least-used rank's usage) free on that rank.
+7. LoRA slots (`max_loras` > 0; vLLM's --max-loras with --enable-lora): work on an
    adapter goes only while the distinct adapters in flight stay within `max_loras`
    (adapters.py rules 1-2 and 4: a slot, and the victim closed to new work).
    `admits()` is that test, apart from `fits()`: the backlog tells a generation that
@@ -97,9 +119,10 @@ class Hold(enum.Enum):
     """Which rule held the backlog (sluice_backlog_held_seconds_total{rule})."""
 
     FEED = "feed"  # rule 2: the engine's queue holds its next steps' work
-    KV = "kv"  # rules 3 and 5
+    LONG = "long_prefill"  # rule 5: a long prompt in prefill beside another caller's work
+    KV = "kv"  # rules 3 and 6
     RESERVE = "reserve"  # rule 4
-    ADAPTER = "adapter_slot"  # rule 6
+    ADAPTER = "adapter_slot"  # rule 7
     CALLER = "caller_limit"  # a caller's max_concurrency (backlog.py rule 4)
 
 
@@ -110,8 +133,8 @@ class EngineCapacity:
     max_seqs: int = 0  # vLLM max_num_seqs
     step_tokens: int = 0  # vLLM max_num_batched_tokens
     kv_tokens: int = 0  # KV cache size in tokens: num_gpu_blocks x block_size
-    ranks: int = 1  # data-parallel ranks, each with the numbers above (rule 5)
-    max_loras: int = 0  # vLLM lora_config.max_loras; 0 = LoRA off (rule 6)
+    ranks: int = 1  # data-parallel ranks, each with the numbers above (rule 6)
+    max_loras: int = 0  # vLLM lora_config.max_loras; 0 = LoRA off (rule 7)
     prefill_chunk: int = 0  # vLLM long_prefill_token_threshold; 0 = no cap (rule 2)
 
     def __post_init__(self) -> None:
@@ -122,6 +145,11 @@ class EngineCapacity:
             raise ValueError("engine capacity numbers must be >= 0 (0 = unknown)")
         if self.ranks < 1:
             raise ValueError("data-parallel ranks must be >= 1")
+
+    def multi_step(self, ptok: int, short_prompt: int) -> bool:
+        """Rule 5: does a prompt of `ptok` take more than one step's chunk to prefill
+        (more than vLLM's per-prompt cap, or than `short_prompt` without one)?"""
+        return ptok > (self.prefill_chunk or short_prompt)
 
     def feed_size(self, ptok: int, steps: float) -> int:
         """Rule 2: the prompt tokens of `ptok` the engine prefills in `steps` steps."""
@@ -185,7 +213,10 @@ class Room:
         "kv_tokens",
         "kv_used",
         "limited",
+        "long_bound",
+        "long_n",
         "loras",
+        "multi_step",
         "now",
         "resident",
         "short_prompt",
@@ -211,8 +242,14 @@ class Room:
         kv_usage_least: float | None = None,
         slots: AdapterSlots | None = None,
         now: float = 0.0,
+        long_n: int = 0,
+        long_bound: int = 0,
     ) -> None:
         self.limited = capacity.known
+        # Rule 5: unstarted multi-step prompts, and how many may be (0: no bound).
+        self.long_n = long_n
+        self.long_bound = long_bound * capacity.ranks
+        self.multi_step = capacity.multi_step
         self.steps = feed_steps
         self.feed_size = capacity.feed_size
         # Rule 2: what the engine's next `feed_steps` steps take, and the spare.
@@ -229,7 +266,7 @@ class Room:
         self.in_flight = in_flight
         self.unstarted_n = unstarted_n
         self.unstarted_feed = unstarted_feed
-        # Rule 6: only with LoRA on; the set copies the adapters in flight, and grows
+        # Rule 7: only with LoRA on; the set copies the adapters in flight, and grows
         # with this round's releases.
         self.loras = bool(slots is not None and slots.max_loras)
         self.slots = slots
@@ -259,6 +296,12 @@ class Room:
             or self.unstarted_feed + self.feed_size(ptok, self.steps) > self.feed_tokens
         ):
             return Hold.FEED
+        if (
+            self.long_bound
+            and self.long_n >= self.long_bound
+            and self.multi_step(ptok, self.short_prompt)
+        ):
+            return Hold.LONG
         kv = self.kv_tokens
         if kv:
             short = ptok <= self.short_prompt
@@ -272,7 +315,7 @@ class Room:
         return None
 
     def admits(self, adapter: str | None) -> bool:
-        """Rule 6: may work on `adapter` go now (a LoRA slot)?"""
+        """Rule 7: may work on `adapter` go now (a LoRA slot)?"""
         slots = self.slots
         if not self.loras or adapter is None or slots is None:
             return True
@@ -293,10 +336,12 @@ class Room:
         self.unstarted_feed += self.feed_size(ptok, self.steps)
         self.kv_pending += ptok
         self.kv_round += ptok
+        if self.multi_step(ptok, self.short_prompt):
+            self.long_n += 1
 
 
 def _rank_free(capacity: EngineCapacity, kv_usage: float, least: float | None) -> float:
-    """Rule 5: KV tokens free on the least-used rank (no bound with one rank)."""
+    """Rule 6: KV tokens free on the least-used rank (no bound with one rank)."""
     if capacity.ranks == 1 or not capacity.kv_tokens:
         return float("inf")
     usage = kv_usage if least is None else least
@@ -316,8 +361,9 @@ def underfed(step: EngineStep, capacity: EngineCapacity, held: int) -> bool:
     the token budget the step left, and KV for the whole prompt free after the step
     (vLLM would start a prompt on its first chunk's blocks alone, and preempt when
     a later chunk finds none: holding that prompt is not under-feeding). Work the
-    short-prompt reserve holds (rule 4) counts: the reserve is Sluice's policy, and
-    its cost shows here and in the held time by rule. A step after which the engine
+    short-prompt reserve or the long-prefill bound holds (rules 4-5) counts: they
+    are Sluice's policy for a short turn's room, and their cost shows here and in
+    the held time by rule. A step after which the engine
     itself still had waiting work is never under-fed: the engine held something it
     could not schedule (KV, an adapter, its own order), so it was not short of work
     from Sluice. Capacity numbers that are unknown (0) never make a step look full.

@@ -155,7 +155,7 @@ class EngineLoad:
     waiting: int  # requests in the engine's own waiting queue (preempted ones included)
     kv_usage: float = 0.0  # 0..1, fraction of KV-cache blocks in use
     # Data-parallel ranks: the least-used rank's KV use (None: one rank, or
-    # unknown; batching/room.py rule 5).
+    # unknown; batching/room.py rule 6).
     kv_usage_least: float | None = None
 
 

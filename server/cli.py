@@ -128,6 +128,14 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     g.add_argument(
+        "--backlog-long-prefills",
+        type=int,
+        default=c.long_prefills,
+        help="while more than one caller has work: how many released prompts longer than "
+        "one prefill chunk may be unstarted at once, so a short turn finds room in the "
+        "engine's next step; 0 = no bound (default: %(default)s)",
+    )
+    g.add_argument(
         "--backlog-adapter-wait",
         type=float,
         default=c.adapter_wait,
@@ -558,6 +566,7 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
             kv_reserve_short=ns.kv_reserve_short,
             short_prompt_tokens=ns.short_prompt_tokens,
             feed_steps=ns.backlog_feed_steps,
+            long_prefills=ns.backlog_long_prefills,
             adapter_wait=ns.backlog_adapter_wait,
         )
         pressure = PressureConfig(**pressure_kwargs)

@@ -119,7 +119,7 @@ class Settings:
 
 
 def engine_capacity(info: ModelInfo) -> EngineCapacity:
-    """The room's numbers, per data-parallel rank (batching/room.py rule 5).
+    """The room's numbers, per data-parallel rank (batching/room.py rule 6).
 
     vLLM reports max_num_seqs and max_num_batched_tokens per rank and sums
     num_gpu_blocks over ranks at the handshake: the KV is split back.

@@ -1,4 +1,4 @@
-"""LoRA slots by example: adapters.py rules 1-4, room.py rule 6, backlog.py rule 5.
+"""LoRA slots by example: adapters.py rules 1-4, room.py rule 7, backlog.py rule 5.
 A fake clock is just floats; window 0, so a due() makes everything admitted eligible."""
 
 from __future__ import annotations

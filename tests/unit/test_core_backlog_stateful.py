@@ -167,6 +167,7 @@ class BacklogMachine(RuleBasedStateMachine):
         self.kv_usage = 0.0
         self.prefilled = 0  # prompt tokens the engine's steps prefilled of unstarted work
         self.last_step: EngineStep | None = None  # the engine's latest step reported
+        self.queued_callers: set[str] = set()
         self.n = 0
         self.seq = 0
         self.queued: dict[str, Gen] = {}  # generation id -> Gen (queued or backlogged)
@@ -205,6 +206,9 @@ class BacklogMachine(RuleBasedStateMachine):
         ]
         cap, feed = self.cfg.engine, self.cfg.feed_steps
         running = sum(1 for f in self.flying.values() if f.started)
+        short = self.cfg.short_prompt_tokens
+        flew = {f.caller for gid, f in self.flying.items() if gid not in now_released}
+        busy = len(flew | self.queued_callers)  # room.py rule 5: callers with work
         room = Room(
             cap,
             len(self.flying) - len(now_released),
@@ -218,6 +222,11 @@ class BacklogMachine(RuleBasedStateMachine):
             self.cfg.kv_reserve_short,
             self.cfg.short_prompt_tokens,
             feed,
+            None,
+            None,
+            0.0,
+            sum(1 for f in unstarted if cap.multi_step(f.ptok, short)),
+            self.cfg.long_prefills if busy > 1 else 0,
         )
         if book:
             for g in released:
@@ -349,6 +358,7 @@ class BacklogMachine(RuleBasedStateMachine):
         self.now += dt
         self.kv_usage = kv
         before = {n: self._flying_of(n) for n in NAMES}
+        queued_subs = dict(self.sub_req)  # callers queued at the round's start, less expiries
         steps: list[EngineStep] = []
         if report:
             seqs = self.cfg.engine.max_seqs
@@ -363,6 +373,7 @@ class BacklogMachine(RuleBasedStateMachine):
         expired = {
             e.request_id for e in events if isinstance(e, Ended) and e.outcome is Outcome.EXPIRED
         }
+        self.queued_callers = {r.caller for sid, r in queued_subs.items() if sid not in expired}
         if self.co.state is AdmissionState.CRITICAL:
             assert batches == []
             self._absorb(events)

@@ -224,7 +224,7 @@ def test_replacing_the_engine_capacity_keeps_the_feed_count_exact() -> None:
 def test_an_underfed_step_adds_what_it_left_to_the_feed_and_waiting_work_takes_it_back() -> None:
     """Room.py rule 2's spare: the engine's queue grows by what an under-fed step
     left unused of the dimension the feed ran short of (slots here), and shrinks by
-    a sixteenth after each step that left the engine waiting work of its own."""
+    a 256th after each step that left the engine waiting work of its own."""
     co = co_(EngineCapacity(max_seqs=8, step_tokens=10_000), feed_steps=1.0)
     for i in range(30):
         co.add(req(f"r{i}", 10), 0.0)
@@ -245,7 +245,7 @@ def test_an_underfed_step_adds_what_it_left_to_the_feed_and_waiting_work_takes_i
     waiting = step(decode=8, requests=8, running=8, waiting=2)
     for k in range(16):
         co.due(0.3 + k / 100, steps=[waiting])
-    assert co.feed_spare[0] == pytest.approx(6 * (15 / 16) ** 16)
+    assert co.feed_spare[0] == pytest.approx(6 * (255 / 256) ** 16)
 
 
 def test_the_spare_stays_within_one_engine_of_slots() -> None:
@@ -256,3 +256,32 @@ def test_the_spare_stays_within_one_engine_of_slots() -> None:
     for k in range(50):  # every step under-fed by all its slots, nothing taken
         co.due(0.01 * k, steps=[step(decode=0, requests=0, running=4)])
     assert co.feed_spare == (4, 0)
+
+
+def test_beside_another_callers_work_one_long_prompt_is_in_prefill_at_a_time() -> None:
+    """Room.py rule 5: vLLM schedules running prefills first, a chunk each; with
+    several long prompts in prefill a step is all chunks and a chat turn waits."""
+    cap = EngineCapacity(max_seqs=64, step_tokens=2048, prefill_chunk=512)
+    callers = Callers((CallerPolicy("chat"), CallerPolicy("batch")))
+    alone = co_(cap, callers=callers)
+    for i in range(4):
+        alone.add(req(f"f{i}", 2000, caller="batch"), 0.0)
+    # One caller: nobody else's turn to keep room for; the feed alone bounds it
+    # (two steps of 2,048, each long prompt counting two 512-token chunks).
+    assert ids(alone.due(0.0)) == ["f0", "f1", "f2", "f3"]
+    co = co_(cap, callers=callers)
+    co.add(req("c0", 64, caller="chat"), 0.0)
+    for i in range(4):
+        co.add(req(f"f{i}", 2000, caller="batch"), 0.0)
+    assert ids(co.due(0.0)) == ["c0", "f0"]
+    co.add(req("c1", 64, caller="chat"), 0.1)
+    assert ids(co.due(0.1)) == ["c1"]  # short prompts are not bound
+    assert dict(co.room_counters.held_seconds)[Hold.LONG.value] == pytest.approx(0.1)
+    co.started("f0", 0.2)
+    assert ids(co.due(0.2)) == ["f1"]
+    # The other caller's work has ended: the bound is off.
+    for rid in ("c0", "c1"):
+        co.started(rid, 0.3)
+        co.finished(rid, 0.3)
+    assert ids(co.due(0.3)) == ["f2", "f3"]
+    assert co.config.long_prefills == 1  # the default

@@ -9,7 +9,7 @@ flags, as tests/unit/test_engine_config.py does; no engine starts):
 * `--tensor-parallel-size 2` and `--pipeline-parallel-size 2` keep one
   scheduler: Sluice reads its numbers unchanged, the ones `vllm serve` gets.
 
-And on the room (batching/room.py rule 5): a prompt needs KV on one rank,
+And on the room (batching/room.py rule 6): a prompt needs KV on one rank,
 not the sum; per-rank stats from vLLM's per-engine logger adapter are summed
 where a sum is right; metrics carry each rank.
 """
@@ -145,7 +145,7 @@ def test_a_prompt_needs_room_on_one_rank() -> None:
 def test_ranks_never_admit_more_than_one_summed_engine(
     ranks: int, seqs: int, kv: int, slack: int, usage: float, spread: float, ptok: int
 ) -> None:
-    """Rule 5 only narrows: N ranks admit nothing one engine of N x the size would refuse,
+    """Rule 6 only narrows: N ranks admit nothing one engine of N x the size would refuse,
     and with one rank the per-rank bound is absent."""
     least = usage * spread
     in_flight = max(1, seqs * ranks + slack)  # about the slot bound
