@@ -16,6 +16,7 @@ from server.cli import parse_serve_args
 from server.engine import _NoIterationLines, _stat_logger_factory, _StatsBox, engine_config
 from server.metrics import Metrics
 from tests.unit.test_engine_config import _flags
+from tests.unit.test_engine_lora_slots import _LIVE
 from tests.unit.test_scale_capacity import dp_stat_loggers
 
 
@@ -148,22 +149,6 @@ def test_the_counters_are_exported_with_their_definitions() -> None:
     assert 'sluice_backlog_held_seconds_total{rule="feed"} 1.5' in text
     assert 'sluice_backlog_held_seconds_total{rule="kv"} 0.25' in text
     assert "# HELP sluice_engine_underfed_steps_total Engine steps that left token budget" in text
-
-
-_LIVE = {
-    "queue_requests": 0,
-    "queue_tokens": 0,
-    "pending_requests": 0,
-    "engine_running": 0,
-    "engine_waiting": 0,
-    "kv_cache_usage": 0.0,
-    "preemptions": 0,
-    "prefix_queries": 0,
-    "prefix_hits": 0,
-    "ready": 1,
-    "backlog": 0,
-    "unstarted": 0,
-}
 
 
 @pytest.fixture(autouse=True)
