@@ -26,8 +26,8 @@ engine number, and an unknown number never holds anything back):
    had waiting work of its own takes a 256th back. An unstarted prompt counts
    what the engine prefills of it in those steps: at most `feed_steps` chunks of
    vLLM's per-prompt cap (`prefill_chunk`, --long-prefill-token-threshold). With
-   nothing unstarted, any prompt may go (a larger one then goes alone: chunked
-   prefill takes it in pieces). Two steps, because a release reaches the engine
+   nothing unstarted, a prompt of any size may go (a larger one then goes alone:
+   chunked prefill takes it in pieces), if a slot is free for it. Two steps, because a release reaches the engine
    one step late: the driver hears of step N once the engine has scheduled step
    N+1, so what it releases then feeds step N+2; the spare covers what that
    misses (steps that finish more requests than the one before). Measured at the
@@ -75,9 +75,9 @@ engine number, and an unknown number never holds anything back):
    four 2,000-token prompts in prefill a step is all chunks (4 x 512 of 2,048) and a
    chat turn released beside them waits for their four steps. Modelled (the
    scheduler's rules, 2-core step times, Sluice's core; bench/room_sim.py): chat
-   TTFT p95 beside the flood 293 ms with no bound, 151 ms at 3, 114 ms at 2, 67 ms
-   at 1 (issue 21's room: 71 ms; measured 75 ms), flood throughput 4.17, 4.11,
-   4.11, 4.06 req/s; beside two bulk callers 272 against 70 ms. With one caller
+   TTFT p95 beside the flood 293 ms with no bound, 110 ms at 2, 67 ms at 1 (issue
+   21's room: 71 ms; measured 75 ms), flood throughput 4.17, 4.14, 4.06 req/s;
+   beside two bulk callers 272 against 70 ms. With one caller
    there is no one else's turn to keep room for (its own short prompts go first
    in its order), and the bound only starves the engine: at the c=384 spread,
    35.3 req/s at 1 against 40.5 without.
@@ -291,9 +291,9 @@ class Room:
         """The rule that holds a prompt of `ptok` tokens now, None if it fits."""
         if not self.limited or not self.in_flight:
             return None
-        if self.unstarted_n and (
-            self.unstarted_n >= self.feed_slots
-            or self.unstarted_feed + self.feed_size(ptok, self.steps) > self.feed_tokens
+        if self.unstarted_n >= self.feed_slots or (
+            self.unstarted_n
+            and self.unstarted_feed + self.feed_size(ptok, self.steps) > self.feed_tokens
         ):
             return Hold.FEED
         if (
