@@ -27,10 +27,11 @@ engine number, and an unknown number never holds anything back):
    what the engine prefills of it in those steps: at most `feed_steps` chunks of
    vLLM's per-prompt cap (`prefill_chunk`, --long-prefill-token-threshold). With
    nothing unstarted, a prompt of any size may go (a larger one then goes alone:
-   chunked prefill takes it in pieces), if a slot is free for it. Two steps, because a release reaches the engine
-   one step late: the driver hears of step N once the engine has scheduled step
-   N+1, so what it releases then feeds step N+2; the spare covers what that
-   misses (steps that finish more requests than the one before). Measured at the
+   chunked prefill takes it in pieces), if a slot is free for it. Two steps,
+   because a release reaches the engine one step late: the driver hears of step N
+   once the engine has scheduled step N+1, so what it releases then feeds step
+   N+2; the spare covers what that misses (steps that finish more requests than
+   the one before). Measured at the
    c=384 spread (one caller, 16-700-token prompts; one run on a loaded 2-core
    machine): issue 21's prediction (released slots up to max_num_seqs + 1/16,
    unstarted prompt tokens up to one step's budget) left 89% of the engine's
