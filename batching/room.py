@@ -85,7 +85,7 @@ engine number, and an unknown number never holds anything back):
 6. Data-parallel ranks (`ranks` > 1; vLLM's --data-parallel-size): each rank has
    its own scheduler and KV cache, and the capacity numbers are one rank's. Rule 2
    adds up the ranks' own last steps (vLLM's coordinator places each request,
-   server/engine.py says why Sluice leaves it to it), and rule 5's bound is per
+   server/engines/vllm_adapter.py says why Sluice leaves it to it), and rule 5's bound is per
    rank. KV adds up for the total in use (rule 3 on `ranks` x `kv_tokens`,
    `kv_usage` being the ranks' mean), but a prompt's blocks live on one rank: it
    also needs `kv_tokens` x (1 - the least-used rank's usage) free on that rank.

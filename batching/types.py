@@ -163,7 +163,7 @@ class EngineLoad:
 class EngineStep:
     """One engine step of one data-parallel rank, as the engine reported it.
 
-    vLLM's per-step scheduler stats with its iteration details (server/engine.py):
+    vLLM's per-step scheduler stats with its iteration details (server/engines/vllm_adapter.py):
     the tokens it scheduled (prompt chunks and decodes), the requests they belong to,
     and its queue and KV cache once the step was done.
     """

@@ -9,7 +9,7 @@ checkout's, or an older one's with --core), with a deterministic engine. It is a
 model: numbers from it guide a choice and go into comments as "modelled"; the
 benchmark (./scripts/bench) decides.
 
-The engine (vLLM 0.32's scheduler, as server/engine_step.py configures it): a
+The engine (vLLM 0.32's scheduler, as server/engines/step_flags.py configures it): a
 first-come-first-served waiting queue; each step schedules the running requests
 first (a decode token each, or the next chunk of a prompt, capped at 512 tokens
 with vLLM's adaptive floor: budget / requests), then waiting ones while budget

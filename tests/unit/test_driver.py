@@ -1,4 +1,4 @@
-"""server.driver.Driver on its own: a real batching.Coalescer and the FakeEngine, no HTTP.
+"""server.engines.driver.Driver on its own: a real batching.Coalescer and the FakeEngine, no HTTP.
 
 What a caller may do to a Ticket (wait, read, leave at any point) must never
 leave a request running in the engine, and refusals and failures reach every
@@ -24,9 +24,9 @@ from batching import (
     Request,
     group_key,
 )
-from server.driver import Driver, Ticket
+from server.engines.driver import Driver, Ticket
 from server.errors import SluiceError
-from server.protocol import Sampling
+from server.wire.request import Sampling
 from tests.fakes import FakeEngine
 from tests.support import until
 
@@ -377,7 +377,7 @@ async def test_an_engine_step_reaches_the_core_and_releases_the_room_it_left(
 ) -> None:
     """The driver hands each reported engine step to the core and looks again at
     once: the room follows the step (batching/room.py rule 2), not a timer."""
-    monkeypatch.setattr("server.driver.BACKLOG_RECHECK", 60.0)  # no second look
+    monkeypatch.setattr("server.engines.driver.BACKLOG_RECHECK", 60.0)  # no second look
     engine = FakeEngine(step=0.05)
     cap = EngineCapacity(max_seqs=2, step_tokens=1000)
     async with running(engine, cap, window=0.0, feed_steps=1.0) as (driver, _):

@@ -1,6 +1,6 @@
 """The engine's steps reach the core and /metrics (issue 27, item 1): each rank's
 step from vLLM's own SchedulerStats with its iteration details, through its
-per-engine stat-logger adapter (server/engine.py); the flag that makes vLLM report
+per-engine stat-logger adapter (server/engines/vllm_adapter.py); the flag that makes vLLM report
 them; its per-step log line kept out of the journal; the counters exported."""
 
 from __future__ import annotations
@@ -13,8 +13,13 @@ from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerIterationDetails, S
 
 from batching import EngineStep, RoomCounters
 from server.cli import parse_serve_args
-from server.engine import _NoIterationLines, _stat_logger_factory, _StatsBox, engine_config
-from server.metrics import Metrics
+from server.engines.vllm_adapter import (
+    _NoIterationLines,
+    _stat_logger_factory,
+    _StatsBox,
+    engine_config,
+)
+from server.operations.metrics import Metrics
 from tests.unit.test_engine_config import _flags
 from tests.unit.test_engine_lora_slots import _LIVE
 from tests.unit.test_scale_capacity import dp_stat_loggers
