@@ -53,7 +53,7 @@ class _Running:
 
 @dataclass
 class StepEngine:
-    """The engine surface the app uses (server/engine_api.py's Engine), producing
+    """The engine surface the app uses (server/engines/interface.py's Engine), producing
     vLLM's own output objects one engine step at a time; see the module docstring."""
 
     step: float
@@ -64,7 +64,7 @@ class StepEngine:
     _waiting: deque[tuple[str, _Running]] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
-        from server.engine_api import ModelInfo
+        from server.engines.interface import ModelInfo
 
         self.info = ModelInfo(
             name=MODEL,
@@ -88,7 +88,7 @@ class StepEngine:
         pass
 
     def stats(self) -> Any:
-        from server.watchdog import EngineStats
+        from server.operations.watchdog import EngineStats
 
         return EngineStats(
             kv_cache_usage=0.1,
@@ -151,7 +151,7 @@ class StepEngine:
 
     @staticmethod
     def sampling_params(s: Any, max_tokens: int) -> Any:
-        from server.engine import EngineAdapter
+        from server.engines.vllm_adapter import EngineAdapter
 
         return EngineAdapter.sampling_params(s, max_tokens)
 
@@ -319,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # The access lines go to a logger nobody reads here (as to a journal that keeps
     # up): the records are still made and handed over, as in the server.
-    from server.logs import setup_logging
+    from server.operations.logs import setup_logging
 
     with open(os.devnull, "w") as sink:
         stderr, sys.stderr = sys.stderr, sink

@@ -3,7 +3,7 @@
 Why it exists (issue 27, item 3): in Sluice's process, as in vLLM's own server's,
 vLLM's engine client turns every engine step's outputs into per-request
 `RequestOutput`s (decode, detokenize, statistics, the hand-off to each
-request's collector). server/engine.py's `lighten_output_path` takes out of
+request's collector). server/engines/vllm_adapter.py's `lighten_output_path` takes out of
 that path what Sluice never uses (uncached environment reads, vLLM's
 Prometheus logger). This prices the path with a consumer that only reads its
 outputs, no HTTP: an in-process `AsyncLLM` on the benchmark's engine flags (the
@@ -58,7 +58,12 @@ async def _variant(variant: str, flags: list[str], points: list[tuple[int, int, 
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from server.engine import _build_engine, _stat_logger_factory, _StatsBox, lighten_output_path
+    from server.engines.vllm_adapter import (
+        _build_engine,
+        _stat_logger_factory,
+        _StatsBox,
+        lighten_output_path,
+    )
 
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
     args = AsyncEngineArgs.from_cli_args(parser.parse_args(flags))

@@ -1,4 +1,4 @@
-"""server/engine.py's lighten_output_path on vLLM's own stat-logger manager.
+"""server/engines/vllm_adapter.py's lighten_output_path on vLLM's own stat-logger manager.
 
 Issue 27, item 3: what vLLM's in-process output path computes for every output
 and Sluice never uses is taken out once the engine is built; what Sluice reads
@@ -20,7 +20,12 @@ from vllm.v1.metrics.loggers import (
 )
 
 from server.cli import parse_serve_args
-from server.engine import _stat_logger_factory, _StatsBox, engine_config, lighten_output_path
+from server.engines.vllm_adapter import (
+    _stat_logger_factory,
+    _StatsBox,
+    engine_config,
+    lighten_output_path,
+)
 
 
 @pytest.fixture

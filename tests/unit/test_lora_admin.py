@@ -1,4 +1,4 @@
-"""Runtime LoRA loading above the engine (server/lora_admin.py, server/lora.py
+"""Runtime LoRA loading above the engine (server/api/lora_admin/endpoint.py, server/engines/lora.py
 rules 6-7, the CLI's --allow-runtime-lora checks), with the fake engine: the
 routes exist only when allowed, only the admin key opens them, only paths under
 --lora-root load, a bad adapter is a 400 naming the cause and changes nothing,
@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from server.callers import parse_callers
 from server.cli import parse_serve_args
-from server.demo_adapter import write_demo_adapter
-from server.demo_model import ARCHITECTURE, write_safetensors
-from server.lora import Adapter, ModelShapes, check_shapes
+from server.engines.demo.lora_adapter import write_demo_adapter
+from server.engines.demo.model import ARCHITECTURE, write_safetensors
+from server.engines.lora import Adapter, ModelShapes, check_shapes
+from server.http.callers import parse_callers
 from server.state import DRIVER
 from tests.fakes import FakeEngine
 from tests.support import until

@@ -17,8 +17,8 @@ from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import RawMessageStreamEvent
 from pydantic import TypeAdapter
 
-from server import messages
-from server.callers import parse_callers
+from server.api.anthropic_messages import endpoint as messages
+from server.http.callers import parse_callers
 from server.state import RUNTIME, Phase
 from tests import claude_code
 from tests.fakes import FakeEngine
