@@ -235,7 +235,7 @@ def test_info_carries_the_resolved_capacity(adapter: EngineAdapter) -> None:
     info = adapter.info
     assert (info.max_num_seqs, info.max_num_batched_tokens) == (128, 2048)  # CPU, server context
     assert info.kv_cache_tokens == GPU_BLOCKS * config.cache_config.block_size
-    assert info.max_model_len == 8192
+    assert info.max_model_len == 40960
     # The prefill cap Sluice set (server/engine_step.py) reaches room rule 3.
     assert info.prefill_chunk == 512 == config.scheduler_config.long_prefill_token_threshold
     assert engine_capacity(info).prefill_chunk == 512
