@@ -324,6 +324,7 @@ class EngineAdapter:
             sampling_defaults=tuple(
                 sorted((k, float(v)) for k, v in diff.items() if k in DEFAULTABLE)
             ),
+            default_max_tokens=int(diff["max_tokens"]) if diff.get("max_tokens") else None,
             max_num_seqs=int(sched.max_num_seqs),
             max_num_batched_tokens=int(sched.max_num_batched_tokens),
             # Known once the engine core's handshake filled num_gpu_blocks

@@ -431,6 +431,17 @@ async def test_max_tokens_above_the_room_left_is_lowered_to_it(make_client: Any)
     assert body["usage"]["completion_tokens"] == 251
 
 
+async def test_the_generation_configs_max_tokens_is_the_default(make_client: Any) -> None:
+    """vLLM's server takes a request's default max_tokens from the generation
+    config (max_new_tokens, or --override-generation-config): so does Sluice."""
+    client, _, _ = await make_client(FakeEngine(default_max_tokens=3))
+    body = await (await client.post(CHAT, json=chat(max_tokens=None))).json()
+    assert body["usage"]["completion_tokens"] == 3
+    assert body["choices"][0]["finish_reason"] == "length"
+    body = await (await client.post(CHAT, json=chat(max_tokens=7))).json()
+    assert body["usage"]["completion_tokens"] == 7
+
+
 async def test_a_prompt_over_the_context_is_a_400_naming_both_numbers(make_client: Any) -> None:
     client, _, engine = await make_client()
     # Completions: a 300-token prompt alone exceeds the context.

@@ -289,3 +289,10 @@ async def test_stop_sequence_is_named_and_cut_from_the_text(make_client: Any) ->
         )
     assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == "ld END"
     assert msg.content[0].text == "Hello wor"  # type: ignore[union-attr]
+
+
+async def test_claude_codes_preconnect_is_answered(make_client: Any) -> None:
+    """Claude Code 2.1.332 sends HEAD /api/hello to its base URL as it starts."""
+    client, _, _ = await make_client()
+    assert (await client.head("/api/hello")).status == 200
+    assert (await client.get("/api/hello")).status == 200
