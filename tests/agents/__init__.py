@@ -4,3 +4,7 @@ tests/agents/install.py installs them from the npm registry into a cache;
 tests/agents/proxy.py records what they send; tests/agents/recorded/ holds
 requests recorded that way, which unit tests replay.
 """
+
+from pathlib import Path
+
+RECORDED = Path(__file__).resolve().parent / "recorded"

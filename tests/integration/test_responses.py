@@ -16,13 +16,11 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-import httpx
 import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.integration.codex_request import codex_opening_request
 from tests.support import SluiceProcess
 
 pytestmark = pytest.mark.engine
@@ -210,24 +208,3 @@ def test_agents_sdk_runner_with_a_function_tool(sluice_server: SluiceProcess) ->
 
     result = asyncio.run(run())
     assert len(calls) == 1 and result.final_output == f"sunny in {calls[0][0]}"
-
-
-def test_codex_cli_opening_request(sluice_server: SluiceProcess) -> None:
-    """Codex CLI's first request of a session, streamed: it must complete."""
-    body = codex_opening_request(MODEL)
-    with httpx.stream("POST", sluice_server.base + "/v1/responses", json=body, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        kinds = [
-            json.loads(line.removeprefix("data: "))["type"]
-            for line in r.iter_lines()
-            if line.startswith("data: ")
-        ]
-    assert kinds[:2] == ["response.created", "response.in_progress"]
-    assert kinds[-1] in ("response.completed", "response.incomplete")
-    # What Codex sends on OpenAI's own models that Sluice cannot run: a 400
-    # naming the one field.
-    freeform = {"type": "custom", "name": "apply_patch", "description": "patch", "format": {}}
-    bad = {**body, "tools": [*body["tools"], freeform]}
-    r400 = httpx.post(sluice_server.base + "/v1/responses", json=bad, timeout=30)
-    assert r400.status_code == 400
-    assert r400.json()["error"]["param"] == f"tools[{len(body['tools'])}].type"

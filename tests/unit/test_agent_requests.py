@@ -19,11 +19,11 @@ import orjson
 import pytest
 
 from server.protocol import Limits, parse_chat
+from tests.agents import RECORDED
 from tests.fakes import FakeEngine
 
 pytestmark = pytest.mark.timeout(60)
 
-RECORDED = Path(__file__).resolve().parents[1] / "agents" / "recorded"
 MODEL = "sluice-demo"  # the name the agents were pointed at
 BIG = 1 << 20  # positions: room for any recorded prompt at a byte per token
 
@@ -45,6 +45,29 @@ async def send(client: Any, rec: dict[str, Any]) -> tuple[int, str]:
     headers = {**rec["headers"], "authorization": "Bearer k", "x-api-key": "k"}
     resp = await client.request(rec["method"], rec["path"], json=rec["body"], headers=headers)
     return resp.status, await resp.text()
+
+
+async def ignored(client: Any) -> dict[str, set[str]]:
+    """``sluice_ignored_fields_total`` from /metrics: the fields counted per API."""
+    text = await (await client.get("/metrics")).text()
+    out: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("sluice_ignored_fields_total{"):
+            labels = dict(
+                part.split("=", 1)
+                for part in line[line.index("{") + 1 : line.index("}")].split(",")
+            )
+            out.setdefault(labels["api"].strip('"'), set()).add(labels["field"].strip('"'))
+    return out
+
+
+CLAUDE_CODE_IGNORES = {
+    "context_management",
+    "output_config.effort",
+    "thinking.display",
+    "system[].cache_control",
+    "messages[].content[].cache_control",
+}
 
 
 def sse_data(text: str) -> list[Any]:
@@ -76,6 +99,9 @@ async def test_claude_code_opening_request(make_client: Any, tok: Any, name: str
     assert kwargs["enable_thinking"] is False
     # The system message stays where Claude Code put it: after the user's turn.
     assert [m.role for m in messages] == ["system", "user", "system"]
+    # Every field it sends has a decision: none is counted as "other".
+    search = {"tools[].defer_loading"} if "tool-search" in name else set()
+    assert await ignored(client) == {"messages": CLAUDE_CODE_IGNORES | search}
 
 
 async def test_codex_opening_request(make_client: Any, tok: Any) -> None:
@@ -89,6 +115,18 @@ async def test_codex_opening_request(make_client: Any, tok: Any) -> None:
     events = sse_data(text)
     assert events[-1]["type"] == "response.completed"
     assert events[-1]["response"]["output"][-1]["content"][0]["text"] == "Four."
+    # Its namespace tool's functions are offered; its hosted web_search is not.
+    names = [t["function"]["name"] for t in engine.rendered[-1][1]["tools"]]
+    assert "multi_agent_v1__spawn_agent" in names and "web_search" not in names
+    assert await ignored(client) == {
+        "responses": {
+            "client_metadata",
+            "include",
+            "prompt_cache_key",
+            "reasoning.summary",
+            "tools[type=web_search]",
+        }
+    }
 
 
 async def test_qwen_code_opening_request(make_client: Any, tok: Any) -> None:
@@ -107,3 +145,4 @@ async def test_qwen_code_opening_request(make_client: Any, tok: Any) -> None:
     chunks = sse_data(text)
     finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finish[-1] == "length"
+    assert await ignored(client) == {}
