@@ -118,8 +118,6 @@ _BLOCK_KEYS: Final = {
     "tool_result": frozenset({"type", "tool_use_id", "content", "is_error"}),
     "thinking": frozenset({"type", "thinking", "signature"}),
     "redacted_thinking": frozenset({"type", "data"}),
-    "tool_addition": frozenset({"type", "tool"}),
-    "tool_removal": frozenset({"type", "tool"}),
 }
 _TOOL_KEYS: Final = frozenset({"type", "name", "description", "input_schema"})
 
@@ -144,16 +142,16 @@ def _text(block: dict[str, Any], where: str) -> str:
 
 
 def _system_text(
-    value: Any, param: str, label: str, notes: Notes, changes: list[tuple[str, Any, str]]
+    value: Any, param: str, label: str, notes: Notes, changes: list[tuple[str, Any, str]] | None
 ) -> str:
     """A system prompt's text blocks joined with "" (as vLLM joins them),
-    without Claude Code's billing header; a system message's tool changes go
-    to ``changes``."""
+    without Claude Code's billing header. A system message's tool changes go
+    to ``changes`` (None: the top-level ``system``, which takes none)."""
     parts = []
     for j, block in enumerate(_blocks(value, param)):
         where = f"{param}[{j}]"
         kind = block.get("type")
-        if kind in ("tool_addition", "tool_removal") and label != "system[]":
+        if kind in ("tool_addition", "tool_removal") and changes is not None:
             changes.append((kind, block.get("tool"), where))
             continue
         if kind != "text":
@@ -169,7 +167,7 @@ def _system(obj: dict[str, Any], notes: Notes) -> tuple[Message, ...]:
     value = get(obj, "system")
     if value is MISSING:
         return ()
-    text = _system_text(value, "system", "system[]", notes, [])
+    text = _system_text(value, "system", "system[]", notes, None)
     return (Message("system", text),) if text else ()
 
 

@@ -335,13 +335,11 @@ class ResponsesStream:
         if not call.arguments:
             return out
         assert self._open is not None
+        self._parts.append(call.arguments)
         if self._open["type"] == "custom_tool_call":
             # The model writes {"input": ...} as JSON: the input is known
             # whole at the end (its done event), not as deltas of that text.
-            self._parts.append(call.arguments)
             return out
-        assert self._open is not None
-        self._parts.append(call.arguments)
         return out + self._event(
             "response.function_call_arguments.delta",
             item_id=self._open["id"],
