@@ -162,9 +162,16 @@ def test_errors_in_openais_shape(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as bg:
         client.responses.create(model=MODEL, input=ASK, background=True)
     assert bg.value.body["param"] == "background"  # type: ignore[index]
+    # A hosted tool is dropped (server/protocol/ignored.py); forcing one is a 400.
     with pytest.raises(openai.BadRequestError) as web:
-        client.responses.create(model=MODEL, input=ASK, tools=[{"type": "web_search"}])
+        client.responses.create(
+            model=MODEL,
+            input=ASK,
+            tools=[{"type": "web_search"}],
+            tool_choice={"type": "web_search"},
+        )
     assert "web_search" in web.value.message
+    assert web.value.body["param"] == "tool_choice.type"  # type: ignore[index]
 
 
 def test_agents_sdk_runner_with_a_function_tool(sluice_server: SluiceProcess) -> None:
