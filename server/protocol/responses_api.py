@@ -70,7 +70,7 @@ from server.protocol.ignored import Notes
 from server.protocol.requests import parse_chat
 from server.protocol.types import ChatRequest, Limits, Message
 
-__all__ = ["ClientTool", "ResponsesRequest", "custom_input", "parse_responses"]
+__all__ = ["ClientTool", "ResponsesRequest", "custom_input", "flat_name", "parse_responses"]
 
 # reasoning.effort values: "none" and "minimal" turn Qwen3's thinking off.
 _EFFORT_OFF: Final = frozenset({"none", "minimal"})
@@ -126,6 +126,11 @@ _HONOURED: Final = frozenset(
 _CLIENT_TOOLS: Final = frozenset({"function", "namespace", "custom"})
 # A flattened namespace function's name: NAMESPACE + _SEP + NAME.
 _SEP: Final = "__"
+
+
+def flat_name(namespace: str | None, name: str) -> str:
+    """The name the model sees for a function (of a namespace, or not)."""
+    return f"{namespace}{_SEP}{name}" if namespace else name
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,9 +236,7 @@ def _call(item: dict[str, Any], where: str) -> dict[str, Any]:
             args = "{}"
         if not isinstance(args, str):
             raise bad(f"{where}.arguments", f"'{where}.arguments' must be JSON text")
-        namespace = get_str(item, "namespace", param=f"{where}.namespace")
-        if namespace:
-            name = f"{namespace}{_SEP}{name}"
+        name = flat_name(get_str(item, "namespace", param=f"{where}.namespace"), name)
     return {
         "id": _required_str(item, "call_id", where),
         "type": "function",
@@ -305,7 +308,7 @@ def _function(
         back = ClientTool(name, name, custom=True)
     if namespace is not None:
         ns = namespace["name"]
-        fn["name"] = f"{ns}{_SEP}{name}"
+        fn["name"] = flat_name(ns, name)
         described = [d for d in (namespace.get("description"), fn.get("description")) if d]
         if described:
             fn["description"] = "\n\n".join(described)
@@ -357,9 +360,7 @@ def _tool_choice(value: Any, dropped: set[str]) -> Any:
         name = value.get("name")
         if not isinstance(name, str) or not name:
             raise bad("tool_choice.name", "'tool_choice.name' must be a non-empty string")
-        namespace = get_str(value, "namespace", param="tool_choice.namespace")
-        if namespace:
-            name = f"{namespace}{_SEP}{name}"
+        name = flat_name(get_str(value, "namespace", param="tool_choice.namespace"), name)
         return {"type": "function", "function": {"name": name}}
     if isinstance(value, dict) and kind in dropped:
         raise unsupported("tool_choice.type", f"forcing the {show(kind)} tool")

@@ -21,7 +21,7 @@ import orjson
 
 from server.errors import SluiceError
 from server.protocol.responses import ChatChoice, ParsedDelta, ToolCallDelta, Usage
-from server.protocol.responses_api import ClientTool, ResponsesRequest, custom_input
+from server.protocol.responses_api import ClientTool, ResponsesRequest, custom_input, flat_name
 from server.protocol.types import Message, ToolCall
 
 __all__ = [
@@ -117,8 +117,9 @@ def _as_called(item: dict[str, Any]) -> ToolCall:
     if item["type"] == "custom_tool_call":
         args = orjson.dumps({"input": item["input"]}).decode()
         return ToolCall(item["call_id"], item["name"], args)
-    name = item["name"] if not item.get("namespace") else f"{item['namespace']}__{item['name']}"
-    return ToolCall(item["call_id"], name, item["arguments"])
+    return ToolCall(
+        item["call_id"], flat_name(item.get("namespace"), item["name"]), item["arguments"]
+    )
 
 
 def _usage(usage: Usage, reasoning_tokens: int) -> dict[str, Any]:
