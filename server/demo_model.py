@@ -91,8 +91,8 @@ _PRETOKENIZE_REGEX = (
 # Qwen3 shapes, shrunk. 2 layers x 2 KV heads x head_dim 64 x (K and V) x 2 bytes
 # (bf16) = 1 KiB of KV cache per token, which makes KV pressure easy to reason
 # about in tests. Qwen3's own 40,960 positions: a coding agent's opening
-# request (Claude Code's about 29k demo-model tokens with its 24 tools, Qwen
-# Code's about 22.5k) fits without overrides (issue 26). The KV cache is sized
+# request (Claude Code 2.1.332's about 18.7k demo-model tokens, Codex 0.171's
+# 14.7k, Qwen Code 0.24's 22.5k) fits without overrides (issue 26). The KV cache is sized
 # in bytes (demo_engine_kwargs), not by this, so it does not grow with it.
 ARCHITECTURE: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"],
