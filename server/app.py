@@ -117,6 +117,7 @@ async def _boot(app: web.Application) -> None:
         max_logprobs=settings.max_logprobs,
         default_enable_thinking=settings.default_thinking,
         sampling_defaults=info.sampling_defaults,
+        default_max_tokens=info.default_max_tokens,
     )
     if rt.phase is Phase.STARTING:
         rt.phase = Phase.READY

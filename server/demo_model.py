@@ -90,8 +90,10 @@ _PRETOKENIZE_REGEX = (
 
 # Qwen3 shapes, shrunk. 2 layers x 2 KV heads x head_dim 64 x (K and V) x 2 bytes
 # (bf16) = 1 KiB of KV cache per token, which makes KV pressure easy to reason
-# about in tests. 8192 positions lets benchmarks send prompts of a few thousand
-# tokens.
+# about in tests. Qwen3's own 40,960 positions: a coding agent's opening
+# request (Claude Code 2.1.332's about 18.7k demo-model tokens, Codex 0.171's
+# 14.7k, Qwen Code 0.24's 22.5k) fits without overrides (issue 26). The KV cache is sized
+# in bytes (demo_engine_kwargs), not by this, so it does not grow with it.
 ARCHITECTURE: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"],
     "attention_bias": False,
@@ -103,7 +105,7 @@ ARCHITECTURE: dict[str, Any] = {
     "hidden_size": 256,
     "initializer_range": 0.02,
     "intermediate_size": 768,
-    "max_position_embeddings": 8192,
+    "max_position_embeddings": 40960,
     "max_window_layers": 2,
     "model_type": "qwen3",
     "num_attention_heads": 4,
@@ -203,7 +205,7 @@ def demo_engine_kwargs(model_dir: Path, *, kv_cache_bytes: int = 512 * 2**20) ->
       the default 512 MiB holds 524,288 tokens: 128 streams of 4,096). On CPU
       the alternative, ``gpu_memory_utilization``, is a fraction of NUMA node 0
       host memory; its default 0.92 fails there.
-    * ``max_model_len`` is the model's full 8,192 positions.
+    * ``max_model_len`` is the model's full 40,960 positions (Qwen3's).
     * Everything else keeps vLLM's defaults (torch.compile on: engine start is
       about 40 s the first time, 18 s once vLLM's compile cache is warm, against
       12 s with ``enforce_eager=True``, for ~30% more tokens/s).

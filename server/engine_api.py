@@ -52,6 +52,10 @@ class ModelInfo:
     # 0.95, top_k 20), applied where a request leaves a field out, as vLLM's
     # own server does.
     sampling_defaults: tuple[tuple[str, float], ...] = ()
+    # The generation config's max_new_tokens (or --override-generation-config's):
+    # the max_tokens of a request that gives none, as vLLM's server takes it
+    # (its get_max_tokens); None: the rest of the context.
+    default_max_tokens: int | None = None
     # The engine scheduler's resolved limits (0: not known yet).
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 0

@@ -46,7 +46,7 @@ PING_IDLE_S: Final = 5.0
 
 async def prepare_messages(request: web.Request, tr: Trace) -> tuple[Job, Encoder[MessagesChoice]]:
     req = parse_messages(await read_body(request), request.app[RUNTIME].limits)
-    cj = await chat_job(request, req, fit_context=True)
+    cj = await chat_job(request, req, "messages")
     return cj.job, MessagesEncoder(req, tr.rid, cj.parser, cj.prompt_ids)
 
 

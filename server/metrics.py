@@ -9,6 +9,9 @@ token and service totals, which the core keeps anyway (batching.CallerStats).
 Per LoRA adapter (label `adapter` of `sluice_requests_total`, bounded: only
 configured adapter names): requests by endpoint and status.
 
+Fields the APIs accepted and ignored (server/protocol/ignored.py), by API and
+field (label `field`, bounded: only names that module lists, else `other`).
+
 Per caller (label `caller`, bounded: server/callers.py): requests by status
 (429 included), queue wait, queued / backlogged / in-flight work, prompt and
 generated tokens, service (prompt + 2 x generated, the fair-share unit) and
@@ -36,6 +39,7 @@ from prometheus_client.registry import Collector
 
 from batching import CallerStats, DedupeHit, Ended, Outcome, Refusal, Released
 from batching.pressure import RankStats
+from server.ignored_fields import IgnoredFields
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -233,6 +237,15 @@ class Metrics:
         )
         self.prompt_tokens = Counter(
             "sluice_prompt_tokens", "Prompt tokens of answered requests", registry=r
+        )
+        self.ignored = IgnoredFields(
+            Counter(
+                "sluice_ignored_fields",
+                "Request fields, blocks and tool types accepted and ignored, by API and "
+                "field (a name Sluice lists, else other)",
+                ["api", "field"],
+                registry=r,
+            )
         )
         # TTFTs and released batch sizes since the status sampler last looked:
         # it takes exact p50/p95 per second from them (server/status.py).

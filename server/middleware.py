@@ -53,7 +53,7 @@ ANTHROPIC_PREFIX = "/v1/messages"
 # once-a-second poll): their access lines are at debug level while they
 # succeed, so that an idle server's log is not one line a second. A refusal
 # on them (a 401, a 503 probe) stays at info.
-_QUIET_PATHS = frozenset({"/health", "/ready", "/metrics", "/", "/status.json"})
+_QUIET_PATHS = frozenset({"/health", "/ready", "/metrics", "/", "/status.json", "/api/hello"})
 _QUIET_PREFIX = "/static/"
 
 

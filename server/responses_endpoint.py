@@ -64,7 +64,7 @@ async def prepare_responses(request: web.Request, tr: Trace) -> tuple[Job, Encod
         history = prev.conversation
     req = rreq.with_history(history)
     try:
-        cj = await chat_job(request, req)
+        cj = await chat_job(request, req, "responses")
     except SluiceError as err:
         if err.param == "messages":  # the context check names chat's field
             err.param = "input"
@@ -111,7 +111,7 @@ class ResponsesEncoder:
 
     def body(self, choices: Sequence[ChatChoice], usage: Usage) -> bytes:
         choice = choices[0]
-        output = output_items(self._id, choice)
+        output = output_items(self._id, choice, self._rreq)
         reasoning = self._engine.count_tokens(choice.reasoning or "")
         status = status_of(choice.finish_reason)
         obj = response_object(self._rreq, self._id, self._created, status, output, usage, reasoning)

@@ -52,6 +52,13 @@ async def health(request: web.Request) -> web.Response:
     return json_response(orjson.dumps({"status": "ok", "phase": rt.phase.value}))
 
 
+async def hello(request: web.Request) -> web.Response:
+    """Claude Code's preconnect: it sends ``HEAD /api/hello`` to its
+    ANTHROPIC_BASE_URL as it starts (and periodically) to open a connection,
+    and reads nothing back; answered, not a 404 in every session's log."""
+    return json_response(b"{}")
+
+
 async def ready(request: web.Request) -> web.Response:
     rt = request.app[RUNTIME]
     if not rt.ready:
@@ -121,6 +128,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/api/hello", hello)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/tokenize", tokenize)

@@ -43,3 +43,12 @@ def demo_model_dir(
 def demo_cache_root(request: pytest.FixtureRequest, demo_model_dir: Path) -> Path:
     """The SLUICE_CACHE_DIR under which `sluice serve` finds demo_model_dir."""
     return demo_model_dir.parent.parent
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--agents-latest",
+        action="store_true",
+        help="run the coding-agent tests on the newest published versions of the agents "
+        "(also SLUICE_AGENTS_LATEST=1) instead of the pinned ones (tests/agents/install.py)",
+    )

@@ -95,6 +95,7 @@ class FakeEngine:
     start_delay: float = 0.0
     fail_start: bool = False
     max_num_seqs: int = 64  # reported in ModelInfo: the core's engine slots
+    default_max_tokens: int | None = None  # reported in ModelInfo: the generation config's
     added: list[str] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     _producers: dict[str, asyncio.Task[None]] = field(default_factory=dict)
@@ -133,6 +134,7 @@ class FakeEngine:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=2048,
             qwen3_split=self.reasoning_parser == "qwen3",
+            default_max_tokens=self.default_max_tokens,
         )
         self.started = False
         self.shut_down = False
