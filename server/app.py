@@ -47,6 +47,7 @@ from server.lora import AdapterRegistry
 from server.lora_admin import add_admin_routes
 from server.metrics import Metrics
 from server.middleware import install as install_middlewares
+from server.middleware import server_options
 from server.protocol import Limits, Sampling
 from server.response_store import ResponseStore
 from server.routes import add_routes
@@ -433,8 +434,10 @@ async def serve(
     runner = web.AppRunner(
         app,
         handler_cancellation=True,  # a client that goes away cancels its handler
-        access_log=None,  # one structured line per request comes from server/middleware.py
         shutdown_timeout=5.0,
+        # One structured line per request comes from server/middleware.py, which
+        # also routes aiohttp's own lines (parser refusals) into Sluice's log.
+        **server_options(),
     )
     await runner.setup()
     rt = app[RUNTIME]

@@ -9,6 +9,13 @@ on /v1/messages*, OpenAI's everywhere else; authentication is checked once
 for every protected path rather than by each handler remembering to (the key
 arrives as `Authorization: Bearer` or as Anthropic's `x-api-key`).
 `install` wires all of it into an app, in that order.
+
+A request that aiohttp's HTTP parser refuses (a bare CR in a header, a bad
+request line) never reaches the app: aiohttp answers its 400 itself. So that
+it still leaves one access line and one log line in Sluice's log, the server
+is run with `server_options()`: aiohttp's access logger hook writes the line
+for a request no middleware saw, and aiohttp's own error log goes through
+Sluice's logging as one line without a traceback (`_ParserRefusals`).
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
+from aiohttp.http_exceptions import HttpProcessingError
 
 from server import logs
 from server.errors import SluiceError
@@ -35,6 +44,7 @@ __all__ = [
     "error_middleware",
     "install",
     "request_middleware",
+    "server_options",
 ]
 
 log = logging.getLogger("sluice")
@@ -206,3 +216,53 @@ def install(app: web.Application) -> None:
     """The middlewares in their order (outermost first) and the id's echo."""
     app.middlewares.extend([request_middleware, error_middleware, auth_middleware])
     app.on_response_prepare.append(_echo_request_id)
+
+
+class _UnseenRequests(AbstractAccessLogger):
+    """aiohttp's access-log hook: the access line of a request that no
+    middleware saw (one its parser refused: aiohttp's own error handler
+    answered it). Every other request has written its line already."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        if REQUEST_ID in request:
+            return
+        fields = {
+            "request_id": uuid.uuid4().hex,
+            "method": request.method,  # aiohttp's placeholder: the line was not read
+            "endpoint": request.path,
+            "status": response.status,
+            "total_ms": round(time * 1000, 2),
+            "error": "bad_http_request",
+        }
+        logs.access(fields)
+
+
+class _ParserRefusals(logging.Filter):
+    """On aiohttp's server logger: a refusal by the HTTP parser (a client's
+    malformed request, not a fault here) becomes one line naming the cause,
+    without the traceback aiohttp attaches; anything else passes unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            why = " ".join(str(exc.message).split())  # the parser's text spans lines
+            record.msg, record.args = "request refused by the HTTP parser: %s", (why,)
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.fields = {"status": exc.code}
+        return True
+
+
+_SERVER_LOG = logging.getLogger("sluice.http")
+_SERVER_LOG.addFilter(_ParserRefusals())
+
+
+def server_options() -> dict[str, Any]:
+    """aiohttp's server arguments that keep its own output in Sluice's log: the
+    access hook above (Sluice writes its other lines itself, so aiohttp's
+    format is never used) and its error logger as a child of `sluice`."""
+    return {
+        "access_log_class": _UnseenRequests,
+        "access_log": logs.ACCESS,
+        "logger": _SERVER_LOG,
+    }

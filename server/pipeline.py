@@ -406,7 +406,6 @@ async def _stream(
 ) -> web.StreamResponse:
     n = job.sampling.n
     resp = web.StreamResponse(headers=_SSE_HEADERS)
-    await resp.prepare(request)
     # The head (chat's role frame, an echo, Messages' message_start) goes out
     # with the first output, as vLLM's server sends it: a client that times
     # its first frame (vllm bench serve does) then times the first token, not
@@ -435,6 +434,9 @@ async def _stream(
             wrote()
 
     try:
+        # Inside the guard: a client that left before the headers went out
+        # (before aiohttp cancelled this handler) is a 499 too, not a 500.
+        await resp.prepare(request)
         async with _keepalive(resp, beat) as wrote:
             await _each_output(gens, tr.tickets, send)
         # After the beat stopped: nothing may follow the closing frames.
