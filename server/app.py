@@ -349,7 +349,9 @@ def build_app(
     )
     app[RESPONSES] = ResponseStore()  # /v1/responses' stored responses, lost on restart
     app[NOTIFIER] = notifier or SdNotify(None)
-    app[CALLERS] = CallerDirectory(settings.caller_table, settings.api_key)
+    app[CALLERS] = CallerDirectory(
+        settings.caller_table, settings.api_key, shared_cache=settings.shared_prefix_cache
+    )
     app[ADAPTERS] = AdapterRegistry(
         settings.model_name, settings.adapters, base_path=settings.model_path
     )

@@ -202,6 +202,13 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
         "max_queued, tokens_per_minute (see README); reloaded on SIGHUP",
     )
     g.add_argument(
+        "--shared-prefix-cache",
+        action="store_true",
+        help="let every caller's prompts share the engine's prefix cache; by default, "
+        "with a callers file or an API key, each caller (or cache_group) has its own, so "
+        "no caller can tell from cached tokens or timing what another sent",
+    )
+    g.add_argument(
         "--max-body-bytes",
         type=int,
         default=d.max_body_bytes,
@@ -590,6 +597,7 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
         api_key=api_key,
         callers_file=ns.callers,
         caller_table=callers,
+        shared_prefix_cache=ns.shared_prefix_cache,
         max_body_bytes=ns.max_body_bytes,
         max_n=ns.max_n,
         default_thinking=default_thinking(ns.default_thinking, demo=demo),

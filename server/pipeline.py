@@ -239,11 +239,15 @@ def generation_endpoint(
 
 async def _run(request: web.Request, tr: Trace, job: Job, enc: Encoder[Any]) -> web.StreamResponse:
     results = request.app[RESULTS]
+    # The caller's prefix-cache salt (None: shared): the engine's cache, dedupe
+    # and the result cache share work only within it (server/callers.py).
+    salt = request.app[CALLERS].cache_salt(tr.caller)
     key: Hashable = None
     if job.cacheable and not job.stream and job.sampling.deterministic and results.enabled:
         key = (
             tr.endpoint,
             tr.adapter,
+            salt,
             job.prompts,
             job.max_tokens,
             job.sampling.fingerprint(),
@@ -253,7 +257,7 @@ async def _run(request: web.Request, tr: Trace, job: Job, enc: Encoder[Any]) -> 
             choices, tr.completion_tokens = hit
             tr.first_token()
             return json_response(enc.body(choices, _usage(tr)))
-    tr.tickets = _submit(request, tr, job)
+    tr.tickets = _submit(request, tr, job, salt)
     try:
         gens = [await t.wait() for t in tr.tickets]
         if job.stream:
@@ -278,7 +282,7 @@ def _note_cached(tr: Trace, prompt: int, out: EngineOutput) -> None:
         tr.cached[prompt] = out.num_cached_tokens
 
 
-def _submit(request: web.Request, tr: Trace, job: Job) -> list[Ticket]:
+def _submit(request: web.Request, tr: Trace, job: Job, salt: str | None) -> list[Ticket]:
     """Admit one core request per prompt; all or none (a refusal leaves the rest)."""
     driver = request.app[DRIVER]
     engine = request.app[ENGINE]
@@ -288,8 +292,10 @@ def _submit(request: web.Request, tr: Trace, job: Job) -> list[Ticket]:
     # core batches, dedupes and releases by it (batching/keys.py).
     key = group_key(settings.model_name, tr.adapter)
     sampling = job.sampling
-    # Only deterministic sampling can share a generation (greedy, or seeded).
-    fp = (sampling.fingerprint(), job.variant) if sampling.deterministic else None
+    # Only deterministic sampling can share a generation (greedy, or seeded),
+    # and only within one prefix-cache salt: another caller's would tell it
+    # what this one sent (its answer comes at once, as a result).
+    fp = (sampling.fingerprint(), job.variant, salt) if sampling.deterministic else None
     base = f"{tr.rid}-{next(_seq)}"
     single = len(job.prompts) == 1
     tickets: list[Ticket] = []
@@ -309,7 +315,7 @@ def _submit(request: web.Request, tr: Trace, job: Job) -> list[Ticket]:
                 open_ended=sampling.max_tokens is None,
             )
             params = engine.sampling_params(sampling, job.max_tokens[i])
-            tickets.append(driver.submit(core_req, params, job.adapter))
+            tickets.append(driver.submit(core_req, params, job.adapter, salt))
     except SluiceError:
         for t in tickets:
             t.leave()

@@ -85,6 +85,9 @@ class Settings:
     # core.callers); SIGHUP reloads the file.
     callers_file: Path | None = None
     caller_table: CallerTable | None = field(default=None, repr=False)
+    # --shared-prefix-cache: every caller's prompts share the engine's prefix
+    # cache (no per-caller cache_salt; server/callers.py says what that leaks).
+    shared_prefix_cache: bool = False
     max_body_bytes: int = 4 * 1024 * 1024
     max_n: int = 8
     max_logprobs: int = 20
