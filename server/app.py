@@ -341,7 +341,10 @@ def build_app(
     install_middlewares(app)
     app[SETTINGS] = settings
     app[ENGINE] = engine
-    app[METRICS] = Metrics()
+    app[CALLERS] = CallerDirectory(
+        settings.caller_table, settings.api_key, shared_cache=settings.shared_prefix_cache
+    )
+    app[METRICS] = Metrics(caller_label=app[CALLERS].label)
     app[RUNTIME] = Runtime()
     app[RESULTS] = ResultCache(
         ttl=settings.result_cache_ttl,
@@ -349,9 +352,6 @@ def build_app(
     )
     app[RESPONSES] = ResponseStore()  # /v1/responses' stored responses, lost on restart
     app[NOTIFIER] = notifier or SdNotify(None)
-    app[CALLERS] = CallerDirectory(
-        settings.caller_table, settings.api_key, shared_cache=settings.shared_prefix_cache
-    )
     app[ADAPTERS] = AdapterRegistry(
         settings.model_name, settings.adapters, base_path=settings.model_path
     )

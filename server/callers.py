@@ -80,10 +80,13 @@ from server.lora import OPEN_ACCESS, AdapterAccess
 __all__ = [
     "MAX_USER_NAMES",
     "OTHER_CALLER",
+    "USER_LABEL",
     "CallerDirectory",
     "CallerTable",
     "CallersError",
+    "bearer_token",
     "load_callers",
+    "same_key",
     "world_readable",
 ]
 
@@ -92,6 +95,9 @@ OTHER_CALLER = "other"
 # own (fair share, metrics series); 64 is far more than the teams sharing one
 # workstation card, and small enough for a per-caller series set in Prometheus.
 MAX_USER_NAMES = 64
+# The metric label of every caller that a `user` field named (open mode): the
+# name is the client's own string, so it never becomes a label of its own.
+USER_LABEL = "user"
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _FIELDS = {
@@ -269,6 +275,17 @@ def load_callers(
         raise CallersError(f"callers file {path}: {exc}") from exc
 
 
+def bearer_token(authorization: str) -> str:
+    """The token of an `Authorization: Bearer ...` header, else ""."""
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def same_key(token: str, key: str | None) -> bool:
+    """`token` is `key` (both non-empty), compared in constant time."""
+    return bool(token and key) and hmac.compare_digest(token.encode(), str(key).encode())
+
+
 def world_readable(path: Path) -> bool:
     """True when users other than the owner and group may read the file (its keys)."""
     try:
@@ -303,10 +320,8 @@ class CallerDirectory:
 
         Only for a directory that is not open.
         """
-        scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer":
-            return None
-        return self.identify(token)
+        token = bearer_token(authorization)
+        return self.identify(token) if token else None
 
     def identify(self, token: str) -> str | None:
         """The caller whose key is `token` (a bearer token or an `x-api-key`); None: 401."""
@@ -336,6 +351,11 @@ class CallerDirectory:
             digest = hmac.new(self._secret, scope.encode(), hashlib.sha256).hexdigest()
             salt = self._salts[scope] = digest[:32]
         return salt
+
+    def label(self, caller: str) -> str:
+        """A caller's metric label: its name when keys name callers (configured
+        names only), else `default` or, for every `user` name, USER_LABEL."""
+        return caller if not self.open or caller == DEFAULT_CALLER else USER_LABEL
 
     def from_user(self, user: str | None) -> str:
         """An open directory's caller for a request's `user` field (bounded)."""

@@ -43,13 +43,13 @@ Rules:
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
+from server.callers import bearer_token, same_key
 from server.errors import SluiceError
 from server.lora import Adapter, adapter_rank, check_base, under_root
 from server.protocol.fields import load_object
@@ -68,10 +68,8 @@ _LOCK = web.AppKey("lora_admin_lock", asyncio.Lock)  # rule 6
 
 def check_admin(request: web.Request) -> None:
     """Rule 2: return if the request carries the admin key, else 401 or 403."""
-    key = request.app[SETTINGS].admin_key
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    token = token.strip() if scheme.lower() == "bearer" else ""
-    if key and token and hmac.compare_digest(token.encode(), key.encode()):
+    token = bearer_token(request.headers.get("Authorization", ""))
+    if same_key(token, request.app[SETTINGS].admin_key):
         return
     request.app[METRICS].rejections.labels("auth").inc()
     callers = request.app[CALLERS]

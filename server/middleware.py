@@ -33,13 +33,16 @@ from aiohttp.abc import AbstractAccessLogger
 from aiohttp.http_exceptions import HttpProcessingError
 
 from server import logs
+from server.callers import bearer_token, same_key
 from server.errors import SluiceError
 from server.lora_admin import ADMIN_PATHS
-from server.state import ACCESS, CALLER, CALLERS, METRICS, REQUEST_ID, Access
+from server.state import ACCESS, ADMIN, CALLER, CALLERS, METRICS, REQUEST_ID, SETTINGS, Access
 
 __all__ = [
     "ANTHROPIC_PREFIX",
+    "METRICS_PATH",
     "PROTECTED_PREFIXES",
+    "STATUS_PATH",
     "auth_middleware",
     "error_middleware",
     "install",
@@ -51,11 +54,14 @@ log = logging.getLogger("sluice")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-# Paths behind the API key (when one is set). The probes and /metrics stay
-# open: systemd, load balancers and Prometheus read them without a key. The
-# status page itself (/, /static/) holds no data; what it shows, /status.json,
-# is behind the key.
+# Paths behind the API key (when one is set). The probes stay open: systemd
+# and load balancers read them without a key; /metrics too, for Prometheus on
+# loopback, unless --metrics-key-file gives it a key of its own. The status
+# page itself (/, /static/) holds no data; what it shows, /status.json, is
+# behind the key: a caller's key gets its own view, the admin key the whole.
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/status.json")
+STATUS_PATH = "/status.json"
+METRICS_PATH = "/metrics"
 # Paths whose clients read Anthropic's error shape and statuses.
 ANTHROPIC_PREFIX = "/v1/messages"
 
@@ -195,10 +201,20 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     open and the pipeline names the caller from the `user` field.
     """
     directory = request.app[CALLERS]
-    if directory.open or not request.path.startswith(PROTECTED_PREFIXES):
+    path = request.path
+    if path == METRICS_PATH:
+        _check_metrics_key(request)
         return await handler(request)
-    if request.path in ADMIN_PATHS:
+    if directory.open or not path.startswith(PROTECTED_PREFIXES):
+        return await handler(request)
+    if path in ADMIN_PATHS:
         return await handler(request)  # the admin key's, not a caller's (server/lora_admin.py)
+    if path == STATUS_PATH and same_key(
+        bearer_token(request.headers.get("Authorization", "")),
+        request.app[SETTINGS].admin_key,
+    ):
+        request[ADMIN] = True  # the full view (server/status_page.py)
+        return await handler(request)
     api_key = request.headers.get("x-api-key")
     caller = (
         directory.identify(api_key)
@@ -210,6 +226,15 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         return await handler(request)
     request.app[METRICS].rejections.labels("auth").inc()
     raise SluiceError("invalid or missing API key", status=401, code="invalid_api_key")
+
+
+def _check_metrics_key(request: web.Request) -> None:
+    """/metrics with --metrics-key-file: its Bearer key or a 401 (no other key opens it)."""
+    key = request.app[SETTINGS].metrics_key
+    if key is None or same_key(bearer_token(request.headers.get("Authorization", "")), key):
+        return
+    request.app[METRICS].rejections.labels("auth").inc()
+    raise SluiceError("invalid or missing metrics key", status=401, code="invalid_api_key")
 
 
 def install(app: web.Application) -> None:

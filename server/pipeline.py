@@ -505,7 +505,7 @@ def _finish_trace(request: web.Request, tr: Trace) -> None:
     now = time.monotonic()
     metrics.requests.labels(tr.endpoint, str(tr.status), tr.adapter or "").inc()
     if tr.caller is not None:
-        metrics.caller_requests.labels(tr.caller, str(tr.status)).inc()
+        metrics.caller_requests.labels(metrics.caller_label(tr.caller), str(tr.status)).inc()
     metrics.duration.observe(now - tr.t0)
     if tr.ttft is not None:
         metrics.observe_ttft(tr.ttft)
