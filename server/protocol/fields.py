@@ -167,7 +167,7 @@ def get_text_parts(
         if refusals and kind == "refusal" and isinstance(part.get("refusal"), str):
             texts.append(part["refusal"])
             continue
-        if kind not in kinds:
+        if not isinstance(kind, str) or kind not in kinds:  # a list is no key of `kinds`
             raise unsupported(f"{where}.type", f"content part type {show(kind)} (only text)")
         text = part.get("text")
         if not isinstance(text, str):
