@@ -273,7 +273,10 @@ class _ParserRefusals(logging.Filter):
             why = " ".join(str(exc.message).split())  # the parser's text spans lines
             record.msg, record.args = "request refused by the HTTP parser: %s", (why,)
             record.exc_info, record.exc_text = None, None
-            record.levelno, record.levelname = logging.INFO, "INFO"
+            # INFO (aiohttp says ERROR), or DEBUG where aiohttp chose it (a
+            # connection's first line not HTTP at all: port scans, TLS).
+            record.levelno = min(record.levelno, logging.INFO)
+            record.levelname = logging.getLevelName(record.levelno)
             record.fields = {"status": exc.code}
         return True
 
