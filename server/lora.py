@@ -289,7 +289,7 @@ def check_adapter_dir(name: str, path: str, max_rank: int) -> None:
         raise ValueError(f"LoRA adapter {name!r}: rank {rank} is above --max-lora-rank {max_rank}")
 
 
-# -- runtime loading (rules 6-7) ---------------------------------------------
+# -- runtime loading (rules 6-8) ---------------------------------------------
 
 
 def _outside(path: str) -> SluiceError:
