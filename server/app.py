@@ -47,6 +47,7 @@ from server.lora import AdapterRegistry
 from server.lora_admin import add_admin_routes
 from server.metrics import Metrics
 from server.middleware import install as install_middlewares
+from server.middleware import server_options
 from server.protocol import Limits, Sampling
 from server.response_store import ResponseStore
 from server.routes import add_routes
@@ -341,7 +342,10 @@ def build_app(
     install_middlewares(app)
     app[SETTINGS] = settings
     app[ENGINE] = engine
-    app[METRICS] = Metrics()
+    app[CALLERS] = CallerDirectory(
+        settings.caller_table, settings.api_key, shared_cache=settings.shared_prefix_cache
+    )
+    app[METRICS] = Metrics(caller_label=app[CALLERS].label)
     app[RUNTIME] = Runtime()
     app[RESULTS] = ResultCache(
         ttl=settings.result_cache_ttl,
@@ -349,7 +353,6 @@ def build_app(
     )
     app[RESPONSES] = ResponseStore()  # /v1/responses' stored responses, lost on restart
     app[NOTIFIER] = notifier or SdNotify(None)
-    app[CALLERS] = CallerDirectory(settings.caller_table, settings.api_key)
     app[ADAPTERS] = AdapterRegistry(
         settings.model_name, settings.adapters, base_path=settings.model_path
     )
@@ -434,8 +437,10 @@ async def serve(
     runner = web.AppRunner(
         app,
         handler_cancellation=True,  # a client that goes away cancels its handler
-        access_log=None,  # one structured line per request comes from server/middleware.py
         shutdown_timeout=5.0,
+        # One structured line per request comes from server/middleware.py, which
+        # also routes aiohttp's own lines (parser refusals) into Sluice's log.
+        **server_options(),
     )
     await runner.setup()
     rt = app[RUNTIME]

@@ -56,6 +56,8 @@ _CHAT_TEMPLATE = _DATA / "chat_template.jinja"
 # everything that shapes the output (see recipe_digest), so a forgotten bump
 # cannot serve a stale model.
 DEMO_MODEL_VERSION = 1
+# The name `sluice serve` serves the demo model as (its --served-model-name).
+DEMO_MODEL_NAME = "sluice-demo"
 
 # 4096 tokens in all: 4087 learned by BPE plus the 9 added tokens below. The
 # embedding has exactly as many rows as the tokenizer has tokens: with random

@@ -590,6 +590,7 @@ class EngineAdapter:
         params: SamplingParams,
         priority: int,
         adapter: Adapter | None = None,
+        cache_salt: str | None = None,
     ) -> Any:
         """Add one request; returns vLLM's per-request output collector.
 
@@ -597,7 +598,10 @@ class EngineAdapter:
         `Renderer.render_cmpl()` builds for a text model (and that vLLM's
         server builds itself for pre-tokenized ids): 1.5 us against 3.7 us for
         a render_cmpl() round trip of the same 1,655 ids, and no deprecated
-        raw-prompt path.
+        raw-prompt path. `cache_salt` rides in it as vLLM's server puts a
+        request's `cache_salt` there: the engine mixes it into the hash of the
+        prompt's first KV block, so prompts of different salts share no
+        cached block (vllm/v1/core/kv_cache_utils.py).
         """
         if self._llm is None:
             raise SluiceError("engine not started", status=503, retry_after=5)
@@ -606,7 +610,7 @@ class EngineAdapter:
         from_start = bool(params.extra_args and params.extra_args.get(_FROM_START))
         return await self._llm.add_request(
             request_id,
-            tokens_input(list(prompt_tokens)),
+            tokens_input(list(prompt_tokens), cache_salt=cache_salt),
             params,
             priority=priority,
             lora_request=None if adapter is None else lora_request(adapter),

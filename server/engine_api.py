@@ -172,6 +172,9 @@ class Engine(Protocol):
         params: SamplingParamsLike,
         priority: int,
         adapter: Adapter | None = None,  # a LoRA adapter, None: the base weights
+        # The prefix-cache salt (vLLM's cache_salt): requests with different
+        # salts never share cached blocks; None: the shared cache.
+        cache_salt: str | None = None,
     ) -> OutputStream: ...
     async def abort(self, request_ids: Sequence[str]) -> None: ...
     # Load a LoRA adapter into the engine now; SluiceError (400) naming the cause.

@@ -10,8 +10,6 @@ assigns a request id (`request[REQUEST_ID]`, set for every route).
 
 from __future__ import annotations
 
-from typing import Any
-
 import orjson
 from aiohttp import web
 
@@ -21,6 +19,7 @@ from server.messages import count_tokens, prepare_messages
 from server.metrics import CONTENT_TYPE
 from server.pipeline import check_accepting, generation_endpoint, json_response
 from server.protocol import models_body, parse_chat
+from server.protocol.fields import load_object
 from server.responses_endpoint import delete_response, get_response, prepare_responses
 from server.state import ADAPTERS, CALLER, CALLERS, ENGINE, METRICS, RUNTIME, SETTINGS, Phase
 
@@ -71,20 +70,10 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": CONTENT_TYPE})
 
 
-def _object(body: bytes) -> dict[str, Any]:
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise SluiceError(f"malformed JSON: {exc}", code="invalid_json") from None
-    if not isinstance(obj, dict):
-        raise SluiceError("the request body must be a JSON object", code="invalid_json")
-    return obj
-
-
 async def tokenize(request: web.Request) -> web.Response:
     """vLLM-compatible /tokenize: {"prompt"} or {"messages"}; "model" is optional."""
     check_accepting(request)
-    obj = _object(await read_body(request))
+    obj = load_object(await read_body(request))
     model = obj.get("model") or request.app[SETTINGS].model_name
     if not isinstance(model, str):
         raise SluiceError("'model' must be a string", param="model")
@@ -106,7 +95,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     check_accepting(request)
-    obj = _object(await read_body(request))
+    obj = load_object(await read_body(request))
     tokens = obj.get("tokens")
     if not isinstance(tokens, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens

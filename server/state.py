@@ -31,6 +31,7 @@ from server.watchdog import Watchdog
 __all__ = [
     "ACCESS",
     "ADAPTERS",
+    "ADMIN",
     "CALLER",
     "CALLERS",
     "DRIVER",
@@ -112,5 +113,6 @@ CALLERS = web.AppKey("callers", CallerDirectory)  # who is asking (server/caller
 RESPONSES = web.AppKey("responses", ResponseStore)  # /v1/responses' stored responses
 ADAPTERS = web.AppKey("adapters", AdapterRegistry)  # LoRA adapters (server/lora.py)
 CALLER = web.RequestKey("caller", str)  # set by the auth middleware when keys name callers
+ADMIN = web.RequestKey("admin", bool)  # /status.json with the admin key: the full view
 REQUEST_ID = web.RequestKey("request_id", str)  # set by the request middleware, every route
 ACCESS = web.RequestKey("access", Access)  # the request's access line (server/middleware.py)

@@ -104,6 +104,7 @@ class FakeEngine:
     peak_running: int = 0  # most requests producing at once
     priorities: dict[str, int] = field(default_factory=dict)  # engine priority per request
     adapters: dict[str, str | None] = field(default_factory=dict)  # LoRA adapter per request
+    salts: dict[str, str | None] = field(default_factory=dict)  # prefix-cache salt per request
     loaded: list[Adapter] = field(default_factory=list)  # load_adapter's, in order
     # Fault injection: load_adapter fails with this message, as the engine's load would.
     load_error: str | None = None
@@ -213,6 +214,7 @@ class FakeEngine:
         params: Any,
         priority: int,
         adapter: Adapter | None = None,
+        cache_salt: str | None = None,
     ) -> FakeCollector:
         if self._dead:
             raise SluiceError("the engine died; retry shortly", status=503, retry_after=5)
@@ -220,6 +222,7 @@ class FakeEngine:
         self.added.append(request_id)
         self.priorities[request_id] = priority
         self.adapters[request_id] = adapter.name if adapter is not None else None
+        self.salts[request_id] = cache_salt
         self._producers[request_id] = asyncio.create_task(
             self._produce(request_id, params, collector)
         )

@@ -406,9 +406,10 @@ def _thinking(value: Any, notes: Notes) -> bool | None:
     effort = get(value, "effort")
     if effort is MISSING:
         return None
-    if effort in _EFFORT_OFF:
+    # (an array or an object is no key of the sets: the type first)
+    if isinstance(effort, str) and effort in _EFFORT_OFF:
         return False
-    if effort in _EFFORT_ON:
+    if isinstance(effort, str) and effort in _EFFORT_ON:
         return True
     raise bad(
         "reasoning.effort",
