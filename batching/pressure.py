@@ -1,6 +1,6 @@
 """Memory-pressure policy: readings in, admission state out (sans-IO).
 
-Why a separate, pure module: the watchdog (server/watchdog.py) only *reads*
+Why a separate, pure module: the watchdog (server/operations/watchdog.py) only *reads*
 NVML, /proc/meminfo and the engine's stats; every decision about what those
 numbers mean lives here, where a test can replay any sequence of readings with
 any timestamps and no threads, sleeps or GPU.
@@ -121,7 +121,7 @@ class EngineStats:
     prefix_cache_hits_total: int = 0
     ranks: tuple[RankStats, ...] = ()
     # Engine steps in which a LoRA adapter had waiting requests and none running
-    # (server/engine.py, adapter_waited): its work waited for an adapter slot.
+    # (server/engines/vllm_adapter.py, adapter_waited): its work waited for an adapter slot.
     adapter_wait_steps_total: int = 0
     # Engine steps reported (each rank's stats count once): the denominator for
     # the adapter-wait share.

@@ -50,7 +50,7 @@ engine number, and an unknown number never holds anything back):
    `ranks` x each. KV adds up for the total in use (rule 4 on `ranks` x
    `kv_tokens`, `kv_usage` being the ranks' mean), but a prompt's blocks live
    on one rank: it also needs `kv_tokens` x (1 - the least-used rank's usage)
-   free on that rank. vLLM's coordinator places each request (server/engine.py
+   free on that rank. vLLM's coordinator places each request (server/engines/vllm_adapter.py
    says why Sluice leaves it to it), so pending prompts are not booked per rank.
 7. LoRA slots (`max_loras` > 0; vLLM's --max-loras with --enable-lora): work on an
    adapter goes only while the distinct adapters in flight stay within `max_loras`

@@ -59,11 +59,11 @@ BENCH_CONTEXT = 8192
 
 def _demo_flags() -> tuple[list[str], str]:
     from server.cli import DEFAULT_REASONING_PARSER, DEMO_STRUCTURED_OUTPUTS
-    from server.demo_model import build_demo_model, default_cache_root, default_demo_dir
+    from server.engines.demo.model import build_demo_model, default_cache_root, default_demo_dir
 
     env = dict(os.environ)
     model_dir = build_demo_model(default_demo_dir(default_cache_root(env)))
-    from server.demo_model import demo_engine_kwargs
+    from server.engines.demo.model import demo_engine_kwargs
 
     kw = demo_engine_kwargs(model_dir)
     flags = [
@@ -89,13 +89,13 @@ def _demo_flags() -> tuple[list[str], str]:
 
 def _step_flags(engine_flags: Sequence[str]) -> list[str]:
     """The engine-step flags `sluice serve` sets when none is given
-    (server/engine_step.py), resolved by Sluice's own parser for these flags and
+    (server/engines/step_flags.py), resolved by Sluice's own parser for these flags and
     spelt out, so that vLLM's server and the raw engine run the same engine step
     as Sluice. None when the flags already set either."""
     if any(f.lstrip("-").removeprefix("no-").startswith(_STEP_FLAG) for f in engine_flags):
         return []
     from server.cli import parse_serve_args
-    from server.engine_step import StepFlags
+    from server.engines.step_flags import StepFlags
 
     args = parse_serve_args(list(engine_flags), {}).engine_args
     flags = StepFlags(args.long_prefill_token_threshold, args.long_prefill_token_threshold_adaptive)

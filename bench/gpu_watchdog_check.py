@@ -1,7 +1,7 @@
 """Check the memory watchdog against a real GPU: it must shed before VRAM runs out.
 
 For a machine with a GPU, PyTorch and nvidia-ml-py, without vLLM or network.
-It runs server.watchdog.Watchdog with the real NvmlReader, while a child
+It runs server.operations.watchdog.Watchdog with the real NvmlReader, while a child
 process allocates VRAM with torch one chunk at a time, and checks that:
 
 1. the state turns SHEDDING (or CRITICAL) before an allocation fails;
@@ -116,7 +116,7 @@ async def check(device_index: int) -> int:
     import pynvml
 
     from batching.pressure import PressureConfig, State
-    from server.watchdog import NvmlReader, Watchdog
+    from server.operations.watchdog import NvmlReader, Watchdog
 
     try:
         pynvml.nvmlInit()

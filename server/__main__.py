@@ -22,7 +22,7 @@ def _serve(argv: Sequence[str]) -> int:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-    from server.logs import setup_logging
+    from server.operations.logs import setup_logging
 
     fmt = (
         "plain"
@@ -57,8 +57,8 @@ def _run(argv: Sequence[str]) -> int:
     import uvloop
 
     from server.app import serve, watchdog_factory
-    from server.engine import EngineAdapter
-    from server.sdnotify import SdNotify
+    from server.engines.vllm_adapter import EngineAdapter
+    from server.operations.sdnotify import SdNotify
 
     async def main() -> int:
         engine = EngineAdapter.from_settings(settings)
@@ -83,7 +83,7 @@ def _make_demo_model(argv: Sequence[str]) -> int:
     if len(argv) != 1 or argv[0].startswith("-"):
         print("usage: sluice make-demo-model DIR", file=sys.stderr)
         return 2
-    from server.demo_model import build_demo_model
+    from server.engines.demo.model import build_demo_model
 
     path = build_demo_model(Path(argv[0]))
     print(path)
@@ -93,8 +93,8 @@ def _make_demo_model(argv: Sequence[str]) -> int:
 def _make_demo_adapter(argv: Sequence[str]) -> int:
     import argparse
 
-    from server.demo_adapter import DEFAULT_RANK, write_demo_adapter
-    from server.demo_model import DEMO_MODEL_NAME
+    from server.engines.demo.lora_adapter import DEFAULT_RANK, write_demo_adapter
+    from server.engines.demo.model import DEMO_MODEL_NAME
 
     parser = argparse.ArgumentParser(
         prog="sluice make-demo-adapter",

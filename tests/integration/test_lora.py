@@ -6,7 +6,7 @@ The demo adapters are random (`sluice make-demo-adapter`, seeds 1 and 2), so
 what is tested is what an adapter must change: greedy output on an adapter
 differs from the base and from the other adapter and repeats exactly; every
 API runs on the adapter it names (Messages and Responses give chat's text for
-the same conversation); the listing, 404 and 403 follow server/lora.py rule 4;
+the same conversation); the listing, 404 and 403 follow server/engines/lora.py rule 4;
 the access line and the metrics name the adapter. A bad adapter at start-up
 is one line and exit 2, before any engine starts.
 """
@@ -26,7 +26,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.demo_adapter import write_demo_adapter
+from server.engines.demo.lora_adapter import write_demo_adapter
 from tests.support import ROOT, SluiceProcess
 from tests.unit.test_lora import FILE
 

@@ -1,4 +1,4 @@
-"""Runtime LoRA load and unload on the real engine (server/lora_admin.py): one
+"""Runtime LoRA load and unload on the real engine (server/api/lora_admin/endpoint.py): one
 server (module scope: an engine start costs ~25 s) with --allow-runtime-lora,
 a --lora-root of demo adapters made by `python -m server make-demo-adapter`,
 an admin key file and a caller key, through httpx and the official `openai`
@@ -27,7 +27,7 @@ import httpx
 import openai
 import pytest
 
-from server.demo_model import write_safetensors
+from server.engines.demo.model import write_safetensors
 from tests.support import ROOT, SluiceProcess, metric
 
 pytestmark = pytest.mark.engine

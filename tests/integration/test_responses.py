@@ -162,7 +162,7 @@ def test_errors_in_openais_shape(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as bg:
         client.responses.create(model=MODEL, input=ASK, background=True)
     assert bg.value.body["param"] == "background"  # type: ignore[index]
-    # A hosted tool is dropped (server/protocol/ignored.py); forcing one is a 400.
+    # A hosted tool is dropped (server/wire/ignored.py); forcing one is a 400.
     with pytest.raises(openai.BadRequestError) as web:
         client.responses.create(
             model=MODEL,

@@ -1,4 +1,4 @@
-"""The status page (server/static/) in a real browser: headless Chromium
+"""The status page (server/operations/static/) in a real browser: headless Chromium
 (Debian's `chromium`) driven by Playwright.
 
 Each test opens the page, waits for a few refreshes, and checks that every
@@ -26,17 +26,17 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from batching.pressure import RankStats
-from server.callers import CallerDirectory
-from server.metrics import Metrics
-from server.middleware import install
+from server.http.callers import CallerDirectory
+from server.http.middleware import install
+from server.operations.metrics import Metrics
+from server.operations.status_page import add_status_routes
+from server.operations.status_samples import Snapshot, StatusSampler
 from server.settings import Settings
 from server.state import CALLERS, METRICS, SETTINGS, STATUS
-from server.status import Snapshot, StatusSampler
-from server.status_page import add_status_routes
 from tests.support import SluiceProcess
 
 ROOT = Path(__file__).resolve().parents[2]
-STATIC = ROOT / "server" / "static"
+STATIC = ROOT / "server" / "operations" / "static"
 OUTPUT = ROOT / "test-output"
 # The browser reaches nothing but the server under test.
 FLAGS = [

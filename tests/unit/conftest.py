@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from batching import CoalescerConfig
 from server.app import build_app
-from server.middleware import server_options
+from server.http.middleware import server_options
 from server.settings import Settings
 from server.state import RUNTIME, Phase
 from tests.fakes import FakeEngine

@@ -1,5 +1,5 @@
-"""Request ids and access lines for every route (server/middleware.py), and a
-stream that fails after its headers went out (server/pipeline.py)."""
+"""Request ids and access lines for every route (server/http/middleware.py), and a
+stream that fails after its headers went out (server/http/pipeline.py)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from server import logs
-from server.callers import CallerDirectory
-from server.endpoints import ChatEncoder
-from server.metrics import Metrics
-from server.middleware import install
+from server.api.openai_chat.endpoint import ChatEncoder
+from server.http.callers import CallerDirectory
+from server.http.middleware import install
+from server.operations import logs
+from server.operations.metrics import Metrics
 from server.settings import Settings
 from server.state import CALLERS, METRICS, SETTINGS
 from tests.support import until

@@ -18,7 +18,8 @@ from typing import Any
 import orjson
 import pytest
 
-from server.protocol import Limits, parse_chat
+from server.api.openai_chat.parse import parse_chat
+from server.wire.request import Limits
 from tests.agents import RECORDED
 from tests.fakes import FakeEngine
 

@@ -9,7 +9,7 @@ from typing import Any
 from aiohttp.test_utils import TestClient, TestServer
 
 from server.app import build_app
-from server.engine_api import ModelInfo
+from server.engines.interface import ModelInfo
 from server.settings import Settings
 from server.state import DRIVER, RUNTIME, Phase
 from tests.fakes import FakeEngine

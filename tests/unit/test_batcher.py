@@ -1,4 +1,4 @@
-"""server/batcher.py: jobs that arrive while a batch runs go together next."""
+"""server/engines/thread_batcher.py: jobs that arrive while a batch runs go together next."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from server.batcher import Batcher
+from server.engines.thread_batcher import Batcher
 from tests.support import until
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from server.cli import parse_serve_args
-from server.engine_step import step_flags
+from server.engines.step_flags import step_flags
 
 
 def test_the_cap_is_a_quarter_of_the_step_within_the_context() -> None:

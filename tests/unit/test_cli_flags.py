@@ -88,8 +88,8 @@ def test_each_watchdog_threshold_is_a_flag_of_its_type() -> None:
 
 
 def test_lora_modules_as_vllm_takes_them(demo_cache_root: Path, tmp_path: Path) -> None:
-    from server.demo_adapter import write_demo_adapter
-    from server.lora import Adapter
+    from server.engines.demo.lora_adapter import write_demo_adapter
+    from server.engines.lora import Adapter
 
     a, b = write_demo_adapter(tmp_path / "a", seed=1), write_demo_adapter(tmp_path / "b", seed=2)
     s = parse_serve_args(
@@ -128,7 +128,7 @@ def test_a_bad_adapter_or_callers_entry_is_one_line(
     callers: str,
     says: str,
 ) -> None:
-    from server.demo_adapter import write_demo_adapter
+    from server.engines.demo.lora_adapter import write_demo_adapter
 
     path = write_demo_adapter(tmp_path / "alpha", rank=rank)
     file = tmp_path / "callers.toml"

@@ -1,4 +1,4 @@
-"""The demo LoRA adapter's files (server/demo_adapter.py): deterministic bytes
+"""The demo LoRA adapter's files (server/engines/demo/lora_adapter.py): deterministic bytes
 per seed and rank, PEFT's layout, and what the start-up check accepts."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from server.__main__ import main
-from server.demo_adapter import write_demo_adapter
-from server.demo_model import ARCHITECTURE
-from server.lora import adapter_rank, check_adapter_dir
+from server.engines.demo.lora_adapter import write_demo_adapter
+from server.engines.demo.model import ARCHITECTURE
+from server.engines.lora import adapter_rank, check_adapter_dir
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from server import demo_model
+from server.engines.demo import model as demo_model
 
 tokenizers = pytest.importorskip("tokenizers")
 jinja2_sandbox = pytest.importorskip("jinja2.sandbox")

@@ -3,7 +3,7 @@
 orjson refuses to encode more than 254 levels, and the parsers re-encode what
 they accept (tool parameters, a Messages call's input, a Responses body
 translated into chat), so a 300- or 1,000-deep body was a 500. The bound
-(server/protocol/fields.py `MAX_DEPTH`) is checked once, where a body becomes
+(server/wire/fields.py `MAX_DEPTH`) is checked once, where a body becomes
 an object, for every route; the 400 names the field in the API's own shape,
 and the server answers a valid request afterwards.
 """
@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from server.errors import SluiceError
-from server.protocol.fields import MAX_DEPTH, check_depth
+from server.wire.fields import MAX_DEPTH, check_depth
 
 pytestmark = pytest.mark.timeout(60)
 

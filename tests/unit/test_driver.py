@@ -1,4 +1,4 @@
-"""server.driver.Driver on its own: a real batching.Coalescer and the FakeEngine, no HTTP.
+"""server.engines.driver.Driver on its own: a real batching.Coalescer and the FakeEngine, no HTTP.
 
 What a caller may do to a Ticket (wait, read, leave at any point) must never
 leave a request running in the engine, and refusals and failures reach every
@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from batching import AdmissionState, Coalescer, CoalescerConfig, Request, group_key
-from server.driver import Driver, Ticket
+from server.engines.driver import Driver, Ticket
 from server.errors import SluiceError
-from server.protocol import Sampling
+from server.wire.request import Sampling
 from tests.fakes import FakeEngine
 from tests.support import until
 

@@ -1,4 +1,4 @@
-"""server/engine.py against vLLM's own input path, without an engine core.
+"""server/engines/vllm_adapter.py against vLLM's own input path, without an engine core.
 
 `start()` runs for real except that `AsyncLLM.from_vllm_config` returns the
 engine's front half: the resolved config, vLLM's renderer and vLLM's
@@ -28,12 +28,13 @@ from vllm.renderers.params import ChatParams
 from vllm.v1.engine import input_processor
 from vllm.v1.engine.input_processor import InputProcessor
 
-from server import engine as engine_mod
+from server.api.openai_chat.parse import parse_chat
 from server.cli import parse_serve_args
-from server.engine import EngineAdapter
+from server.engines import vllm_adapter as engine_mod
+from server.engines.vllm_adapter import EngineAdapter
 from server.errors import SluiceError
-from server.protocol import Constraint, Limits, Message, Sampling, parse_chat
 from server.settings import engine_capacity
+from server.wire.request import Constraint, Limits, Message, Sampling
 
 GPU_BLOCKS = 1000  # what the engine core's handshake would report
 
@@ -236,14 +237,15 @@ def test_info_carries_the_resolved_capacity(adapter: EngineAdapter) -> None:
     assert (info.max_num_seqs, info.max_num_batched_tokens) == (128, 2048)  # CPU, server context
     assert info.kv_cache_tokens == GPU_BLOCKS * config.cache_config.block_size
     assert info.max_model_len == 40960
-    # The prefill cap Sluice set (server/engine_step.py) reaches room rule 3.
+    # The prefill cap Sluice set (server/engines/step_flags.py) reaches room rule 3.
     assert info.prefill_chunk == 512 == config.scheduler_config.long_prefill_token_threshold
     assert engine_capacity(info).prefill_chunk == 512
 
 
 async def test_the_tool_call_parser_flag_reaches_the_parsers(demo_model_dir: Path) -> None:
     """--tool-call-parser qwen3_coder: the adapter reads that parser's calls (hermes would not)."""
-    from server.protocol import Limits, parse_chat
+    from server.api.openai_chat.parse import parse_chat
+    from server.wire.request import Limits
 
     settings = parse_serve_args(
         ["--model", str(demo_model_dir), "--tool-call-parser", "qwen3_coder"], {}
@@ -269,7 +271,7 @@ async def test_the_tool_call_parser_flag_reaches_the_parsers(demo_model_dir: Pat
 
 def test_lora_request_from_an_adapter() -> None:
     """The one place a LoRARequest is made: name, id, path and parent travel."""
-    from server.lora import Adapter
+    from server.engines.lora import Adapter
 
     req = engine_mod.lora_request(Adapter("beta", "/adapters/beta", 2, "fake"))
     assert (req.lora_name, req.lora_int_id, req.lora_path, req.base_model_name) == (

@@ -1,4 +1,4 @@
-"""server/engine.py resolves the engine configuration as `vllm serve` does.
+"""server/engines/vllm_adapter.py resolves the engine configuration as `vllm serve` does.
 
 vLLM picks `max_num_seqs` and `max_num_batched_tokens` by usage context and
 device (EngineArgs.get_batch_defaults). Sluice must get what vLLM's OpenAI
@@ -27,9 +27,9 @@ from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.usage.usage_lib import UsageContext
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from server import engine as engine_mod
 from server.cli import parse_serve_args
-from server.engine import EngineAdapter, engine_config
+from server.engines import vllm_adapter as engine_mod
+from server.engines.vllm_adapter import EngineAdapter, engine_config
 
 GiB = 1 << 30
 # (total memory, device name) as vLLM's platform reports them.

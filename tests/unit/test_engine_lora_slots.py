@@ -1,5 +1,6 @@
 """The engine's LoRA slots reach the backlog, and steps that waited for an adapter
-are counted (server/engine.py `max_loras`, `adapter_waited`; server/metrics.py).
+are counted (server/engines/vllm_adapter.py `max_loras`, `adapter_waited`;
+server/operations/metrics.py).
 
 On replayed engine configurations (vLLM's own `create_engine_config` on the flags; no
 engine starts) and vLLM's own SchedulerStats, through its stat-logger adapter.
@@ -13,9 +14,9 @@ import pytest
 from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 
 from server.cli import parse_serve_args
-from server.engine import _stat_logger_factory, _StatsBox, engine_config, max_loras
-from server.engine_api import ModelInfo
-from server.metrics import Metrics
+from server.engines.interface import ModelInfo
+from server.engines.vllm_adapter import _stat_logger_factory, _StatsBox, engine_config, max_loras
+from server.operations.metrics import Metrics
 from server.settings import engine_capacity
 from tests.unit.test_engine_config import _flags
 from tests.unit.test_scale_capacity import dp_stat_loggers

@@ -1,6 +1,6 @@
 """docs/grafana-sluice.json asks only for metrics Sluice exports.
 
-The exported names come from the registries themselves (server/metrics.py's
+The exported names come from the registries themselves (server/operations/metrics.py's
 Metrics with its live gauges, and the watchdog's gauges registered on the same
 registry as the app does), so a renamed or removed metric fails here rather
 than leaving an empty panel on someone's wall.
@@ -16,8 +16,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from server.metrics import Metrics
-from server.watchdog import WatchdogMetrics
+from server.operations.metrics import Metrics
+from server.operations.watchdog import WatchdogMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-sluice.json"
 

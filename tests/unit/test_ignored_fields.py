@@ -1,4 +1,4 @@
-"""Rule 2 of server/protocol/ignored.py: accepted and ignored, logged once, counted.
+"""Rule 2 of server/wire/ignored.py: accepted and ignored, logged once, counted.
 
 The counter's `field` label holds only names the code lists (or `other`),
 each (api, field) is logged once, a client inventing names cannot grow the
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from server import ignored_fields
-from server.ignored_fields import IgnoredFields
-from server.protocol.ignored import KNOWN, OTHER, Ignored, Notes
+from server.operations import ignored_log as ignored_fields
+from server.operations.ignored_log import IgnoredFields
+from server.wire.ignored import KNOWN, OTHER, Ignored, Notes
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

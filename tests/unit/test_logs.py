@@ -1,4 +1,4 @@
-"""Logging (server/logs.py): a traceback reaches the line as its own field, in
+"""Logging (server/operations/logs.py): a traceback reaches the line as its own field, in
 both formats, through the queue to the writer thread."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import orjson
 import pytest
 
-from server.logs import setup_logging
+from server.operations.logs import setup_logging
 
 
 @pytest.fixture

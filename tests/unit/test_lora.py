@@ -1,4 +1,4 @@
-"""LoRA adapters above the engine (server/lora.py, the callers file's adapter
+"""LoRA adapters above the engine (server/engines/lora.py, the callers file's adapter
 fields, the pipeline's adapter plumbing), with the fake engine: the rules of the
 module's docstring, each API's 404 and 403, the caller's /v1/models, and that
 the adapter reaches the engine, the group key and the result cache key."""
@@ -12,15 +12,15 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.callers import CallersError, parse_callers
-from server.errors import SluiceError
-from server.lora import (
+from server.engines.lora import (
     Adapter,
     AdapterAccess,
     AdapterRegistry,
     check_adapter_dir,
     choose,
 )
+from server.errors import SluiceError
+from server.http.callers import CallersError, parse_callers
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,4 @@
-"""Runtime LoRA loading above the engine (server/lora_admin.py, server/lora.py
+"""Runtime LoRA loading above the engine (server/api/lora_admin/endpoint.py, server/engines/lora.py
 rules 6-7, the CLI's --allow-runtime-lora checks), with the fake engine: the
 routes exist only when allowed, only the admin key opens them, only paths under
 --lora-root load, a bad adapter is a 400 naming the cause and changes nothing,
@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from server.callers import parse_callers
 from server.cli import parse_serve_args
-from server.demo_adapter import write_demo_adapter
-from server.demo_model import ARCHITECTURE, write_safetensors
-from server.lora import Adapter, ModelShapes, check_shapes
+from server.engines.demo.lora_adapter import write_demo_adapter
+from server.engines.demo.model import ARCHITECTURE, write_safetensors
+from server.engines.lora import Adapter, ModelShapes, check_shapes
+from server.http.callers import parse_callers
 from server.state import DRIVER
 from tests.fakes import FakeEngine
 from tests.support import until
@@ -258,7 +258,7 @@ async def test_a_base_named_otherwise_loads_with_a_warning(
     make_client: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A fine-tune of `Qwen/Qwen3-14B` on a base served as `/srv/models/qwen3-14b-fp8`:
-    the engine's shape check (server/engine.py, real engine:
+    the engine's shape check (server/engines/vllm_adapter.py, real engine:
     tests/integration/test_lora_runtime.py) decides; the name is a warning."""
     write_adapter(tmp_path / "other", base="Qwen/Qwen3-14B")
     client, _, engine = await admin_client(

@@ -14,8 +14,8 @@ import anthropic
 import orjson
 import pytest
 
-from server import messages
-from server.callers import parse_callers
+from server.api.anthropic_messages import endpoint as messages
+from server.http.callers import parse_callers
 from server.state import RUNTIME, Phase
 from tests.fakes import FakeEngine
 from tests.unit.test_tools_http import AUTO_SCRIPT, PARAMS

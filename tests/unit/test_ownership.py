@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from server.pipeline import _each_output
+from server.http.pipeline import _each_output
 from tests.fakes import FakeEngine
 from tests.support import until
 from tests.unit.test_handlers import CHAT, COMP, chat, comp, events, real

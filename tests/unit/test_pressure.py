@@ -202,7 +202,7 @@ def test_preemption_counter_reset_is_not_rising() -> None:
 
 def ranks(*per_rank: tuple[float, int]) -> Readings:
     """Data-parallel ranks' (KV use, cumulative preemptions), summed and averaged
-    into the engine's numbers as the engine adapter does (server/engine.py)."""
+    into the engine's numbers as the engine adapter does (server/engines/vllm_adapter.py)."""
     stats = tuple(RankStats(u, 120, 0, preemptions_total=n) for u, n in per_rank)
     engine = EngineStats(
         kv_cache_usage=sum(r.kv_cache_usage for r in stats) / len(stats),

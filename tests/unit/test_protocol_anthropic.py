@@ -17,10 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import TypeAdapter
 
-from server.errors import SluiceError
-from server.protocol import Limits, Message, ToolCall, ToolChoice, Usage, parse_chat
-from server.protocol.anthropic import parse_messages
-from server.protocol.anthropic_events import (
+from server.api.anthropic_messages.output import (
     MessagesChoice,
     MessagesStream,
     cut_stop,
@@ -28,7 +25,11 @@ from server.protocol.anthropic_events import (
     message_body,
     stop_reason,
 )
-from server.protocol.responses import ToolCallDelta
+from server.api.anthropic_messages.parse import parse_messages
+from server.api.openai_chat.output import ToolCallDelta, Usage
+from server.api.openai_chat.parse import parse_chat
+from server.errors import SluiceError
+from server.wire.request import Limits, Message, ToolCall, ToolChoice
 
 LIMITS = Limits()
 HI = [{"role": "user", "content": "hi"}]

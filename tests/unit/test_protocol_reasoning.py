@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.reasoning import ReasoningSplitter, split_reasoning
+from server.engines.reasoning_split import ReasoningSplitter, split_reasoning
 
 WHOLE = [
     # (output, reasoning, content)

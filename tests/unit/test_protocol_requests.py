@@ -7,18 +7,14 @@ from typing import Any
 import orjson
 import pytest
 
-from server.errors import SluiceError
-from server.protocol import (
+from server.api.openai_chat.parse import (
     COMPLETION_DEFAULT_MAX_TOKENS,
-    ChatRequest,
-    CompletionRequest,
-    Limits,
-    Message,
-    Sampling,
     check_context,
     parse_chat,
     parse_completion,
 )
+from server.errors import SluiceError
+from server.wire.request import ChatRequest, CompletionRequest, Limits, Message, Sampling
 
 LIMITS = Limits()
 USER = [{"role": "user", "content": "hi"}]

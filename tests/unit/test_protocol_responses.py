@@ -12,19 +12,16 @@ from hypothesis import strategies as st
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from server.protocol import (
-    DONE,
+from server.api.openai_chat.output import (
     ChatChoice,
-    ChatStream,
     CompletionChoice,
-    CompletionStream,
     TokenLogprob,
     Usage,
     chat_completion_body,
     completion_body,
     models_body,
-    sse,
 )
+from server.api.openai_chat.stream import DONE, ChatStream, CompletionStream, sse
 
 ODD_TEXTS = [
     "",

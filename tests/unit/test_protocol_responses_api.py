@@ -12,16 +12,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 from openai.types.responses import Response
 
-from server.errors import SluiceError
-from server.protocol import ChatChoice, Limits, Message, ParsedDelta, ToolCall, Usage, parse_chat
-from server.protocol.responses import ToolCallDelta
-from server.protocol.responses_api import parse_responses
-from server.protocol.responses_events import (
+from server.api.openai_chat.output import ChatChoice, ParsedDelta, ToolCallDelta, Usage
+from server.api.openai_chat.parse import parse_chat
+from server.api.openai_responses.output import (
     ResponsesStream,
     conversation_after,
     output_items,
     response_object,
 )
+from server.api.openai_responses.parse import parse_responses
+from server.errors import SluiceError
+from server.wire.request import Limits, Message, ToolCall
 
 LIMITS = Limits(max_tokens_cap=4096)
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}}

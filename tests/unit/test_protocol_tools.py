@@ -9,19 +9,11 @@ from typing import Any
 import orjson
 import pytest
 
+from server.api.openai_chat.output import ChatChoice, ToolCallDelta, Usage, chat_completion_body
+from server.api.openai_chat.parse import parse_chat, parse_completion
+from server.api.openai_chat.stream import ChatStream, sse
 from server.errors import SluiceError
-from server.protocol import (
-    ChatChoice,
-    ChatRequest,
-    Limits,
-    Usage,
-    chat_completion_body,
-    parse_chat,
-    parse_completion,
-)
-from server.protocol.responses import ToolCallDelta
-from server.protocol.sse import ChatStream, sse
-from server.protocol.types import Constraint, Message, Tool, ToolCall, ToolChoice
+from server.wire.request import ChatRequest, Constraint, Limits, Message, Tool, ToolCall, ToolChoice
 
 USER = [{"role": "user", "content": "hi"}]
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}}
@@ -227,7 +219,7 @@ def test_malformed_tool_messages(message: dict[str, Any], param: str) -> None:
 
 def test_rendered_by_vllms_renderer(demo_model_dir: Path) -> None:
     """The tools and the exchange reach Qwen3's template through the renderer
-    the engine uses (server/engine.py), as vLLM's server renders them."""
+    the engine uses (server/engines/vllm_adapter.py), as vLLM's server renders them."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.renderers import renderer_from_config
     from vllm.renderers.params import ChatParams

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from server.protocol import Message
-from server.response_store import ResponseStore
+from server.api.openai_responses.store import ResponseStore
+from server.wire.request import Message
 
 CONVO = (Message("user", "hi"), Message("assistant", "hello"))
 

@@ -29,9 +29,9 @@ from batching import EngineCapacity
 from batching.pressure import RankStats
 from batching.room import Room
 from server.cli import parse_serve_args
-from server.engine import _stat_logger_factory, _StatsBox, dp_ranks, engine_config
-from server.engine_api import ModelInfo
-from server.metrics import _rank_families
+from server.engines.interface import ModelInfo
+from server.engines.vllm_adapter import _stat_logger_factory, _StatsBox, dp_ranks, engine_config
+from server.operations.metrics import _rank_families
 from server.settings import engine_capacity
 from tests.unit.test_engine_config import _flags, _vllm_server
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from server.sdnotify import SdNotify
+from server.operations.sdnotify import SdNotify
 from tests.support import until
 
 

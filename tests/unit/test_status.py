@@ -1,4 +1,4 @@
-"""The status page's ring buffer (server/status.py), on fake clocks."""
+"""The status page's ring buffer (server/operations/status_samples.py), on fake clocks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from batching.pressure import RankStats
-from server.status import Snapshot, StatusSampler, quantile
+from server.operations.status_samples import Snapshot, StatusSampler, quantile
 from tests.support import until
 
 

@@ -18,7 +18,7 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from server.protocol import Constraint
+from server.wire.request import Constraint
 from tests.fakes import FakeEngine
 
 pytestmark = pytest.mark.timeout(60)

@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from server.errors import SluiceError
-from server.protocol import ChatRequest, Limits, Parsed, ParsedDelta, parse_chat
-from server.protocol.sse import ChatStream
-from server.reasoning import split_reasoning
-from server.vllm_parsers import (
+from server.api.openai_chat.output import Parsed, ParsedDelta
+from server.api.openai_chat.parse import parse_chat
+from server.api.openai_chat.stream import ChatStream
+from server.engines.reasoning_split import split_reasoning
+from server.engines.vllm_parsers import (
     JsonEscaper,
     OutputParsers,
     RequestParsing,
@@ -36,6 +36,8 @@ from server.vllm_parsers import (
     to_structured_outputs,
     tool_parsers,
 )
+from server.errors import SluiceError
+from server.wire.request import ChatRequest, Limits
 
 WEATHER = {
     "type": "object",
@@ -391,7 +393,7 @@ PIECES = ["<think>", "</think>", "<", "</", "<thi", "</thi", "nk>", ">", "a", " 
     )
 )
 def test_reasoning_split_matches_vllm(parsers: OutputParsers, text: str) -> None:
-    """server/reasoning.py (the no-tools hot path: 0.1 us per delta against
+    """server/engines/reasoning_split.py (the no-tools hot path: 0.1 us per delta against
     vLLM's 10 us) splits a whole output exactly as vLLM's qwen3 parser does."""
     no_tools = parse_chat(
         orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}), Limits()

@@ -25,7 +25,7 @@ from batching.pressure import (
     Transition,
     Unknown,
 )
-from server.watchdog import (
+from server.operations.watchdog import (
     EngineReader,
     HostMemoryReader,
     NvmlReader,
@@ -396,7 +396,7 @@ def test_modules_import_without_vllm_or_torch() -> None:
     # In a fresh interpreter where importing vllm, torch or pynvml would fail.
     code = (
         "import sys; sys.modules.update(vllm=None, torch=None, pynvml=None); "
-        "import server.watchdog, server.sdnotify, batching.pressure"
+        "import server.operations.watchdog, server.operations.sdnotify, batching.pressure"
     )
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=60)

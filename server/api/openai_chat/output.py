@@ -1,0 +1,299 @@
+"""OpenAI response bodies as bytes: chat, text completion, models list, errors.
+
+Whole (non-streaming) bodies are built as dicts and serialised once with
+orjson; their cost is paid once per request. The per-token stream chunk is
+the hot path and lives in ``server/api/openai_chat/stream.py``; both share the small
+value types and dict builders here so the two can never drift apart (the
+unit tests compare them byte for byte).
+
+Field names follow OpenAI; the reasoning text of a thinking model goes in
+``reasoning``, the name vLLM 0.32 uses in both ``message`` and ``delta``
+(older vLLM and some gateways used ``reasoning_content``; pass
+``reasoning_field="reasoning_content"`` to the builders for those clients).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+import orjson
+
+from server.wire.request import ToolCall
+
+__all__ = [
+    "REASONING_FIELD",
+    "ChatChoice",
+    "CompletionChoice",
+    "FinishReason",
+    "Parsed",
+    "ParsedDelta",
+    "TokenLogprob",
+    "ToolCallDelta",
+    "Usage",
+    "chat_completion_body",
+    "chat_logprobs",
+    "completion_body",
+    "completion_logprobs",
+    "models_body",
+]
+
+REASONING_FIELD: Final = "reasoning"
+
+# vLLM's stand-in for -inf: JSON has no infinity, and orjson would write null.
+_LOGPROB_FLOOR: Final = -9999.0
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's logprob and its top alternatives (token, logprob)."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """One streamed piece of a tool call: the first carries ``id`` and ``name``
+    (and ``type: function`` on the wire), later ones argument fragments."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        function: dict[str, Any] = {}
+        if self.name is not None:
+            function["name"] = self.name
+        function["arguments"] = self.arguments
+        out: dict[str, Any] = {"index": self.index}
+        if self.id is not None:
+            out["id"] = self.id
+            out["type"] = "function"
+        out["function"] = function
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """A finished chat choice's text, split: reasoning, answer, tool calls."""
+
+    reasoning: str | None
+    content: str | None
+    tool_calls: tuple[ToolCall, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedDelta:
+    """What one text delta of a streamed chat choice releases ("" / (): nothing)."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of one request. ``cached_tokens``: prompt tokens the
+    engine's prefix cache already held (vLLM's ``num_cached_tokens``)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ChatChoice:
+    """One finished chat choice. ``reasoning`` None: no thinking output (key omitted);
+    ``tool_calls`` empty: no calls (key omitted)."""
+
+    index: int
+    content: str | None
+    finish_reason: FinishReason
+    reasoning: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionChoice:
+    """One finished text completion choice.
+
+    ``text_offset`` is the character offset of the first logprob'd token in
+    ``text`` (non-zero when the prompt was echoed in front of it).
+    """
+
+    index: int
+    text: str
+    finish_reason: FinishReason
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    text_offset: int = 0
+
+
+def tool_call_dict(call: ToolCall) -> dict[str, Any]:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
+def _lp(value: float) -> float:
+    return value if value > _LOGPROB_FLOOR else _LOGPROB_FLOOR  # also maps NaN
+
+
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", "surrogatepass"))
+
+
+def chat_logprobs(tokens: Iterable[TokenLogprob]) -> dict[str, Any]:
+    """The chat ``logprobs`` object: ``{"content": [...]}``."""
+    return {
+        "content": [
+            {
+                "token": t.token,
+                "logprob": _lp(t.logprob),
+                "bytes": _bytes(t.token),
+                "top_logprobs": [
+                    {"token": tok, "logprob": _lp(lp), "bytes": _bytes(tok)} for tok, lp in t.top
+                ],
+            }
+            for t in tokens
+        ]
+    }
+
+
+def completion_logprobs(tokens: Sequence[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object, offsets counted from ``text_offset``."""
+    offsets = []
+    at = text_offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t.token)
+    return {
+        "tokens": [t.token for t in tokens],
+        "token_logprobs": [_lp(t.logprob) for t in tokens],
+        "top_logprobs": [{tok: _lp(lp) for tok, lp in t.top} for t in tokens],
+        "text_offset": offsets,
+    }
+
+
+def chat_completion_body(
+    *,
+    request_id: str,
+    created: int,
+    model: str,
+    choices: Sequence[ChatChoice],
+    usage: Usage,
+    reasoning_field: str = REASONING_FIELD,
+) -> bytes:
+    """A non-streaming ``chat.completion`` body; ``id`` is ``chatcmpl-<request_id>``."""
+    out = []
+    for c in choices:
+        message: dict[str, Any] = {"role": "assistant", "content": c.content}
+        if c.reasoning is not None:
+            message[reasoning_field] = c.reasoning
+        if c.tool_calls:
+            message["tool_calls"] = [tool_call_dict(t) for t in c.tool_calls]
+        out.append(
+            {
+                "index": c.index,
+                "message": message,
+                "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs),
+                "finish_reason": c.finish_reason,
+            }
+        )
+    return orjson.dumps(
+        {
+            "id": f"chatcmpl-{request_id}",
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": out,
+            "usage": usage.as_dict(),
+        }
+    )
+
+
+def completion_body(
+    *,
+    request_id: str,
+    created: int,
+    model: str,
+    choices: Sequence[CompletionChoice],
+    usage: Usage,
+) -> bytes:
+    """A non-streaming ``text_completion`` body; ``id`` is ``cmpl-<request_id>``."""
+    return orjson.dumps(
+        {
+            "id": f"cmpl-{request_id}",
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "logprobs": None
+                    if c.logprobs is None
+                    else completion_logprobs(c.logprobs, c.text_offset),
+                    "finish_reason": c.finish_reason,
+                }
+                for c in choices
+            ],
+            "usage": usage.as_dict(),
+        }
+    )
+
+
+def models_body(
+    model_ids: Iterable[str],
+    *,
+    created: int,
+    owned_by: str = "sluice",
+    max_model_len: int | None = None,
+    adapters: Iterable[tuple[str, str, str]] = (),
+) -> bytes:
+    """The ``/v1/models`` list. ``root`` and ``max_model_len`` as vLLM adds them.
+
+    `adapters` are LoRA adapters as (name, path, parent): a card each, after
+    the base models, as vLLM's server lists them (OpenAIServingModels
+    .show_available_models): ``root`` the adapter's path, ``parent`` its base
+    model, no ``max_model_len``."""
+    data = []
+    for model_id in model_ids:
+        entry: dict[str, Any] = {
+            "id": model_id,
+            "object": "model",
+            "created": created,
+            "owned_by": owned_by,
+            "root": model_id,
+            "parent": None,
+        }
+        if max_model_len is not None:
+            entry["max_model_len"] = max_model_len
+        data.append(entry)
+    for name, path, parent in adapters:
+        data.append(
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": owned_by,
+                "root": path,
+                "parent": parent,
+            }
+        )
+    return orjson.dumps({"object": "list", "data": data})

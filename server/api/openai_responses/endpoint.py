@@ -1,0 +1,162 @@
+"""/v1/responses on the one pipeline: prepare, the encoder, and the stored-response routes.
+
+Why this module exists: OpenAI's Responses API is a chat request in other
+clothes. ``prepare_responses`` parses the body into a ``ChatRequest``
+(server/api/openai_responses/parse.py, output.py), puts a stored conversation in front when
+``previous_response_id`` names one, and runs ``chat_job``: everything after
+(callers, queue, dedupe, result cache, tools, thinking, metrics under the
+``responses`` label, drain, abort on disconnect) is the pipeline's.
+``ResponsesEncoder`` reads the output as chat does (``ChatEncoder.choices``
+for whole bodies, ``ChoiceReader`` per delta) and writes Responses items and
+events; a finished response goes to the ``ResponseStore`` unless the request
+said ``store: false``. GET and DELETE /v1/responses/{id} read that store.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from server.api.openai_chat.endpoint import ChatEncoder, ChatJob, chat_job, read_body
+from server.api.openai_chat.output import ChatChoice, TokenLogprob, Usage
+from server.api.openai_responses.output import (
+    ResponsesStream,
+    conversation_after,
+    output_items,
+    response_object,
+    status_of,
+)
+from server.api.openai_responses.parse import ResponsesRequest, parse_responses
+from server.api.openai_responses.store import ResponseStore
+from server.engines.choice_reader import ChoiceReader
+from server.engines.interface import CompletionDelta, Engine
+from server.errors import SluiceError
+from server.http.pipeline import Encoder, Job, Trace, json_response
+from server.state import CALLER, ENGINE, RESPONSES, RUNTIME
+from server.wire.request import ChatRequest, Message
+
+__all__ = ["delete_response", "get_response", "prepare_responses"]
+
+
+def _not_found(response_id: str, param: str | None = None) -> SluiceError:
+    what = "Previous response" if param else "Response"
+    return SluiceError(
+        f"{what} with id '{response_id}' not found.",
+        status=404,
+        param=param,
+        code="previous_response_not_found" if param else "not_found",
+    )
+
+
+async def prepare_responses(request: web.Request, tr: Trace) -> tuple[Job, Encoder[ChatChoice]]:
+    rreq = parse_responses(await read_body(request), request.app[RUNTIME].limits)
+    store = request.app[RESPONSES]
+    owner = request.get(CALLER)
+    history: tuple[Message, ...] = ()
+    if rreq.previous_response_id is not None:
+        prev = store.get(rreq.previous_response_id, owner)
+        if prev is None:
+            raise _not_found(rreq.previous_response_id, "previous_response_id")
+        history = prev.conversation
+    req = rreq.with_history(history)
+    try:
+        cj = await chat_job(request, req, "responses")
+    except SluiceError as err:
+        if err.param == "messages":  # the context check names chat's field
+            err.param = "input"
+        raise
+    engine = request.app[ENGINE]
+    return cj.job, ResponsesEncoder(rreq, req, history, cj, tr.rid, engine, store, owner)
+
+
+class ResponsesEncoder:
+    """``response`` bodies and Responses stream events for one request."""
+
+    def __init__(
+        self,
+        rreq: ResponsesRequest,
+        req: ChatRequest,
+        history: tuple[Message, ...],
+        cj: ChatJob,
+        rid: str,
+        engine: Engine,
+        store: ResponseStore,
+        owner: str | None,
+    ) -> None:
+        self._rreq = rreq
+        self._history = history
+        self._engine = engine
+        self._store = store
+        self._owner = owner
+        self._id = f"resp_{uuid.uuid4().hex}"
+        self._created = int(time.time())
+        self._chat_args = (req, rid, engine.detokenize, cj.parser, cj.prompt_ids)
+        self._reader = ChoiceReader(cj.parser, cj.prompt_ids, thinking=req.enable_thinking)
+        self._stream = ResponsesStream(rreq, self._id, self._created)
+        self._reasoning: list[str] = []
+        self._finish: str | None = None
+
+    def choices(
+        self,
+        texts: Sequence[str],
+        logprobs: Sequence[Sequence[TokenLogprob]],
+        reasons: Sequence[str | None],
+    ) -> tuple[ChatChoice, ...]:
+        # Whole bodies are read as chat reads them (built here: a stream needs none).
+        return ChatEncoder(*self._chat_args).choices(texts, logprobs, reasons)
+
+    def body(self, choices: Sequence[ChatChoice], usage: Usage) -> bytes:
+        choice = choices[0]
+        output = output_items(self._id, choice, self._rreq)
+        reasoning = self._engine.count_tokens(choice.reasoning or "")
+        status = status_of(choice.finish_reason)
+        obj = response_object(self._rreq, self._id, self._created, status, output, usage, reasoning)
+        return self._keep(obj)
+
+    def _keep(self, obj: dict[str, Any]) -> bytes:
+        body = orjson.dumps(obj)
+        if self._rreq.store:
+            conversation = conversation_after(self._history, self._rreq.turn, obj["output"])
+            self._store.put(self._id, self._owner, body, conversation)
+        return body
+
+    def stream_head(self) -> bytes:
+        return self._stream.head()
+
+    def stream_delta(self, choice: int, delta: CompletionDelta) -> bytes:
+        d = self._reader.feed(delta)
+        if d.reasoning:
+            self._reasoning.append(d.reasoning)
+        if delta.finish_reason is not None:
+            self._finish = delta.finish_reason
+        return self._stream.feed(d)
+
+    def stream_end(self, usage: Usage) -> bytes:
+        reasoning = self._engine.count_tokens("".join(self._reasoning))
+        frames, final = self._stream.end(status_of(self._finish), usage, reasoning)
+        self._keep(final)
+        return frames
+
+    def stream_error(self, err: SluiceError) -> bytes:
+        return self._stream.error(err)
+
+
+async def get_response(request: web.Request) -> web.Response:
+    response_id = request.match_info["response_id"]
+    entry = request.app[RESPONSES].get(response_id, request.get(CALLER))
+    if entry is None:
+        raise _not_found(response_id)
+    return json_response(entry.body)
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    response_id = request.match_info["response_id"]
+    if not request.app[RESPONSES].delete(response_id, request.get(CALLER)):
+        raise _not_found(response_id)
+    body = orjson.dumps({"id": response_id, "object": "response.deleted", "deleted": True})
+    return json_response(body)

@@ -1,0 +1,174 @@
+"""The engine seam: what the rest of Sluice may ask of an engine, as types.
+
+Why this module exists: the driver, the pipeline and the app talk to the engine
+only through the `Engine` Protocol below. `server/engines/vllm_adapter.py` (the vLLM adapter)
+implements it for production and `tests/fakes.py` for unit tests; mypy checks
+both against it, so a drift in either is a type error, not a `getattr`
+workaround. Nothing here imports vLLM.
+
+The output types describe the part of vLLM's `RequestOutput` / `CompletionOutput`
+Sluice reads (structurally: vLLM's own classes satisfy them unchanged).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from batching.pressure import EngineStats
+from server.api.openai_chat.output import FinishReason, Parsed, ParsedDelta
+from server.engines.lora import Adapter
+from server.wire.request import ChatRequest, Constraint, Message, Sampling
+
+__all__ = [
+    "ChatParser",
+    "ChoiceParser",
+    "CompletionDelta",
+    "Engine",
+    "EngineOutput",
+    "ModelInfo",
+    "OutputStream",
+    "SamplingParamsLike",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the engine resolved at start: the model and the scheduler's capacity."""
+
+    name: str
+    max_model_len: int
+    eos_token_id: int | None
+    created: int
+    # The model's generation_config defaults (Qwen3: temperature 0.6, top_p
+    # 0.95, top_k 20), applied where a request leaves a field out, as vLLM's
+    # own server does.
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
+    # The generation config's max_new_tokens (or --override-generation-config's):
+    # the max_tokens of a request that gives none, as vLLM's server takes it
+    # (its get_max_tokens); None: the rest of the context.
+    default_max_tokens: int | None = None
+    # The engine scheduler's resolved limits (0: not known yet).
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    kv_cache_tokens: int = 0  # num_gpu_blocks x block_size, summed over DP ranks
+    # Data-parallel ranks this engine client feeds (server/engines/vllm_adapter.py, dp_ranks):
+    # max_num_seqs and max_num_batched_tokens are each rank's.
+    dp_ranks: int = 1
+    # LoRA adapters one engine step may batch (vLLM's max_loras); 0: LoRA off.
+    max_loras: int = 0
+    # vLLM's per-prompt prefill chunk per step (long_prefill_token_threshold,
+    # server/engines/step_flags.py); 0: no cap.
+    prefill_chunk: int = 0
+    # True: the reasoning parser is qwen3 (or there are no parsers), so
+    # requests without tools take server/engines/reasoning_split.py's copy of its split;
+    # False: vLLM's parsers (chat_parser) read every chat request.
+    qwen3_split: bool = True
+
+
+class CompletionDelta(Protocol):
+    """One choice's new tokens in one engine output (vLLM's CompletionOutput)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def text(self) -> str: ...
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+    @property
+    def finish_reason(self) -> str | None: ...
+    @property
+    def logprobs(self) -> Any: ...  # vLLM: list of {token_id: Logprob} per token, or None
+    @property
+    def stop_reason(self) -> int | str | None: ...  # the stop string or token that ended it
+
+
+class EngineOutput(Protocol):
+    """One engine output of one request (vLLM's RequestOutput in DELTA mode)."""
+
+    @property
+    def outputs(self) -> Sequence[CompletionDelta]: ...
+    @property
+    def finished(self) -> bool: ...
+    @property
+    def num_cached_tokens(self) -> int | None: ...  # prompt tokens the prefix cache held
+
+
+class OutputStream(Protocol):
+    """A request's outputs as they come (vLLM's RequestOutputCollector).
+
+    `put` never blocks and merges into an unread output; an exception put there
+    is raised by the next `get`.
+    """
+
+    def put(self, item: Any) -> None: ...
+    async def get(self) -> EngineOutput: ...
+
+
+class SamplingParamsLike(Protocol):
+    """Opaque engine sampling parameters, built by `Engine.sampling_params`."""
+
+    @property
+    def n(self) -> int: ...
+
+
+class ChoiceParser(Protocol):
+    """One streamed chat choice's parsing state (server/vllm_parsers.StreamParser)."""
+
+    @property
+    def called(self) -> bool: ...
+    def start(self, prompt_token_ids: Sequence[int]) -> None: ...
+    def feed(
+        self, text: str, token_ids: Sequence[int] = (), *, finished: bool = False
+    ) -> ParsedDelta: ...
+
+
+class ChatParser(Protocol):
+    """One chat request's output parsing with the engine's parsers: tool calls
+    and the reasoning split (server/vllm_parsers.RequestParsing)."""
+
+    @property
+    def constraint(self) -> Constraint | None: ...  # what holds a forced call
+    def parse(self, text: str, token_ids: Sequence[int] = ()) -> Parsed: ...
+    def stream(self) -> ChoiceParser: ...
+    def finish_reason(self, engine_reason: str | None, called: bool) -> FinishReason: ...
+
+
+class Engine(Protocol):
+    """The engine, as Sluice uses it."""
+
+    @property
+    def info(self) -> ModelInfo: ...
+    @property
+    def errored(self) -> bool: ...
+
+    async def start(self) -> None: ...
+    def shutdown(self) -> None: ...
+    async def check_health(self) -> None: ...
+    def stats(self) -> EngineStats: ...
+
+    async def tokenize_chat(
+        self, conversations: Sequence[tuple[Sequence[Message], dict[str, Any]]]
+    ) -> list[list[int]]: ...
+    async def tokenize_prompts(self, texts: Sequence[str]) -> list[list[int]]: ...
+    def detokenize(self, ids: Sequence[int]) -> str: ...
+    def count_tokens(self, text: str) -> int: ...  # plain text, no special tokens
+
+    def chat_parser(self, req: ChatRequest) -> ChatParser: ...
+    async def check_constraint(self, constraint: Constraint) -> None: ...
+    def sampling_params(self, s: Sampling, max_tokens: int) -> SamplingParamsLike: ...
+    async def add(
+        self,
+        request_id: str,
+        prompt_tokens: Sequence[int],
+        params: SamplingParamsLike,
+        priority: int,
+        adapter: Adapter | None = None,  # a LoRA adapter, None: the base weights
+        # The prefix-cache salt (vLLM's cache_salt): requests with different
+        # salts never share cached blocks; None: the shared cache.
+        cache_salt: str | None = None,
+    ) -> OutputStream: ...
+    async def abort(self, request_ids: Sequence[str]) -> None: ...
+    # Load a LoRA adapter into the engine now; SluiceError (400) naming the cause.
+    async def load_adapter(self, adapter: Adapter) -> None: ...

@@ -1,0 +1,536 @@
+"""The one generation pipeline behind /v1/chat/completions and /v1/completions.
+
+Why this module exists: both endpoints do the same steps, and each step should
+exist once. An endpoint (server/api/openai_chat/endpoint.py) parses its body and tokenizes
+its prompts into a `Job` and supplies an `Encoder` for its wire format; this
+module does everything else:
+
+    trace (status, latency metrics, one access-log line, whatever happens)
+    -> phase check -> prepare (endpoint: parse, tokenize, context check)
+    -> result cache (deterministic, non-streaming results; --result-cache-ttl)
+    -> Driver.submit per prompt (the core admits or refuses at once)
+    -> await the tickets -> stream SSE or collect one JSON body -> leave.
+
+The `finally` around the tickets is what makes a vanished client cost
+nothing: aiohttp cancels the handler (handler_cancellation=True) and
+`Ticket.leave()` removes the request from the queue or aborts it in the
+engine. Streaming writes one buffer per engine output per request: vLLM
+merges the deltas a slow reader has not taken yet, so a lagging client gets
+several tokens in one write rather than a backlog of small ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+from aiohttp import web
+
+from batching import DEFAULT_CALLER, group_key
+from batching import Request as CoreRequest
+from server.api.openai_chat.output import TokenLogprob, Usage
+from server.engines.driver import Generation, Ticket
+from server.engines.interface import CompletionDelta, EngineOutput
+from server.engines.lora import Adapter
+from server.errors import SluiceError
+from server.state import (
+    ACCESS,
+    CALLER,
+    CALLERS,
+    DRIVER,
+    ENGINE,
+    METRICS,
+    REQUEST_ID,
+    RESULTS,
+    RUNTIME,
+    SETTINGS,
+    Phase,
+)
+from server.wire.request import Sampling
+
+__all__ = [
+    "Encoder",
+    "Job",
+    "KeepAlive",
+    "Trace",
+    "generation_endpoint",
+    "json_response",
+    "logprobs",
+]
+
+log = logging.getLogger("sluice")
+
+_SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}  # x-request-id is added to every response by server/http/middleware.py
+_seq = itertools.count(1)
+C = TypeVar("C")
+
+
+def json_response(body: bytes, status: int = 200) -> web.Response:
+    return web.Response(body=body, status=status, content_type="application/json")
+
+
+@dataclass(slots=True)
+class Trace:
+    """What the access-log line and the latency metrics need."""
+
+    rid: str
+    endpoint: str
+    t0: float
+    status: int = 200
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft: float | None = None
+    tickets: list[Ticket] = field(default_factory=list)
+    stream: bool = False
+    error: str | None = None
+    caller: str | None = None  # None until known (from the key, or after parsing)
+    adapter: str | None = None  # the LoRA adapter's name once resolved (None: base)
+    cached: dict[int, int] = field(default_factory=dict)  # prefix-cache hits per prompt
+
+    def first_token(self) -> None:
+        if self.ttft is None:
+            self.ttft = time.monotonic() - self.t0
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One generation request, parsed and tokenized: what the pipeline runs.
+
+    `variant` is everything besides the prompt tokens and the sampling fields
+    that shapes the generated text (chat: the thinking mode) or the response
+    (completions: echo); it is part of the dedupe fingerprint and the result
+    cache key. `cacheable` says whether the endpoint allows the result cache
+    for this request at all.
+    """
+
+    model: str
+    prompts: tuple[tuple[int, ...], ...]
+    max_tokens: tuple[int, ...]  # per prompt, after the context check
+    sampling: Sampling
+    # The LoRA adapter it runs on (server/engines/lora.py), None for the base weights:
+    # part of the group key, so of the dedupe key, and of the result cache key.
+    adapter: Adapter | None = None
+    priority: int = 0
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None  # the OpenAI `user` field: names the caller without keys
+    variant: Hashable = None
+    cacheable: bool = True
+
+
+class Encoder(Protocol[C]):
+    """An endpoint's wire format: whole bodies and stream frames.
+
+    Choice indexes are `prompt index x n + output index`. A stream encoder may
+    keep per-choice state (the reasoning split); one encoder serves one request.
+    A stream is `stream_head` (sent with the first output), a `stream_delta`
+    per output, then either
+    `stream_end` (the closing frames: usage, the API's end marker) or, when it
+    fails after its headers went out, `stream_error` (the error in the API's
+    own shape, then its end marker).
+    """
+
+    def choices(
+        self,
+        texts: Sequence[str],
+        logprobs: Sequence[Sequence[TokenLogprob]],
+        reasons: Sequence[str | None],
+    ) -> tuple[C, ...]: ...
+    def body(self, choices: Sequence[C], usage: Usage) -> bytes: ...
+    def stream_head(self) -> bytes: ...
+    def stream_delta(self, choice: int, delta: CompletionDelta) -> bytes: ...
+    def stream_end(self, usage: Usage) -> bytes: ...
+    def stream_error(self, err: SluiceError) -> bytes: ...
+
+
+@runtime_checkable
+class KeepAlive(Protocol):
+    """An encoder whose API wants a frame while a stream is quiet (Anthropic's `ping`).
+
+    `keepalive()` gives the idle seconds after which the frame goes out, and
+    the frame. Encoders without it (OpenAI's) send nothing between tokens.
+    """
+
+    def keepalive(self) -> tuple[float, bytes]: ...
+
+
+# An endpoint's own step: parse the body and tokenize, into a Job and its encoder.
+Prepare = Callable[[web.Request, Trace], Awaitable[tuple[Job, Encoder[Any]]]]
+
+
+def logprobs(
+    detokenize: Callable[[Sequence[int]], str], delta: CompletionDelta, k: int
+) -> list[TokenLogprob]:
+    """vLLM's per-token {token_id: Logprob} dicts to our TokenLogprob values.
+
+    vLLM returns the top `k` tokens plus the sampled one when it ranks below
+    them; OpenAI's `top_logprobs` is exactly the top `k` (rank 1..k).
+    """
+    out = []
+    lps = delta.logprobs or []
+    for tok_id, entry in zip(delta.token_ids, lps, strict=False):
+        chosen = entry.get(tok_id)
+        token = chosen.decoded_token if chosen is not None else detokenize([tok_id])
+        top = tuple(
+            (lp.decoded_token or "", lp.logprob)
+            for lp in sorted(entry.values(), key=lambda lp: lp.rank or 0)
+            if lp.rank is not None and 1 <= lp.rank <= k
+        )
+        out.append(TokenLogprob(token or "", chosen.logprob if chosen else 0.0, top))
+    return out
+
+
+def check_accepting(request: web.Request) -> None:
+    """503 unless the app is serving (starting, draining and dead refuse)."""
+    rt = request.app[RUNTIME]
+    if rt.phase is Phase.READY:
+        return
+    request.app[METRICS].rejections.labels(rt.phase.value).inc()
+    if rt.phase is Phase.STARTING:
+        raise SluiceError(
+            "the model is still loading", status=503, retry_after=5, code="warming_up"
+        )
+    if rt.phase is Phase.DRAINING:
+        raise SluiceError(
+            "server shutting down; retry elsewhere", status=503, retry_after=5, code="draining"
+        )
+    raise SluiceError("the engine is not running", status=503, retry_after=5, code="engine_dead")
+
+
+def generation_endpoint(
+    endpoint: str, prepare: Prepare
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """An aiohttp handler running `prepare` and then the pipeline, traced."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        tr = Trace(request[REQUEST_ID], endpoint, time.monotonic(), caller=request.get(CALLER))
+        try:
+            check_accepting(request)
+            job, enc = await prepare(request, tr)
+            if tr.caller is None:
+                tr.caller = request.app[CALLERS].from_user(job.user)
+            tr.stream = job.stream
+            tr.adapter = job.adapter.name if job.adapter is not None else None
+            tr.prompt_tokens = sum(map(len, job.prompts))
+            return await _run(request, tr, job, enc)
+        except SluiceError as err:
+            tr.status, tr.error = err.status, err.code or err.message[:80]
+            raise
+        except asyncio.CancelledError:
+            tr.status, tr.error = 499, "client went away"
+            raise
+        except Exception:
+            tr.status = 500
+            raise
+        finally:
+            _finish_trace(request, tr)
+
+    return handler
+
+
+async def _run(request: web.Request, tr: Trace, job: Job, enc: Encoder[Any]) -> web.StreamResponse:
+    results = request.app[RESULTS]
+    # The caller's prefix-cache salt (None: shared): the engine's cache, dedupe
+    # and the result cache share work only within it (server/http/callers.py).
+    salt = request.app[CALLERS].cache_salt(tr.caller)
+    key: Hashable = None
+    if job.cacheable and not job.stream and job.sampling.deterministic and results.enabled:
+        key = (
+            tr.endpoint,
+            tr.adapter,
+            salt,
+            job.prompts,
+            job.max_tokens,
+            job.sampling.fingerprint(),
+            job.variant,
+        )
+        if hit := results.get(key, time.monotonic()):
+            choices, tr.completion_tokens = hit
+            tr.first_token()
+            return json_response(enc.body(choices, _usage(tr)))
+    tr.tickets = _submit(request, tr, job, salt)
+    try:
+        gens = [await t.wait() for t in tr.tickets]
+        if job.stream:
+            return await _stream(request, tr, job, enc, gens)
+        detokenize = request.app[ENGINE].detokenize
+        choices = enc.choices(*await _gather(tr, job, detokenize, gens))
+        if key is not None:
+            results.put(key, (choices, tr.completion_tokens), time.monotonic())
+        return json_response(enc.body(choices, _usage(tr)))
+    finally:
+        for t in tr.tickets:
+            t.leave()
+
+
+def _usage(tr: Trace) -> Usage:
+    return Usage(tr.prompt_tokens, tr.completion_tokens, sum(tr.cached.values()))
+
+
+def _note_cached(tr: Trace, prompt: int, out: EngineOutput) -> None:
+    """Keep the engine's prefix-cache hits of a prompt (every output repeats them)."""
+    if out.num_cached_tokens:
+        tr.cached[prompt] = out.num_cached_tokens
+
+
+def _submit(request: web.Request, tr: Trace, job: Job, salt: str | None) -> list[Ticket]:
+    """Admit one core request per prompt; all or none (a refusal leaves the rest)."""
+    driver = request.app[DRIVER]
+    engine = request.app[ENGINE]
+    settings = request.app[SETTINGS]
+    now = driver.now()
+    # Every generation's key carries its adapter (None: the base weights): the
+    # core batches, dedupes and releases by it (batching/keys.py).
+    key = group_key(settings.model_name, tr.adapter)
+    sampling = job.sampling
+    # Only deterministic sampling can share a generation (greedy, or seeded),
+    # and only within one prefix-cache salt: another caller's would tell it
+    # what this one sent (its answer comes at once, as a result).
+    fp = (sampling.fingerprint(), job.variant, salt) if sampling.deterministic else None
+    base = f"{tr.rid}-{next(_seq)}"
+    single = len(job.prompts) == 1
+    tickets: list[Ticket] = []
+    try:
+        for i, ids in enumerate(job.prompts):
+            core_req = CoreRequest(
+                id=base if single else f"{base}-{i}",
+                key=key,
+                prompt_tokens=ids,
+                max_new_tokens=job.max_tokens[i] * sampling.n,
+                arrival=now,
+                priority=job.priority,
+                deadline=now + settings.queue_timeout,
+                fingerprint=fp,
+                caller=tr.caller or DEFAULT_CALLER,
+                # No max_tokens: admission charges an estimate, not the context's room.
+                open_ended=sampling.max_tokens is None,
+            )
+            params = engine.sampling_params(sampling, job.max_tokens[i])
+            tickets.append(driver.submit(core_req, params, job.adapter, salt))
+    except SluiceError:
+        for t in tickets:
+            t.leave()
+        raise
+    return tickets
+
+
+async def _each_output(
+    gens: Sequence[Generation],
+    tickets: Sequence[Ticket],
+    handle: Callable[[int, EngineOutput], Awaitable[None]],
+) -> None:
+    """`handle(prompt index, output)` for every output of several generations,
+    in the order they come.
+
+    A function, not an async generator: the pumps of a multi-prompt request
+    live in a task group that this call enters and leaves, so they end before
+    it returns, whatever `handle` does (an async generator that yields inside
+    a task group leaves the group's exit to whoever closes it, or to the
+    garbage collector). A failure leaves the group first and is raised as
+    itself, not wrapped in an ExceptionGroup.
+    """
+    if len(gens) == 1:
+        async with contextlib.aclosing(gens[0].outputs(tickets[0].id)) as outs:
+            async for out in outs:
+                await handle(0, out)
+        return
+    queue: asyncio.Queue[tuple[int, EngineOutput] | BaseException | None] = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            async with contextlib.aclosing(gens[i].outputs(tickets[i].id)) as outs:
+                async for out in outs:
+                    queue.put_nowait((i, out))
+        except Exception as exc:
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(None)
+
+    failure: Exception | None = None
+    async with asyncio.TaskGroup() as tg:
+        pumps = [tg.create_task(pump(i), name=f"prompt-{i}") for i in range(len(gens))]
+        remaining = len(gens)
+        try:
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    await handle(*item)
+        except Exception as exc:
+            failure = exc
+            for p in pumps:
+                p.cancel()
+    if failure is not None:
+        raise failure
+
+
+async def _gather(
+    tr: Trace,
+    job: Job,
+    detokenize: Callable[[Sequence[int]], str],
+    gens: Sequence[Generation],
+) -> tuple[list[str], list[list[TokenLogprob]], list[str | None]]:
+    """Read every generation to its end: per choice the text, the logprobs
+    (empty when off) and the finish reason."""
+    n = job.sampling.n
+    k = job.sampling.logprobs
+    total = len(gens) * n
+    texts: list[list[str]] = [[] for _ in range(total)]
+    lps: list[list[TokenLogprob]] = [[] for _ in range(total)]
+    reasons: list[str | None] = [None] * total
+
+    async def take(pi: int, out: EngineOutput) -> None:
+        tr.first_token()
+        _note_cached(tr, pi, out)
+        for c in out.outputs:
+            idx = pi * n + c.index
+            texts[idx].append(c.text)
+            tr.completion_tokens += len(c.token_ids)
+            if k is not None:
+                lps[idx].extend(logprobs(detokenize, c, k))
+            if c.finish_reason is not None:
+                reasons[idx] = c.finish_reason
+
+    await _each_output(gens, tr.tickets, take)
+    return ["".join(t) for t in texts], lps, reasons
+
+
+async def _stream(
+    request: web.Request, tr: Trace, job: Job, enc: Encoder[Any], gens: Sequence[Generation]
+) -> web.StreamResponse:
+    n = job.sampling.n
+    resp = web.StreamResponse(headers=_SSE_HEADERS)
+    # The head (chat's role frame, an echo, Messages' message_start) goes out
+    # with the first output, as vLLM's server sends it: a client that times
+    # its first frame (vllm bench serve does) then times the first token, not
+    # the headers. A keepalive (Anthropic's ping) before it carries it along.
+    head: bytes | None = enc.stream_head()
+
+    def take_head() -> bytes:
+        nonlocal head
+        out, head = head or b"", None
+        return out
+
+    keepalive = enc.keepalive() if isinstance(enc, KeepAlive) else None
+    beat = None if keepalive is None else (keepalive[0], lambda: take_head() + keepalive[1])
+    wrote: Callable[[], None] = lambda: None  # noqa: E731 (replaced by the beat's)
+
+    async def send(pi: int, out: EngineOutput) -> None:
+        tr.first_token()
+        _note_cached(tr, pi, out)
+        parts = [take_head()]
+        for c in out.outputs:
+            tr.completion_tokens += len(c.token_ids)
+            if frame := enc.stream_delta(pi * n + c.index, c):
+                parts.append(frame)
+        if data := b"".join(parts):
+            await resp.write(data)
+            wrote()
+
+    try:
+        # Inside the guard: a client that left before the headers went out
+        # (before aiohttp cancelled this handler) is a 499 too, not a 500.
+        await resp.prepare(request)
+        async with _keepalive(resp, beat) as wrote:
+            await _each_output(gens, tr.tickets, send)
+        # After the beat stopped: nothing may follow the closing frames.
+        await resp.write(take_head() + enc.stream_end(_usage(tr)))
+    except ConnectionResetError:
+        tr.status, tr.error = 499, "client went away"  # mid-write: nobody to tell
+    except Exception as exc:
+        # Headers are gone: the error travels as the stream's last frames, in
+        # the API's shape; the HTTP status stays 200, the trace says what it was.
+        err = exc if isinstance(exc, SluiceError) else None
+        if err is None:
+            log.exception("stream failed after its headers went out: %s", tr.rid)
+            err = SluiceError("internal server error", status=500)
+        tr.status, tr.error = err.status, err.code or err.message[:80]
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write(take_head() + enc.stream_error(err))
+    return resp
+
+
+@contextlib.asynccontextmanager
+async def _keepalive(
+    resp: web.StreamResponse, keepalive: tuple[float, Callable[[], bytes]] | None
+) -> AsyncIterator[Callable[[], None]]:
+    """Write the keepalive frame (made when due) whenever the stream has been
+    quiet for its idle time, until the block ends; the block calls the yielded
+    function after each write of its own. The beat task is owned here: cancelled and
+    awaited on the way out (not a TaskGroup, which would wrap the block's
+    SluiceError in an ExceptionGroup)."""
+    if keepalive is None:
+        yield lambda: None
+        return
+    idle, frame = keepalive
+    last = time.monotonic()
+
+    def wrote() -> None:
+        nonlocal last
+        last = time.monotonic()
+
+    async def beat() -> None:
+        while True:
+            wait = last + idle - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue
+            await resp.write(frame())
+            wrote()
+
+    task = asyncio.create_task(beat())
+    try:
+        yield wrote
+    finally:
+        task.cancel()
+        await asyncio.wait([task])
+        if not task.cancelled():
+            task.exception()  # a failed write: the block's own write reports it
+
+
+def _finish_trace(request: web.Request, tr: Trace) -> None:
+    metrics = request.app[METRICS]
+    now = time.monotonic()
+    metrics.requests.labels(tr.endpoint, str(tr.status), tr.adapter or "").inc()
+    if tr.caller is not None:
+        metrics.caller_requests.labels(metrics.caller_label(tr.caller), str(tr.status)).inc()
+    metrics.duration.observe(now - tr.t0)
+    if tr.ttft is not None:
+        metrics.observe_ttft(tr.ttft)
+    if tr.status == 200:
+        metrics.prompt_tokens.inc(tr.prompt_tokens)
+    metrics.generated_tokens.inc(tr.completion_tokens)
+    request.app[RUNTIME].tokens_out += tr.completion_tokens
+    t = tr.tickets[0] if tr.tickets else None
+    fields: dict[str, Any] = {
+        "request_id": tr.rid,
+        "caller": tr.caller,
+        "adapter": tr.adapter,
+        "endpoint": tr.endpoint,
+        "status": tr.status,
+        "stream": tr.stream,
+        "prompt_tokens": tr.prompt_tokens,
+        "completion_tokens": tr.completion_tokens,
+        "queue_wait_ms": round(t.queue_wait * 1000, 2) if t else None,
+        "ttft_ms": round(tr.ttft * 1000, 2) if tr.ttft is not None else None,
+        "total_ms": round((now - tr.t0) * 1000, 2),
+        "batch_id": t.batch_id if t else None,
+        "batch_size": t.batch_size if t else None,
+        "deduped": t.joined if t else False,
+    }
+    if tr.error:
+        fields["error"] = tr.error
+    request[ACCESS].fields = fields  # the request middleware writes the line

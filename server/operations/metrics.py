@@ -1,0 +1,304 @@
+"""Prometheus metrics for /metrics, in a registry of Sluice's own.
+
+Counters and histograms are updated where things happen (handlers, the
+driver's core events). Gauges that mirror live state (queue depth, engine
+running/waiting, KV-cache use) are read at scrape time by a collector, so
+they are never stale and cost nothing between scrapes; so are the per-caller
+token and service totals, which the core keeps anyway (batching.CallerStats).
+
+Per LoRA adapter (label `adapter` of `sluice_requests_total`, bounded: only
+configured adapter names): requests by endpoint and status.
+
+Fields the APIs accepted and ignored (server/wire/ignored.py), by API and
+field (label `field`, bounded: only names that module lists, else `other`).
+
+Per caller (label `caller`: only configured names, server/http/callers.py
+`CallerDirectory.label`; without keys every `user`-named caller is one label,
+`user`, since the name is the client's own string): requests by status (429
+included), queue wait, queued / backlogged / in-flight work, prompt and
+generated tokens, service (prompt + 2 x generated, the fair-share unit) and
+the fair-share counter itself (of a label that stands for several callers:
+the least of theirs, the one served next). Share of service per caller, in PromQL:
+
+    sum by (caller) (rate(sluice_caller_service_total[5m]))
+      / ignoring(caller) group_left sum(rate(sluice_caller_service_total[5m]))
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from batching import CallerStats, DedupeHit, Ended, Outcome, Refusal, Released
+from batching.pressure import RankStats
+from server.operations.ignored_log import IgnoredFields
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# The *_created series double the scrape size and nobody here reads them.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+# Latency buckets from 1 ms to 60 s: TTFT on a loaded CPU test bed reaches
+# seconds, on a GPU tens of milliseconds.
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_WAIT = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 5, 30)
+_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# The status page's sampler drains the recent observations once a second; the
+# bound only matters when no sampler runs (a benchmark's app, a unit test).
+_RECENT = 4096
+
+
+class _LiveCollector(Collector):
+    """Gauges read from live objects at scrape time."""
+
+    def __init__(self, read: Callable[[], dict[str, Any]], label: Callable[[str], str]) -> None:
+        self._read = read
+        self._label = label
+
+    def collect(self) -> Iterable[Metric]:
+        v = self._read()
+        yield GaugeMetricFamily(
+            "sluice_queue_requests", "Requests waiting in Sluice's queue", value=v["queue_requests"]
+        )
+        yield GaugeMetricFamily(
+            "sluice_queue_tokens",
+            "Tokens (prompt + max new) of requests waiting in Sluice's queue",
+            value=v["queue_tokens"],
+        )
+        yield GaugeMetricFamily(
+            "sluice_pending_requests",
+            "Requests admitted and not finished (queued + in the engine)",
+            value=v["pending_requests"],
+        )
+        yield GaugeMetricFamily(
+            "sluice_engine_requests_running",
+            "Requests running in the engine",
+            value=v["engine_running"],
+        )
+        yield GaugeMetricFamily(
+            "sluice_engine_requests_waiting",
+            "Requests waiting in the engine's scheduler",
+            value=v["engine_waiting"],
+        )
+        yield GaugeMetricFamily(
+            "sluice_engine_kv_cache_usage", "Engine KV-cache use, 0..1", value=v["kv_cache_usage"]
+        )
+        yield CounterMetricFamily(
+            "sluice_engine_preemptions",
+            "Requests preempted by the engine",
+            value=v["preemptions"],
+        )
+        yield CounterMetricFamily(
+            "sluice_engine_adapter_wait_steps",
+            "Engine steps in which a LoRA adapter had waiting requests and none running "
+            "(vLLM's per-step waiting_lora_adapters / running_lora_adapters): its work "
+            "waited for an adapter slot or load. Counted once per step (per DP rank)",
+            value=v.get("adapter_wait_steps", 0),
+        )
+        yield CounterMetricFamily(
+            "sluice_engine_steps",
+            "Engine steps whose scheduler stats reached Sluice (once per step per DP rank)",
+            value=v.get("engine_steps", 0),
+        )
+        yield CounterMetricFamily(
+            "sluice_engine_prefix_cache_queries",
+            "Prompt tokens looked up in the engine's prefix cache",
+            value=v["prefix_queries"],
+        )
+        yield CounterMetricFamily(
+            "sluice_engine_prefix_cache_hits",
+            "Prompt tokens found in the engine's prefix cache",
+            value=v["prefix_hits"],
+        )
+        yield GaugeMetricFamily("sluice_ready", "1 when /ready answers 200", value=v["ready"])
+        yield GaugeMetricFamily(
+            "sluice_backlog_generations",
+            "Eligible generations Sluice holds until the engine has room",
+            value=v["backlog"],
+        )
+        yield GaugeMetricFamily(
+            "sluice_engine_unstarted",
+            "Generations released to the engine without a first output yet",
+            value=v["unstarted"],
+        )
+        yield from _caller_families(v.get("callers") or (), self._label)
+        yield from _rank_families(v.get("ranks") or ())
+
+
+def _rank_families(ranks: Sequence[RankStats]) -> Iterable[Metric]:
+    """Per data-parallel rank: running, waiting, KV use (none with one rank)."""
+    if not ranks:
+        return
+    families = (
+        ("sluice_engine_rank_requests_running", "Requests running on one DP rank", "running"),
+        ("sluice_engine_rank_requests_waiting", "Requests waiting on one DP rank", "waiting"),
+        ("sluice_engine_rank_kv_cache_usage", "One DP rank's KV-cache use, 0..1", "kv_cache_usage"),
+    )
+    for name, doc, attr in families:
+        g = GaugeMetricFamily(name, doc, labels=["rank"])
+        for i, r in enumerate(ranks):
+            g.add_metric([str(i)], float(getattr(r, attr)))
+        yield g
+
+
+def _caller_families(
+    callers: Iterable[CallerStats], label: Callable[[str], str] = str
+) -> Iterable[Metric]:
+    """Per-caller series from the core's snapshot (read at scrape time), by
+    metric label: the callers one label stands for are summed (the counter:
+    their least)."""
+    gauges = {
+        "queued": ("sluice_caller_queued", "Requests waiting in Sluice (window and backlog)"),
+        "backlog": ("sluice_caller_backlog", "Generations held in the backlog"),
+        "in_flight": ("sluice_caller_in_flight", "Generations released and not finished"),
+        "counter": ("sluice_caller_fair_share_counter", "Fair-share (virtual token) counter"),
+    }
+    counters = {
+        "prompt_tokens": ("sluice_caller_prompt_tokens", "Prompt tokens released to the engine"),
+        "generated_tokens": ("sluice_caller_generated_tokens", "Tokens generated"),
+        "service": ("sluice_caller_service", "Service received: prompt + 2 x generated tokens"),
+    }
+    rows: dict[str, dict[str, float]] = {}
+    for c in callers:
+        row = rows.setdefault(label(c.name), {})
+        for attr in (*gauges, *counters):
+            v = float(getattr(c, attr))
+            old = row.get(attr)
+            row[attr] = v if old is None else min(old, v) if attr == "counter" else old + v
+    families: list[tuple[str, GaugeMetricFamily | CounterMetricFamily]] = [
+        (attr, GaugeMetricFamily(name, doc, labels=["caller"]))
+        for attr, (name, doc) in gauges.items()
+    ]
+    families += [
+        (attr, CounterMetricFamily(name, doc, labels=["caller"]))
+        for attr, (name, doc) in counters.items()
+    ]
+    for name, row in rows.items():
+        for attr, fam in families:
+            fam.add_metric([name], row[attr])
+    for _, fam in families:
+        yield fam
+
+
+class Metrics:
+    """Sluice's metrics; one instance per app. `caller_label` turns a caller's
+    name into its `caller` label (server/http/callers.py `CallerDirectory.label`)."""
+
+    def __init__(self, caller_label: Callable[[str], str] = str) -> None:
+        self.caller_label = caller_label
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        # `adapter`: the LoRA adapter a generation ran on, empty for the base
+        # weights (and for a request refused before its model was resolved).
+        # Bounded: only configured names reach it (server/engines/lora.py), never a
+        # request's own `model` string.
+        self.requests = Counter(
+            "sluice_requests",
+            "HTTP generation requests by endpoint, status and LoRA adapter",
+            ["endpoint", "status", "adapter"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            "sluice_rejections", "Requests refused, by reason", ["reason"], registry=r
+        )
+        self.dedupe_hits = Counter(
+            "sluice_dedupe_hits", "Requests that joined an identical generation", registry=r
+        )
+        self.batches = Counter(
+            "sluice_batches", "Batches released to the engine, by reason", ["reason"], registry=r
+        )
+        self.ended = Counter(
+            "sluice_queue_outcomes", "How queued requests left the queue", ["outcome"], registry=r
+        )
+        self.batch_size = Histogram(
+            "sluice_batch_size", "Generations per released batch", buckets=_SIZES, registry=r
+        )
+        self.queue_wait = Histogram(
+            "sluice_queue_wait_seconds",
+            "Time from admission to release to the engine, by caller",
+            ["caller"],
+            buckets=_WAIT,
+            registry=r,
+        )
+        self.caller_requests = Counter(
+            "sluice_caller_requests",
+            "HTTP generation requests by caller and status (429: over its own limit)",
+            ["caller", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "sluice_time_to_first_token_seconds",
+            "Time from arrival to the first token",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "sluice_request_duration_seconds",
+            "Time from arrival to the last byte",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.generated_tokens = Counter(
+            "sluice_generated_tokens", "Completion tokens sent to callers", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "sluice_prompt_tokens", "Prompt tokens of answered requests", registry=r
+        )
+        self.ignored = IgnoredFields(
+            Counter(
+                "sluice_ignored_fields",
+                "Request fields, blocks and tool types accepted and ignored, by API and "
+                "field (a name Sluice lists, else other)",
+                ["api", "field"],
+                registry=r,
+            )
+        )
+        # TTFTs and released batch sizes since the status sampler last looked:
+        # it takes exact p50/p95 per second from them (server/operations/status_samples.py).
+        self.recent_ttft: deque[float] = deque(maxlen=_RECENT)
+        self.recent_batch_sizes: deque[int] = deque(maxlen=_RECENT)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        self.recent_ttft.append(seconds)
+
+    def drain_recent(self) -> tuple[tuple[float, ...], tuple[int, ...]]:
+        """The TTFTs and batch sizes observed since the last call."""
+        ttft, sizes = tuple(self.recent_ttft), tuple(self.recent_batch_sizes)
+        self.recent_ttft.clear()
+        self.recent_batch_sizes.clear()
+        return ttft, sizes
+
+    def on_core_events(self, events: Iterable[Any]) -> None:
+        """Turn the batching core's event records into metrics."""
+        for e in events:
+            if isinstance(e, Released):
+                self.batches.labels(e.reason.value).inc()
+                self.batch_size.observe(e.size)
+                self.recent_batch_sizes.append(e.size)
+            elif isinstance(e, Ended):
+                self.ended.labels(e.outcome.name.lower()).inc()
+                if e.outcome is Outcome.DISPATCHED:
+                    self.queue_wait.labels(self.caller_label(e.caller)).observe(e.queue_wait)
+            elif isinstance(e, Refusal):
+                self.rejections.labels(e.reason.value).inc()
+            elif isinstance(e, DedupeHit):
+                self.dedupe_hits.inc()
+
+    def watch(self, read: Callable[[], dict[str, Any]]) -> None:
+        """Register the live gauges (read at scrape time)."""
+        self.registry.register(_LiveCollector(read, self.caller_label))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
