@@ -16,7 +16,6 @@ from typing import Any
 from aiohttp import web
 
 from batching import AdmissionState, ResultCache
-from server.api.openai_chat.output import ChatChoice, CompletionChoice
 from server.api.openai_responses.store import ResponseStore
 from server.engines.driver import Driver
 from server.engines.interface import Engine
@@ -27,6 +26,7 @@ from server.operations.sdnotify import SdNotify
 from server.operations.status_samples import StatusSampler
 from server.operations.watchdog import Watchdog
 from server.settings import Settings
+from server.wire.output import ChatChoice, CompletionChoice
 from server.wire.request import Limits
 
 __all__ = [

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from batching.pressure import EngineStats
-from server.api.openai_chat.output import FinishReason, Parsed, ParsedDelta
 from server.engines.lora import Adapter
+from server.wire.output import FinishReason, Parsed, ParsedDelta
 from server.wire.request import ChatRequest, Constraint, Message, Sampling
 
 __all__ = [

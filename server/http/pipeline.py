@@ -34,7 +34,6 @@ from aiohttp import web
 
 from batching import DEFAULT_CALLER, group_key
 from batching import Request as CoreRequest
-from server.api.openai_chat.output import TokenLogprob, Usage
 from server.engines.driver import Generation, Ticket
 from server.engines.interface import CompletionDelta, EngineOutput
 from server.engines.lora import Adapter
@@ -52,6 +51,7 @@ from server.state import (
     SETTINGS,
     Phase,
 )
+from server.wire.output import TokenLogprob, Usage
 from server.wire.request import Sampling
 
 __all__ = [

@@ -26,9 +26,9 @@ from server.api.anthropic_messages.output import (
     stop_reason,
 )
 from server.api.anthropic_messages.parse import parse_messages
-from server.api.openai_chat.output import ToolCallDelta, Usage
 from server.api.openai_chat.parse import parse_chat
 from server.errors import SluiceError
+from server.wire.output import ToolCallDelta, Usage
 from server.wire.request import Limits, Message, ToolCall, ToolChoice
 
 LIMITS = Limits()

@@ -12,7 +12,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 from openai.types.responses import Response
 
-from server.api.openai_chat.output import ChatChoice, ParsedDelta, ToolCallDelta, Usage
 from server.api.openai_chat.parse import parse_chat
 from server.api.openai_responses.output import (
     ResponsesStream,
@@ -22,6 +21,7 @@ from server.api.openai_responses.output import (
 )
 from server.api.openai_responses.parse import parse_responses
 from server.errors import SluiceError
+from server.wire.output import ChatChoice, ParsedDelta, ToolCallDelta, Usage
 from server.wire.request import Limits, Message, ToolCall
 
 LIMITS = Limits(max_tokens_cap=4096)

@@ -16,15 +16,7 @@ from typing import Final
 
 from aiohttp import web
 
-from server.api.openai_chat.output import (
-    ChatChoice,
-    CompletionChoice,
-    FinishReason,
-    TokenLogprob,
-    Usage,
-    chat_completion_body,
-    completion_body,
-)
+from server.api.openai_chat.output import chat_completion_body, completion_body
 from server.api.openai_chat.parse import check_context, parse_chat, parse_completion
 from server.api.openai_chat.stream import DONE, ChatStream, CompletionStream, sse
 from server.engines.interface import ChatParser, ChoiceParser, CompletionDelta
@@ -34,6 +26,7 @@ from server.errors import SluiceError
 from server.http.pipeline import Encoder, Job, Trace, logprobs
 from server.state import ADAPTERS, CALLER, CALLERS, ENGINE, METRICS, RUNTIME, SETTINGS
 from server.wire.ignored import Api
+from server.wire.output import ChatChoice, CompletionChoice, FinishReason, TokenLogprob, Usage
 from server.wire.request import ChatRequest, CompletionRequest
 
 __all__ = [

@@ -23,7 +23,6 @@ import orjson
 from aiohttp import web
 
 from server.api.openai_chat.endpoint import ChatEncoder, ChatJob, chat_job, read_body
-from server.api.openai_chat.output import ChatChoice, TokenLogprob, Usage
 from server.api.openai_responses.output import (
     ResponsesStream,
     conversation_after,
@@ -38,6 +37,7 @@ from server.engines.interface import CompletionDelta, Engine
 from server.errors import SluiceError
 from server.http.pipeline import Encoder, Job, Trace, json_response
 from server.state import CALLER, ENGINE, RESPONSES, RUNTIME
+from server.wire.output import ChatChoice, TokenLogprob, Usage
 from server.wire.request import ChatRequest, Message
 
 __all__ = ["delete_response", "get_response", "prepare_responses"]

@@ -19,9 +19,9 @@ from typing import Any, Literal
 
 import orjson
 
-from server.api.openai_chat.output import ChatChoice, ParsedDelta, ToolCallDelta, Usage
 from server.api.openai_responses.parse import ClientTool, ResponsesRequest, custom_input, flat_name
 from server.errors import SluiceError
+from server.wire.output import ChatChoice, ParsedDelta, ToolCallDelta, Usage
 from server.wire.request import Message, ToolCall
 
 __all__ = [
