@@ -162,6 +162,7 @@ class StepEngine:
         params: Any,
         priority: int,
         adapter: Any = None,
+        cache_salt: str | None = None,
     ) -> Any:
         from vllm.v1.engine.output_processor import RequestOutputCollector
 

@@ -227,6 +227,19 @@ def combine_mixed(results: Mapping[str, Mapping[str, float]]) -> dict[str, float
     return out
 
 
+def pooled_metrics(
+    results: Mapping[str, Mapping[str, float]], logs: Mapping[str, RequestLog]
+) -> dict[str, float]:
+    """Several callers' jobs as one burst: req/s over the longest job, and the TTFT
+    percentiles of every answered request of them all (from per-request detail)."""
+    out = combine_mixed(results)
+    ttfts = [log.ttfts[i] * 1000 for log in logs.values() for i in log.ok()]
+    if ttfts:
+        out["ttft_p50"] = percentile(ttfts, 50)
+        out["ttft_p99"] = percentile(ttfts, 99)
+    return out
+
+
 # ------------------------------------------------------- per-request detail
 
 

@@ -71,6 +71,7 @@ from bench.scenarios import (
     PAST_CAPACITY,
     POISSON,
     PREFIX,
+    PREFIX_CALLERS,
     SCENARIO_TITLES,
     SCENARIOS,
     SPREAD,
@@ -253,6 +254,8 @@ def _combine(
         return rp.spread_metrics(per_role[ALL], logs.get(ALL))
     if point.scenario == LORA:
         return rp.share_metrics(per_role, logs, LORA_CALLERS)
+    if point.scenario == PREFIX_CALLERS:
+        return rp.pooled_metrics(per_role, logs)
     if len(per_role) > 1:
         return rp.combine_mixed(per_role)
     return per_role[point.jobs[0].role]
@@ -347,7 +350,8 @@ class Runner:
         tag = f"{_slug(point.scenario)}-{_slug(point.name)}-{system}-r{rep}"
         jobs: list[tuple[list[str], Path]] = []
         for job in point.jobs:
-            seed = seed_for(point.scenario, point.seed_name or point.name, rep, job.role)
+            role = job.seed_role or job.role
+            seed = seed_for(point.scenario, point.seed_name or point.name, rep, role)
             result = cfg.raw_dir / f"{tag}-{job.role}.json"
             result.unlink(missing_ok=True)
             key = self.keys.get(job.caller) if job.caller else None
@@ -700,6 +704,7 @@ SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
     POISSON: ("req_s", "ttft_p50", "ttft_p99", "tpot_p50", "e2el_p99", "failed"),
     MIXED: CLASS_METRICS,
     PREFIX: BURST_METRICS,
+    PREFIX_CALLERS: BURST_METRICS,
     IDENTICAL: BURST_METRICS,
     STRUCTURED: ("req_s", "out_tok_s", "ttft_p50", "ttft_p99", "tpot_p50", "e2el_p99", "failed"),
     NOISY: (
@@ -1043,7 +1048,16 @@ def render_markdown(
                 "median includes the ramp-down, as the last requests finish).",
                 "",
             ]
-        if sc in (PREFIX, IDENTICAL):
+        if sc == PREFIX_CALLERS:
+            out += [
+                "The shared-prefix burst's prompts sent by four callers at once, each with "
+                "its own bearer key and the same prompts (one seed); Sluice gets a callers "
+                "file naming them, so its prefix cache is per caller unless "
+                "`--shared-prefix-cache` (vLLM's server: no keys, one cache). TTFT over "
+                "all four callers' requests.",
+                "",
+            ]
+        if sc in (PREFIX, PREFIX_CALLERS, IDENTICAL):
             out += [
                 "Prefill tokens computed = prompt tokens looked up in the prefix cache minus "
                 "hits, from each server's `/metrics` before and after the burst "

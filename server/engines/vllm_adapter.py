@@ -61,7 +61,7 @@ from server.engines.vllm_parsers import (
 )
 from server.errors import SluiceError
 from server.operations.watchdog import ENGINE_IDLE, EngineStats, RankStats
-from server.wire.request import ChatRequest, Constraint, Message, Sampling
+from server.wire.request import ChatRequest, Constraint, Message, Sampling, merge_system
 
 if TYPE_CHECKING:
     from server.settings import Settings
@@ -296,6 +296,9 @@ class EngineAdapter:
         self._parsers: OutputParsers | None = None
         # add_special_tokens for prompts and rendered chats (set at start).
         self._special_tokens = {"text": False, "chat": False}
+        # Whether the chat template renders a system message after the first
+        # (Qwen3's does, in place); if not, they are merged into the first.
+        self._inline_system = True
         # One thread: tokenizer calls are serialised (HF fast tokenizers are
         # not safe to share across threads mid-call) and batched by the caller.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-tok")
@@ -327,6 +330,7 @@ class EngineAdapter:
             await self.load_adapter(adapter)
         self._renderer = llm.renderer
         self._tokenizer = llm.get_tokenizer()
+        self._inline_system = self._renders_inline_system()
         self._special_tokens = {
             "text": bool(self._renderer.default_cmpl_tok_params.add_special_tokens),
             "chat": bool(self._renderer.default_chat_tok_params.add_special_tokens),
@@ -344,6 +348,7 @@ class EngineAdapter:
             sampling_defaults=tuple(
                 sorted((k, float(v)) for k, v in diff.items() if k in DEFAULTABLE)
             ),
+            default_max_tokens=int(diff["max_tokens"]) if diff.get("max_tokens") else None,
             max_num_seqs=int(sched.max_num_seqs),
             max_num_batched_tokens=int(sched.max_num_batched_tokens),
             # Known once the engine core's handshake filled num_gpu_blocks
@@ -459,6 +464,25 @@ class EngineAdapter:
                 raise r
         return results  # type: ignore[return-value]
 
+    def _renders_inline_system(self) -> bool:
+        """vLLM's probe (its /v1/messages ``_detect_merge_inline_system``),
+        through the engine's own renderer: a [system, user, system, user]
+        conversation renders, or the template refuses a later system message
+        (Qwen3.5's raises "System message must be at the beginning")."""
+        probe = [{"role": role, "content": "t"} for role in ("system", "user", "system", "user")]
+        try:
+            self._renderer.render_messages(
+                probe, ChatParams(chat_template_kwargs={"tokenize": False})
+            )
+        except Exception:
+            log.warning(
+                "the chat template refuses a system message after the first: such "
+                "messages (Claude Code's) are merged into the first, which moves the "
+                "prompt's prefix, so the prefix cache misses after each new one"
+            )
+            return False
+        return True
+
     def _render_chat(self, messages: Sequence[Message], kwargs: dict[str, Any]) -> str:
         """The prompt text vLLM's server renders for these messages.
 
@@ -475,6 +499,8 @@ class EngineAdapter:
                 "a chat template passed with the request is refused",
                 param="chat_template_kwargs.chat_template",
             )
+        if not self._inline_system:
+            messages = merge_system(tuple(messages))
         msgs: list[Any] = [m.template_dict() for m in messages]
         params = ChatParams(
             chat_template_kwargs={**kwargs, "add_generation_prompt": True, "tokenize": False}
@@ -588,6 +614,7 @@ class EngineAdapter:
         params: SamplingParams,
         priority: int,
         adapter: Adapter | None = None,
+        cache_salt: str | None = None,
     ) -> Any:
         """Add one request; returns vLLM's per-request output collector.
 
@@ -595,7 +622,10 @@ class EngineAdapter:
         `Renderer.render_cmpl()` builds for a text model (and that vLLM's
         server builds itself for pre-tokenized ids): 1.5 us against 3.7 us for
         a render_cmpl() round trip of the same 1,655 ids, and no deprecated
-        raw-prompt path.
+        raw-prompt path. `cache_salt` rides in it as vLLM's server puts a
+        request's `cache_salt` there: the engine mixes it into the hash of the
+        prompt's first KV block, so prompts of different salts share no
+        cached block (vllm/v1/core/kv_cache_utils.py).
         """
         if self._llm is None:
             raise SluiceError("engine not started", status=503, retry_after=5)
@@ -604,7 +634,7 @@ class EngineAdapter:
         from_start = bool(params.extra_args and params.extra_args.get(_FROM_START))
         return await self._llm.add_request(
             request_id,
-            tokens_input(list(prompt_tokens)),
+            tokens_input(list(prompt_tokens), cache_salt=cache_salt),
             params,
             priority=priority,
             lora_request=None if adapter is None else lora_request(adapter),

@@ -1211,3 +1211,44 @@ def test_issue27_front_cpu_targets() -> None:
     by = {t: (m, v) for t, m, v in tg.issue27_cpu(recs(4.8))}
     assert by["c=128: front CPU per request <= 0.5x vLLM's server's"][1] == "MISSED"
     assert tg.issue27_cpu([]) == []
+
+
+def test_plan_prefix_callers() -> None:
+    """Issue 28's point: the prefix burst's prompts from four callers, each with
+    its key and the same prompts (one seed), on a server of its own (its jobs
+    name callers, the other points' do not); asked for by name."""
+    from bench.scenarios import (
+        DEFAULT_SCENARIOS,
+        PREFIX,
+        PREFIX_CALLERS,
+        callers_of,
+        check_callers,
+    )
+
+    plan = build_plan([*DEFAULT_SCENARIOS, PREFIX_CALLERS], FULL, max_model_len=8192,
+                      kv_bytes_per_token=1024)  # fmt: skip
+    check_callers(plan.points)  # a server of its own: no mix of keyed and unkeyed jobs
+    (burst,) = [p for p in plan.points if p.scenario == PREFIX]
+    (point,) = [p for p in plan.points if p.scenario == PREFIX_CALLERS]
+    assert point.engine is not None and point.engine != burst.engine and point.prefix_metrics
+    assert len(callers_of([point])) == 4 and len({j.role for j in point.jobs}) == 4
+    assert {j.seed_role for j in point.jobs} == {point.jobs[0].role}
+    quarter = list(burst.jobs[0].args)
+    quarter[quarter.index("--num-prompts") + 1] = "32"
+    for j in point.jobs:
+        assert list(j.args[: len(quarter)]) == quarter
+    assert PREFIX_CALLERS in SCENARIOS and PREFIX_CALLERS not in DEFAULT_SCENARIOS
+
+
+def test_pooled_metrics_take_every_callers_requests() -> None:
+    from bench.report import RequestLog, pooled_metrics
+
+    def log(ttfts: list[float], errors: list[str]) -> RequestLog:
+        n = len(ttfts)
+        return RequestLog((0.0,) * n, (1.0,) * n, tuple(ttfts), (1,) * n, tuple(errors), ())
+
+    results = {"a": {"completed": 2, "duration_s": 2.0}, "b": {"completed": 2, "duration_s": 4.0}}
+    logs = {"a": log([0.1, 0.3], ["", ""]), "b": log([0.2, 9.0], ["", "refused"])}
+    out = pooled_metrics(results, logs)
+    assert out["req_s"] == 1.0  # 4 completions over the longest job
+    assert out["ttft_p50"] == pytest.approx(200.0)  # 100, 200, 300 ms: the refused one left out
