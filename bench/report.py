@@ -64,6 +64,7 @@ METRIC_TITLES: dict[str, str] = {
     "itl_p99": "ITL p99 (ms)",
     "e2el_p99": "E2E latency p99 (ms)",
     "failed": "failed requests",
+    "front_cpu_ms": "front CPU per request (ms)",
     "running_peak": "engine running (peak)",
     "running_p50": "engine running (median)",
     "running_mean": "engine running (mean)",
@@ -235,6 +236,19 @@ def combine_mixed(results: Mapping[str, Mapping[str, float]]) -> dict[str, float
                 out[f"{role}_{p}"] = r[p]
         if "failed" in r:
             out[f"{role}_failed"] = r["failed"]
+    return out
+
+
+def pooled_metrics(
+    results: Mapping[str, Mapping[str, float]], logs: Mapping[str, RequestLog]
+) -> dict[str, float]:
+    """Several callers' jobs as one burst: req/s over the longest job, and the TTFT
+    percentiles of every answered request of them all (from per-request detail)."""
+    out = combine_mixed(results)
+    ttfts = [log.ttfts[i] * 1000 for log in logs.values() for i in log.ok()]
+    if ttfts:
+        out["ttft_p50"] = percentile(ttfts, 50)
+        out["ttft_p99"] = percentile(ttfts, 99)
     return out
 
 
@@ -544,6 +558,14 @@ def underfed_share(metrics: Mapping[str, float]) -> dict[str, float]:
     if not held:
         return {}
     return {"underfed_share": metrics.get("underfed_steps", 0.0) / held}
+
+
+def front_cpu(seconds: float, jobs: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """The server process's own CPU time over a point (`seconds`), in ms per request
+    its jobs completed (issue 27: what the front spends beside the engine). Empty
+    when nothing completed."""
+    done = sum(j.get("completed", 0.0) for j in jobs)
+    return {"front_cpu_ms": 1000 * seconds / done} if done > 0 else {}
 
 
 # ------------------------------------------------------------------ records

@@ -71,6 +71,7 @@ from bench.scenarios import (
     PAST_CAPACITY,
     POISSON,
     PREFIX,
+    PREFIX_CALLERS,
     SCENARIO_TITLES,
     SCENARIOS,
     SPREAD,
@@ -253,6 +254,8 @@ def _combine(
         return rp.spread_metrics(per_role[ALL], logs.get(ALL))
     if point.scenario == LORA:
         return rp.share_metrics(per_role, logs, LORA_CALLERS)
+    if point.scenario == PREFIX_CALLERS:
+        return rp.pooled_metrics(per_role, logs)
     if len(per_role) > 1:
         return rp.combine_mixed(per_role)
     return per_role[point.jobs[0].role]
@@ -347,7 +350,8 @@ class Runner:
         tag = f"{_slug(point.scenario)}-{_slug(point.name)}-{system}-r{rep}"
         jobs: list[tuple[list[str], Path]] = []
         for job in point.jobs:
-            seed = seed_for(point.scenario, point.seed_name or point.name, rep, job.role)
+            role = job.seed_role or job.role
+            seed = seed_for(point.scenario, point.seed_name or point.name, rep, role)
             result = cfg.raw_dir / f"{tag}-{job.role}.json"
             result.unlink(missing_ok=True)
             key = self.keys.get(job.caller) if job.caller else None
@@ -364,6 +368,7 @@ class Runner:
         before = rp.parse_prometheus(server.metrics()) if scrape else {}
         assert self.pool is not None
         t0 = time.monotonic()
+        cpu0 = server.cpu_seconds()
         with _running_sampler(server, system, point.running_metrics) as running:
             outcomes = self.pool.run(
                 [
@@ -371,6 +376,7 @@ class Runner:
                     for (a, _), j in zip(jobs, point.jobs, strict=True)
                 ]
             )
+        front_cpu = server.cpu_seconds() - cpu0
         elapsed = time.monotonic() - t0
         per_role: dict[str, dict[str, float]] = {}
         logs: dict[str, rp.RequestLog] = {}
@@ -405,7 +411,11 @@ class Runner:
                 if name in after:
                     metrics = {**metrics, key: after[name] - before.get(name, 0.0)}
             metrics = {**metrics, **rp.underfed_share(metrics)}
-        metrics = {**metrics, **rp.running_summary(running)}
+        metrics = {
+            **metrics,
+            **rp.running_summary(running),
+            **rp.front_cpu(front_cpu, per_role.values()),
+        }
         if point.prefix_metrics:
             time.sleep(1.0)  # let the engine's last step stats reach /metrics
             metrics = {
@@ -695,11 +705,13 @@ SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
         "tpot_p50",
         "running_mean",
         *UNDERFED_METRICS,
+        "front_cpu_ms",
         "failed",
     ),
     POISSON: ("req_s", "ttft_p50", "ttft_p99", "tpot_p50", "e2el_p99", "failed"),
     MIXED: CLASS_METRICS,
     PREFIX: BURST_METRICS,
+    PREFIX_CALLERS: BURST_METRICS,
     IDENTICAL: BURST_METRICS,
     STRUCTURED: ("req_s", "out_tok_s", "ttft_p50", "ttft_p99", "tpot_p50", "e2el_p99", "failed"),
     NOISY: (
@@ -765,9 +777,19 @@ SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
         "running_p50",
         "running_mean",
         *UNDERFED_METRICS,
+        "front_cpu_ms",
         "failed",
     ),
 }
+# What the front-CPU column measures (every point records it; these tables show it).
+FRONT_CPU_NOTE = (
+    "Front CPU per request: the user + system CPU time of the server's own process "
+    "(/proc/PID/stat, all its threads) while the point ran, over the requests it "
+    "completed. On both servers that process holds the HTTP front and the engine "
+    "client's output processing (detokenization, vLLM's output handler); the engine "
+    "cores and vLLM's DP coordinator are child processes, not counted. The DP points' "
+    f"/metrics scrapes (every {RUNNING_POLL_S:g} s) are counted on both."
+)
 WINDOW_METRICS = ("req_s", "ttft_p50", "ttft_p99", "tpot_p50", "failed")
 
 # The plot: one panel per scenario view, each on the scenario's own x axis.
@@ -940,6 +962,8 @@ def render_markdown(
                 "TPOT without generating faster; compare TTFT, req/s and E2E latency.",
                 "",
             ]
+        if sc in (CONCURRENCY, DATA_PARALLEL):
+            out += [FRONT_CPU_NOTE, ""]
         if sc == MIXED:
             out += [
                 "Short = 1/128 of the context in (64 tokens at 8,192), 64 out; medium = "
@@ -1038,7 +1062,16 @@ def render_markdown(
                 "median includes the ramp-down, as the last requests finish).",
                 "",
             ]
-        if sc in (PREFIX, IDENTICAL):
+        if sc == PREFIX_CALLERS:
+            out += [
+                "The shared-prefix burst's prompts sent by four callers at once, each with "
+                "its own bearer key and the same prompts (one seed); Sluice gets a callers "
+                "file naming them, so its prefix cache is per caller unless "
+                "`--shared-prefix-cache` (vLLM's server: no keys, one cache). TTFT over "
+                "all four callers' requests.",
+                "",
+            ]
+        if sc in (PREFIX, PREFIX_CALLERS, IDENTICAL):
             out += [
                 "Prefill tokens computed = prompt tokens looked up in the prefix cache minus "
                 "hits, from each server's `/metrics` before and after the burst "

@@ -31,6 +31,7 @@ CONCURRENCY = "concurrency"
 POISSON = "poisson"
 MIXED = "mixed"
 PREFIX = "prefix_burst"
+PREFIX_CALLERS = "prefix_callers"  # issue 28: the shared-prefix burst from four callers
 IDENTICAL = "identical_burst"
 NOISY = "noisy_neighbour"
 PAST_CAPACITY = "mixed_past_capacity"
@@ -47,6 +48,7 @@ SCENARIOS: tuple[str, ...] = (
     POISSON,
     MIXED,
     PREFIX,
+    PREFIX_CALLERS,
     IDENTICAL,
     STRUCTURED,
     NOISY,
@@ -60,15 +62,20 @@ SCENARIOS: tuple[str, ...] = (
     RAW_CEILING,
 )
 # Run when --scenarios is not given: all but data parallelism, which starts two
-# engine cores per server (issue 19's targets), and the LoRA point, which makes
-# four adapters and serves them (issue 20's); ask for those by name.
-DEFAULT_SCENARIOS: tuple[str, ...] = tuple(s for s in SCENARIOS if s not in (DATA_PARALLEL, LORA))
+# engine cores per server (issue 19's targets), the LoRA point, which makes
+# four adapters and serves them (issue 20's), and the shared prefix from four
+# callers, a server of its own for the price of one isolation (issue 28's);
+# ask for those by name.
+DEFAULT_SCENARIOS: tuple[str, ...] = tuple(
+    s for s in SCENARIOS if s not in (DATA_PARALLEL, LORA, PREFIX_CALLERS)
+)
 KV_BOUND_SCENARIOS: frozenset[str] = frozenset({NOISY, PAST_CAPACITY, THREE})
 SCENARIO_TITLES: dict[str, str] = {
     CONCURRENCY: "Concurrency sweep (random prompts, closed loop)",
     POISSON: "Poisson request-rate sweep (random prompts, open loop)",
     MIXED: "Mixed load: 70% short / 20% medium / 10% long (Poisson, fixed total rate)",
     PREFIX: "Shared-prefix burst (prefix_repetition dataset, all at once)",
+    PREFIX_CALLERS: "Shared-prefix burst from four callers (each sends the same prompts)",
     IDENTICAL: "Identical-request burst (one greedy 256-token prompt repeated, all at once)",
     NOISY: "Noisy neighbour on a KV-bound engine (a chat caller, alone and beside a flood)",
     PAST_CAPACITY: "Mixed 70/20/10 load past capacity on a KV-bound engine (Poisson)",
@@ -122,6 +129,8 @@ class Job:
     ignore_eos: bool = True
     chat: bool = False
     caller: str | None = None
+    # The role whose seed it takes (None: its own): callers sending the same prompts.
+    seed_role: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +250,12 @@ WIDE_POINT = f"c={WIDE_CONCURRENCY} ({WIDE_LEN[0]} in, {WIDE_LEN[1]} out)"
 DP_ENGINE = EngineProfile("DP=2", ("--data-parallel-size", "2"))
 DP_LEN = (64, 64)
 
+
+def dp_point(concurrency: int) -> str:
+    """The name of the data-parallel point at `concurrency`."""
+    return f"c={concurrency} ({DP_LEN[0]} in, {DP_LEN[1]} out)"
+
+
 # LoRA (issue 20): four demo adapters (`python -m server make-demo-adapter DIR
 # --seed N`, rank 8), both servers with --max-loras 2, four callers each on its own
 # adapter, 16 closed-loop streams each of 128 in / 64 out (64 in flight: the engine
@@ -276,6 +291,15 @@ UNDERFED_COUNTERS: tuple[tuple[str, str], ...] = (
     ("held_steps", "sluice_engine_steps_held_total"),
     ("underfed_steps", "sluice_engine_underfed_steps_total"),
 )
+
+
+# The shared-prefix burst from four callers (issue 28): the prefix point's
+# prompts, split over four callers with a key each, every caller sending the
+# same prompts (one seed). With the prefix cache isolated per caller (Sluice's
+# default with keys) each caller computes the prefixes once; shared, once in
+# all. A server of its own: its jobs name callers, the other points' do not.
+PREFIX_CALLER_NAMES = tuple(f"prefix_{i}" for i in range(4))
+PREFIX_CALLERS_ENGINE = EngineProfile("four callers", ())
 
 KV_BOUND_TOKENS = 16_384
 KV_BOUND_CONTEXT = 4096
@@ -479,6 +503,36 @@ def _three_caller_points(sizes: Sizes, engine: EngineProfile, chat: Job) -> list
     return [Point(THREE, THREE_POINT, (chat, *bulk), engine=engine, counters=UNDERFED_COUNTERS)]
 
 
+def _prefix_args(max_model_len: int, prompts: int) -> tuple[str, ...]:
+    """The shared-prefix burst's client flags: 4 prefixes of up to 1,024 tokens
+    (an eighth of the context), 64-token suffixes, 32 out."""
+    return (
+        "--dataset-name", "prefix_repetition",
+        "--prefix-repetition-prefix-len", str(min(1024, max_model_len // 8)),
+        "--prefix-repetition-suffix-len", "64",
+        "--prefix-repetition-num-prefixes", "4",
+        "--prefix-repetition-output-len", "32",
+        "--num-prompts", str(prompts),
+    )  # fmt: skip
+
+
+def _prefix_callers_point(sizes: Sizes, max_model_len: int) -> Point:
+    """The prefix burst's prompts from four callers at once, each the same quarter."""
+    n = max(4, sizes.prefix_prompts // len(PREFIX_CALLER_NAMES))
+    jobs = tuple(
+        Job(
+            caller,
+            (*_prefix_args(max_model_len, n), "--save-detailed"),
+            caller=caller,
+            seed_role=PREFIX_CALLER_NAMES[0],
+        )
+        for caller in PREFIX_CALLER_NAMES
+    )
+    prefix_len = min(1024, max_model_len // 8)
+    name = f"4 callers x {n} x ({prefix_len}+64)"
+    return Point(PREFIX_CALLERS, name, jobs, prefix_metrics=True, engine=PREFIX_CALLERS_ENGINE)
+
+
 def _lora_point(sizes: Sizes) -> Point:
     """Four callers, each on its own adapter (the client's --lora-modules with one
     name: every request names that adapter as its model)."""
@@ -605,28 +659,14 @@ def build_plan(
         points.append(Point(MIXED, f"{sizes.mixed_rate:g} req/s", jobs))
     if PREFIX in sel:
         prefix_len = min(1024, max_model_len // 8)
-        job = Job(
-            ALL,
-            (
-                "--dataset-name",
-                "prefix_repetition",
-                "--prefix-repetition-prefix-len",
-                str(prefix_len),
-                "--prefix-repetition-suffix-len",
-                "64",
-                "--prefix-repetition-num-prefixes",
-                "4",
-                "--prefix-repetition-output-len",
-                "32",
-                "--num-prompts",
-                str(sizes.prefix_prompts),
-            ),
-        )
+        job = Job(ALL, _prefix_args(max_model_len, sizes.prefix_prompts))
         points.append(
             Point(
                 PREFIX, f"{sizes.prefix_prompts} x ({prefix_len}+64)", (job,), prefix_metrics=True
             )
         )
+    if PREFIX_CALLERS in sel:
+        points.append(_prefix_callers_point(sizes, max_model_len))
     if IDENTICAL in sel:
         # One prefix and no suffix: every prompt is the same (the client's own
         # dataset; its `custom` JSONL reader needs pandas, absent here). Greedy.
@@ -690,11 +730,10 @@ def build_plan(
     if DATA_PARALLEL in sel:
         for c, n in sizes.data_parallel:
             job = _closed_loop(*DP_LEN, n, c)
-            name = f"c={c} ({DP_LEN[0]} in, {DP_LEN[1]} out)"
             points.append(
                 Point(
                     DATA_PARALLEL,
-                    name,
+                    dp_point(c),
                     (job,),
                     concurrency=c,
                     engine=DP_ENGINE,

@@ -94,6 +94,7 @@ def _make_demo_adapter(argv: Sequence[str]) -> int:
     import argparse
 
     from server.engines.demo.lora_adapter import DEFAULT_RANK, write_demo_adapter
+    from server.engines.demo.model import DEMO_MODEL_NAME
 
     parser = argparse.ArgumentParser(
         prog="sluice make-demo-adapter",
@@ -103,10 +104,17 @@ def _make_demo_adapter(argv: Sequence[str]) -> int:
     parser.add_argument("dir", type=Path)
     parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     parser.add_argument("--rank", type=int, default=DEFAULT_RANK, help="(default: %(default)s)")
+    parser.add_argument(
+        "--base",
+        default=DEMO_MODEL_NAME,
+        help="the base model's name for its adapter_config.json (default: %(default)s, the "
+        "name `sluice serve` serves the demo model as); a runtime load warns when it "
+        "differs from the served names, the tensor shapes decide",
+    )
     ns = parser.parse_args(list(argv))
     if ns.rank < 1:
         parser.error(f"--rank must be >= 1, got {ns.rank}")
-    print(write_demo_adapter(ns.dir, seed=ns.seed, rank=ns.rank))
+    print(write_demo_adapter(ns.dir, seed=ns.seed, rank=ns.rank, base=ns.base))
     return 0
 
 

@@ -47,6 +47,7 @@ from server.engines.lora import AdapterRegistry
 from server.errors import SluiceError
 from server.http.callers import CallerDirectory, CallersError, load_callers, world_readable
 from server.http.middleware import install as install_middlewares
+from server.http.middleware import server_options
 from server.http.routes import add_routes
 from server.operations.metrics import Metrics
 from server.operations.sdnotify import SdNotify
@@ -117,6 +118,7 @@ async def _boot(app: web.Application) -> None:
         max_logprobs=settings.max_logprobs,
         default_enable_thinking=settings.default_thinking,
         sampling_defaults=info.sampling_defaults,
+        default_max_tokens=info.default_max_tokens,
     )
     if rt.phase is Phase.STARTING:
         rt.phase = Phase.READY
@@ -343,7 +345,10 @@ def build_app(
     install_middlewares(app)
     app[SETTINGS] = settings
     app[ENGINE] = engine
-    app[METRICS] = Metrics()
+    app[CALLERS] = CallerDirectory(
+        settings.caller_table, settings.api_key, shared_cache=settings.shared_prefix_cache
+    )
+    app[METRICS] = Metrics(caller_label=app[CALLERS].label)
     app[RUNTIME] = Runtime()
     app[RESULTS] = ResultCache(
         ttl=settings.result_cache_ttl,
@@ -351,7 +356,6 @@ def build_app(
     )
     app[RESPONSES] = ResponseStore()  # /v1/responses' stored responses, lost on restart
     app[NOTIFIER] = notifier or SdNotify(None)
-    app[CALLERS] = CallerDirectory(settings.caller_table, settings.api_key)
     app[ADAPTERS] = AdapterRegistry(
         settings.model_name, settings.adapters, base_path=settings.model_path
     )
@@ -436,8 +440,10 @@ async def serve(
     runner = web.AppRunner(
         app,
         handler_cancellation=True,  # a client that goes away cancels its handler
-        access_log=None,  # one structured line per request comes from server/http/middleware.py
         shutdown_timeout=5.0,
+        # One structured line per request comes from server/http/middleware.py, which
+        # also routes aiohttp's own lines (parser refusals) into Sluice's log.
+        **server_options(),
     )
     await runner.setup()
     rt = app[RUNTIME]

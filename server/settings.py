@@ -60,10 +60,13 @@ class Settings:
     adapters: tuple[Adapter, ...] = ()
     max_lora_rank: int = 16  # vLLM's --max-lora-rank (its default), for runtime loads
     # Runtime LoRA loading (server/api/lora_admin/endpoint.py): --allow-runtime-lora, the
-    # directory loads must come from (resolved) and the admin key (never printed).
+    # directory loads must come from (resolved) and the admin key (never
+    # printed), which also opens /status.json's full view.
     allow_runtime_lora: bool = False
     lora_root: Path | None = None
     admin_key: str | None = field(default=None, repr=False)
+    # --metrics-key-file: the Bearer key /metrics then needs (None: open).
+    metrics_key: str | None = field(default=None, repr=False)
 
     # The coalescer (batching/): its whole config. The batch caps below, when
     # not given, become the engine's resolved max_num_seqs and
@@ -85,6 +88,9 @@ class Settings:
     # core.callers); SIGHUP reloads the file.
     callers_file: Path | None = None
     caller_table: CallerTable | None = field(default=None, repr=False)
+    # --shared-prefix-cache: every caller's prompts share the engine's prefix
+    # cache (no per-caller cache_salt; server/http/callers.py says what that leaks).
+    shared_prefix_cache: bool = False
     max_body_bytes: int = 4 * 1024 * 1024
     max_n: int = 8
     max_logprobs: int = 20

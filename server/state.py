@@ -16,7 +16,6 @@ from typing import Any
 from aiohttp import web
 
 from batching import AdmissionState, ResultCache
-from server.api.openai_chat.output import ChatChoice, CompletionChoice
 from server.api.openai_responses.store import ResponseStore
 from server.engines.driver import Driver
 from server.engines.interface import Engine
@@ -27,11 +26,13 @@ from server.operations.sdnotify import SdNotify
 from server.operations.status_samples import StatusSampler
 from server.operations.watchdog import Watchdog
 from server.settings import Settings
+from server.wire.output import ChatChoice, CompletionChoice
 from server.wire.request import Limits
 
 __all__ = [
     "ACCESS",
     "ADAPTERS",
+    "ADMIN",
     "CALLER",
     "CALLERS",
     "DRIVER",
@@ -113,5 +114,6 @@ CALLERS = web.AppKey("callers", CallerDirectory)  # who is asking (server/http/c
 RESPONSES = web.AppKey("responses", ResponseStore)  # /v1/responses' stored responses
 ADAPTERS = web.AppKey("adapters", AdapterRegistry)  # LoRA adapters (server/engines/lora.py)
 CALLER = web.RequestKey("caller", str)  # set by the auth middleware when keys name callers
+ADMIN = web.RequestKey("admin", bool)  # /status.json with the admin key: the full view
 REQUEST_ID = web.RequestKey("request_id", str)  # set by the request middleware, every route
 ACCESS = web.RequestKey("access", Access)  # the request's access line (server/http/middleware.py)

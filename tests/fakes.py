@@ -96,6 +96,7 @@ class FakeEngine:
     start_delay: float = 0.0
     fail_start: bool = False
     max_num_seqs: int = 64  # reported in ModelInfo: the core's engine slots
+    default_max_tokens: int | None = None  # reported in ModelInfo: the generation config's
     added: list[str] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     _producers: dict[str, asyncio.Task[None]] = field(default_factory=dict)
@@ -104,6 +105,7 @@ class FakeEngine:
     peak_running: int = 0  # most requests producing at once
     priorities: dict[str, int] = field(default_factory=dict)  # engine priority per request
     adapters: dict[str, str | None] = field(default_factory=dict)  # LoRA adapter per request
+    salts: dict[str, str | None] = field(default_factory=dict)  # prefix-cache salt per request
     loaded: list[Adapter] = field(default_factory=list)  # load_adapter's, in order
     # Fault injection: load_adapter fails with this message, as the engine's load would.
     load_error: str | None = None
@@ -138,6 +140,7 @@ class FakeEngine:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=2048,
             qwen3_split=self.reasoning_parser == "qwen3",
+            default_max_tokens=self.default_max_tokens,
         )
         self.started = False
         self.shut_down = False
@@ -229,6 +232,7 @@ class FakeEngine:
         params: Any,
         priority: int,
         adapter: Adapter | None = None,
+        cache_salt: str | None = None,
     ) -> FakeCollector:
         if self._dead:
             raise SluiceError("the engine died; retry shortly", status=503, retry_after=5)
@@ -236,6 +240,7 @@ class FakeEngine:
         self.added.append(request_id)
         self.priorities[request_id] = priority
         self.adapters[request_id] = adapter.name if adapter is not None else None
+        self.salts[request_id] = cache_salt
         self._producers[request_id] = asyncio.create_task(
             self._produce(request_id, params, collector)
         )

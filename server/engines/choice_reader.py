@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from server.api.openai_chat.output import ParsedDelta
 from server.engines.interface import ChatParser, ChoiceParser, CompletionDelta
 from server.engines.reasoning_split import ReasoningSplitter
+from server.wire.output import ParsedDelta
 
 __all__ = ["ChoiceReader"]
 

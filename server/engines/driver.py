@@ -246,6 +246,9 @@ class _Pending:
     # subscriber of one generation: the adapter's name is part of the group
     # key (batching/keys.py), which the dedupe key includes.
     adapter: Adapter | None = None
+    # The prefix-cache salt (server/http/callers.py); equal for every subscriber of
+    # one generation too: the dedupe fingerprint includes it.
+    cache_salt: str | None = None
 
 
 class Driver:
@@ -282,12 +285,17 @@ class Driver:
         return self._clock()
 
     def submit(
-        self, request: Request, params: SamplingParamsLike, adapter: Adapter | None = None
+        self,
+        request: Request,
+        params: SamplingParamsLike,
+        adapter: Adapter | None = None,
+        cache_salt: str | None = None,
     ) -> Ticket:
         """Admit `request` to the core; raise a SluiceError if refused.
 
-        `adapter` is the LoRA adapter named by `request.key.adapter`, which the
-        engine gets with the request."""
+        `adapter` is the LoRA adapter named by `request.key.adapter`, and
+        `cache_salt` its caller's prefix-cache salt; the engine gets both with
+        the request."""
         if self._dead is not None:
             raise SluiceError("the engine is not running", status=503, retry_after=5)
         result = self.core.add(request, self.now())
@@ -308,7 +316,9 @@ class Driver:
             request.arrival,
             joined=bool(result.joined),
         )
-        self._pending[request.id] = _Pending(ticket, None if result.joined else params, adapter)
+        self._pending[request.id] = _Pending(
+            ticket, None if result.joined else params, adapter, cache_salt
+        )
         self.idle.clear()
         self._wake()
         return ticket
@@ -518,6 +528,7 @@ class Driver:
                     lead.params,
                     self._engine_priority(entry),
                     lead.adapter,
+                    lead.cache_salt,
                 )
             except SluiceError as exc:
                 self._fail_entry(req.id, subscribers, exc)

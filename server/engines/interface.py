@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 from batching import EngineStep
 from batching.pressure import EngineStats
-from server.api.openai_chat.output import FinishReason, Parsed, ParsedDelta
 from server.engines.lora import Adapter
+from server.wire.output import FinishReason, Parsed, ParsedDelta
 from server.wire.request import ChatRequest, Constraint, Message, Sampling
 
 __all__ = [
@@ -46,6 +46,10 @@ class ModelInfo:
     # 0.95, top_k 20), applied where a request leaves a field out, as vLLM's
     # own server does.
     sampling_defaults: tuple[tuple[str, float], ...] = ()
+    # The generation config's max_new_tokens (or --override-generation-config's):
+    # the max_tokens of a request that gives none, as vLLM's server takes it
+    # (its get_max_tokens); None: the rest of the context.
+    default_max_tokens: int | None = None
     # The engine scheduler's resolved limits (0: not known yet).
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 0
@@ -166,6 +170,9 @@ class Engine(Protocol):
         params: SamplingParamsLike,
         priority: int,
         adapter: Adapter | None = None,  # a LoRA adapter, None: the base weights
+        # The prefix-cache salt (vLLM's cache_salt): requests with different
+        # salts never share cached blocks; None: the shared cache.
+        cache_salt: str | None = None,
     ) -> OutputStream: ...
     async def abort(self, request_ids: Sequence[str]) -> None: ...
     # Load a LoRA adapter into the engine now; SluiceError (400) naming the cause.

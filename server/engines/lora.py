@@ -34,26 +34,38 @@ Rules:
 6. A runtime load (`POST /v1/load_lora_adapter`, server/api/lora_admin/endpoint.py) takes
    only a directory under `--lora-root` once symlinks and `..` are resolved
    (`under_root`: a path outside is a 403, so the admin key cannot read the
-   rest of the disk through the engine), and is checked before vLLM sees it:
-   rule 5, then `check_base`: PEFT's `base_model_name_or_path`, when given,
-   must name the served model (its last path part, case aside, so a hub id
-   `Qwen/Qwen3-14B` fits a local `/srv/models/Qwen3-14B`).
+   rest of the disk through the engine), and so must every file in it that
+   Sluice or vLLM reads (`ADAPTER_FILES`: a config or weights linked to a file
+   elsewhere is a 403 too); a path the OS refuses (a NUL byte, a name too long)
+   is a 400. It is checked before vLLM sees it: rule 5, then `check_base`:
+   PEFT's `base_model_name_or_path` is compared with the served model's names
+   (its last path part, case aside, so a hub id `Qwen/Qwen3-14B` fits a local
+   `/srv/models/Qwen3-14B`), but a mismatch is only a warning: names say
+   little (`Qwen/Qwen3-14B` is served as `/srv/models/qwen3-14b-fp8` or
+   `...-AWQ`, the demo model from its directory), and vLLM loads such
+   adapters. Rule 7's shapes decide whether an adapter fits.
 7. `check_shapes`: every LoRA tensor in the safetensors header (a few KB read,
    no weights) fits the base model (`ModelShapes`, from its config): the
    layer exists, A's input width and B's output height are the projection's.
    vLLM itself finds a misfit only when it copies the weights into its slots.
+8. Files are read as regular files only, opened without blocking (a FIFO in
+   the config's place would hang the thread) and within a bound
+   (`MAX_CONFIG_BYTES`, the safetensors header's `_MAX_HEADER`), so a config
+   that is `/dev/zero` or a gigabyte costs nothing.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import re
+import stat
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from server.errors import SluiceError
 
@@ -69,12 +81,20 @@ __all__ = [
     "check_shapes",
     "choose",
     "model_not_found",
+    "read_config",
     "under_root",
 ]
 
-# PEFT's file names: the config and the weights (`save_pretrained` writes both).
+# PEFT's file names: the config and the weights (`save_pretrained` writes both),
+# as vLLM 0.32 reads them (vllm/lora/peft_helper.py, lora_model.py: safetensors
+# first, then .bin or .pt).
 ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
+# Every file of an adapter directory that Sluice or vLLM reads (rule 6).
+ADAPTER_FILES = (ADAPTER_CONFIG, *ADAPTER_WEIGHTS)
+# A PEFT adapter_config.json is about 1 KB (long target_modules lists: tens of
+# KB); anything larger is not one (rule 8).
+MAX_CONFIG_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,24 +227,56 @@ def choose(registry: AdapterRegistry, access: AdapterAccess, model: str) -> Adap
 
 
 def adapter_rank(path: Path) -> int:
-    """A PEFT LoRA directory's rank `r`; ValueError naming the cause (rule 5)."""
-    config_file = path / ADAPTER_CONFIG
-    if not path.is_dir():
-        raise ValueError(f"{path} is not a directory")
+    """A PEFT LoRA directory's rank `r`; ValueError naming the cause (rule 5),
+    also for what the OS refuses (a path too long, no permission)."""
     try:
-        config = json.loads(config_file.read_bytes())
-    except FileNotFoundError:
-        raise ValueError(f"{path} has no {ADAPTER_CONFIG}") from None
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{config_file}: cannot read it: {exc}") from None
-    if not isinstance(config, dict) or str(config.get("peft_type", "")).upper() != "LORA":
+        if not path.is_dir():
+            raise ValueError(f"{path} is not a directory")
+        config = read_config(path)
+        if not any((path / w).is_file() for w in ADAPTER_WEIGHTS):
+            raise ValueError(f"{path} has no {ADAPTER_WEIGHTS[0]}")
+    except OSError as exc:
+        raise ValueError(f"{path}: {exc.strerror or exc}") from None
+    config_file = path / ADAPTER_CONFIG
+    if str(config.get("peft_type", "")).upper() != "LORA":
         raise ValueError(f"{config_file}: not a LoRA adapter (peft_type must be LORA)")
     rank = config.get("r")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"{config_file}: r must be an integer >= 1, got {rank!r}")
-    if not any((path / w).is_file() for w in ADAPTER_WEIGHTS):
-        raise ValueError(f"{path} has no {ADAPTER_WEIGHTS[0]}")
     return rank
+
+
+def _open_regular(file: Path) -> BinaryIO:
+    """`file` opened for reading if it is a regular file (rule 8): opened
+    without blocking, then checked, so a FIFO swapped in cannot hang the read."""
+    fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{file} is not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """The directory's adapter_config.json as an object, read within
+    MAX_CONFIG_BYTES (rule 8); ValueError naming the cause (OSError passes)."""
+    file = path / ADAPTER_CONFIG
+    try:
+        with _open_regular(file) as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        raise ValueError(f"{path} has no {ADAPTER_CONFIG}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ValueError(f"{file} is larger than {MAX_CONFIG_BYTES} bytes: not a PEFT config")
+    try:
+        config = json.loads(data)
+    except ValueError as exc:
+        raise ValueError(f"{file}: cannot read it: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: not a LoRA adapter (peft_type must be LORA)")
+    return config
 
 
 def check_adapter_dir(name: str, path: str, max_rank: int) -> None:
@@ -237,40 +289,42 @@ def check_adapter_dir(name: str, path: str, max_rank: int) -> None:
         raise ValueError(f"LoRA adapter {name!r}: rank {rank} is above --max-lora-rank {max_rank}")
 
 
-# -- runtime loading (rules 6-7) ---------------------------------------------
+# -- runtime loading (rules 6-8) ---------------------------------------------
+
+
+def _outside(path: str) -> SluiceError:
+    return SluiceError(
+        f"lora_path {path!r} is outside --lora-root",
+        status=403,
+        param="lora_path",
+        code="path_not_allowed",
+    )
 
 
 def under_root(root: Path, path: str) -> Path:
-    """`path` (relative ones are taken from `root`) resolved, if it lies under
-    `root` (resolved once at start-up); else a 403 (rule 6)."""
+    """`path` (relative ones are taken from `root`) resolved, if it and every
+    adapter file in it (`ADAPTER_FILES`) lie under `root` (resolved once at
+    start-up); else a 403 (rule 6). Blocking (it reads the file system);
+    OSError and ValueError (a NUL byte, a name too long) pass to the caller."""
     resolved = (root / path).resolve()
     if not resolved.is_relative_to(root):
-        raise SluiceError(
-            f"lora_path {path!r} is outside --lora-root",
-            status=403,
-            param="lora_path",
-            code="path_not_allowed",
-        )
+        raise _outside(path)
+    for name in ADAPTER_FILES:
+        file = resolved / name
+        if os.path.lexists(file) and not file.resolve().is_relative_to(root):
+            raise _outside(f"{path}/{name}")
     return resolved
 
 
-def _read_config(path: Path) -> dict[str, Any]:
-    config = json.loads((path / ADAPTER_CONFIG).read_bytes())
-    return config if isinstance(config, dict) else {}
-
-
-def check_base(path: Path, base_names: Iterable[str]) -> None:
-    """Rule 6: the adapter's `base_model_name_or_path` names the served model
-    (after `adapter_rank` accepted the directory); ValueError naming both."""
-    named = _read_config(path).get("base_model_name_or_path")
-    if not named:
-        return  # PEFT leaves it out when the base was built in memory
-    tails = {_tail(n) for n in base_names if n}
-    if _tail(str(named)) not in tails:
-        raise ValueError(
-            f"{path} is an adapter for base model {named!r}, not for the one served "
-            f"({', '.join(sorted(n for n in base_names if n))})"
-        )
+def check_base(path: Path, base_names: Iterable[str]) -> str | None:
+    """Rule 6: the base model the adapter's `base_model_name_or_path` names when
+    that is not one of the served model's names (after `adapter_rank` accepted
+    the directory): the caller warns, it does not refuse. None when it fits or
+    names none (PEFT leaves it out when the base was built in memory)."""
+    named = read_config(path).get("base_model_name_or_path")
+    if not named or _tail(str(named)) in {_tail(n) for n in base_names if n}:
+        return None
+    return str(named)
 
 
 def _tail(name: str) -> str:
@@ -328,7 +382,7 @@ _MAX_HEADER = 16 * 2**20
 
 
 def _safetensors_shapes(file: Path) -> dict[str, list[int]]:
-    with file.open("rb") as f:
+    with _open_regular(file) as f:
         head = f.read(8)
         size = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
         if not 0 < size <= _MAX_HEADER:

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from vllm import SamplingParams
 from vllm.config import VllmConfig
+from vllm.envs import enable_envs_cache
 from vllm.inputs.engine import tokens_input
 from vllm.lora.request import LoRARequest
 from vllm.renderers.params import ChatParams
@@ -50,7 +51,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
-from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
 
 from batching import EngineStep
 from server.engines.interface import ModelInfo
@@ -64,7 +65,7 @@ from server.engines.vllm_parsers import (
 )
 from server.errors import SluiceError
 from server.operations.watchdog import ENGINE_IDLE, EngineStats, RankStats
-from server.wire.request import ChatRequest, Constraint, Message, Sampling
+from server.wire.request import ChatRequest, Constraint, Message, Sampling, merge_system
 
 if TYPE_CHECKING:
     from server.settings import Settings
@@ -323,6 +324,29 @@ def _build_engine(engine_args: Any, stat_logger: Callable[..., StatLoggerBase]) 
     )
 
 
+def lighten_output_path(llm: Any) -> None:
+    """Take out of vLLM's in-process output path what Sluice pays for per output
+    and never uses (issue 27: on 2 cores the front's CPU is taken from the engine).
+
+    * vLLM reads an environment variable for every output of every request
+      (`envs.VLLM_COMPUTE_NANS_IN_LOGITS` in IterationStats.update_from_output): 5 us
+      a read here, uncached. Its engine-core processes cache them once started
+      (`enable_envs_cache`, vllm/v1/engine/core.py); so does this process once the
+      engine is built. Nothing in Sluice sets a VLLM_ variable after start.
+    * vLLM adds its PrometheusStatLogger to every AsyncLLM: per step a histogram
+      observation per decoding request, per finished request a dozen more (1.6 us
+      per output, measured), into prometheus_client's global registry, which
+      Sluice never serves (`/metrics` is its own registry, server/operations/metrics.py).
+      Sluice's own stat logger and vLLM's others stay.
+    """
+    enable_envs_cache()
+    manager = getattr(llm, "logger_manager", None)
+    if manager is not None:
+        manager.stat_loggers = [
+            lg for lg in manager.stat_loggers if not isinstance(lg, PrometheusStatLogger)
+        ]
+
+
 class EngineAdapter:
     """One vLLM AsyncLLM, and what Sluice needs from it."""
 
@@ -351,6 +375,9 @@ class EngineAdapter:
         self._parsers: OutputParsers | None = None
         # add_special_tokens for prompts and rendered chats (set at start).
         self._special_tokens = {"text": False, "chat": False}
+        # Whether the chat template renders a system message after the first
+        # (Qwen3's does, in place); if not, they are merged into the first.
+        self._inline_system = True
         # One thread: tokenizer calls are serialised (HF fast tokenizers are
         # not safe to share across threads mid-call) and batched by the caller.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-tok")
@@ -375,12 +402,14 @@ class EngineAdapter:
         so the event loop keeps answering /health and /ready meanwhile."""
         factory = _stat_logger_factory(self._stats)
         llm = await asyncio.to_thread(_build_engine, self._engine_args, factory)
+        lighten_output_path(llm)
         self._llm = llm
         self._shapes = ModelShapes.from_config(llm.model_config.hf_config)
         for adapter in self._adapters:
             await self.load_adapter(adapter)
         self._renderer = llm.renderer
         self._tokenizer = llm.get_tokenizer()
+        self._inline_system = self._renders_inline_system()
         self._special_tokens = {
             "text": bool(self._renderer.default_cmpl_tok_params.add_special_tokens),
             "chat": bool(self._renderer.default_chat_tok_params.add_special_tokens),
@@ -398,6 +427,7 @@ class EngineAdapter:
             sampling_defaults=tuple(
                 sorted((k, float(v)) for k, v in diff.items() if k in DEFAULTABLE)
             ),
+            default_max_tokens=int(diff["max_tokens"]) if diff.get("max_tokens") else None,
             max_num_seqs=int(sched.max_num_seqs),
             max_num_batched_tokens=int(sched.max_num_batched_tokens),
             # Known once the engine core's handshake filled num_gpu_blocks
@@ -519,6 +549,25 @@ class EngineAdapter:
                 raise r
         return results  # type: ignore[return-value]
 
+    def _renders_inline_system(self) -> bool:
+        """vLLM's probe (its /v1/messages ``_detect_merge_inline_system``),
+        through the engine's own renderer: a [system, user, system, user]
+        conversation renders, or the template refuses a later system message
+        (Qwen3.5's raises "System message must be at the beginning")."""
+        probe = [{"role": role, "content": "t"} for role in ("system", "user", "system", "user")]
+        try:
+            self._renderer.render_messages(
+                probe, ChatParams(chat_template_kwargs={"tokenize": False})
+            )
+        except Exception:
+            log.warning(
+                "the chat template refuses a system message after the first: such "
+                "messages (Claude Code's) are merged into the first, which moves the "
+                "prompt's prefix, so the prefix cache misses after each new one"
+            )
+            return False
+        return True
+
     def _render_chat(self, messages: Sequence[Message], kwargs: dict[str, Any]) -> str:
         """The prompt text vLLM's server renders for these messages.
 
@@ -535,6 +584,8 @@ class EngineAdapter:
                 "a chat template passed with the request is refused",
                 param="chat_template_kwargs.chat_template",
             )
+        if not self._inline_system:
+            messages = merge_system(tuple(messages))
         msgs: list[Any] = [m.template_dict() for m in messages]
         params = ChatParams(
             chat_template_kwargs={**kwargs, "add_generation_prompt": True, "tokenize": False}
@@ -648,6 +699,7 @@ class EngineAdapter:
         params: SamplingParams,
         priority: int,
         adapter: Adapter | None = None,
+        cache_salt: str | None = None,
     ) -> Any:
         """Add one request; returns vLLM's per-request output collector.
 
@@ -655,7 +707,10 @@ class EngineAdapter:
         `Renderer.render_cmpl()` builds for a text model (and that vLLM's
         server builds itself for pre-tokenized ids): 1.5 us against 3.7 us for
         a render_cmpl() round trip of the same 1,655 ids, and no deprecated
-        raw-prompt path.
+        raw-prompt path. `cache_salt` rides in it as vLLM's server puts a
+        request's `cache_salt` there: the engine mixes it into the hash of the
+        prompt's first KV block, so prompts of different salts share no
+        cached block (vllm/v1/core/kv_cache_utils.py).
         """
         if self._llm is None:
             raise SluiceError("engine not started", status=503, retry_after=5)
@@ -664,7 +719,7 @@ class EngineAdapter:
         from_start = bool(params.extra_args and params.extra_args.get(_FROM_START))
         return await self._llm.add_request(
             request_id,
-            tokens_input(list(prompt_tokens)),
+            tokens_input(list(prompt_tokens), cache_salt=cache_salt),
             params,
             priority=priority,
             lora_request=None if adapter is None else lora_request(adapter),

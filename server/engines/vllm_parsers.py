@@ -64,8 +64,8 @@ from vllm.tool_parsers.streaming import (
 )
 from vllm.tool_parsers.utils import get_json_schema_from_tools
 
-from server.api.openai_chat.output import FinishReason, Parsed, ParsedDelta, ToolCallDelta
 from server.errors import SluiceError
+from server.wire.output import FinishReason, Parsed, ParsedDelta, ToolCallDelta
 from server.wire.request import ChatRequest, Constraint, ToolCall
 
 __all__ = [

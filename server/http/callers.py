@@ -19,6 +19,24 @@ Keys are compared with `hmac.compare_digest` against every key (no early exit,
 so the time does not say which key almost matched) and never logged or
 printed: `CallerTable` keeps them out of its repr.
 
+The engine's prefix cache is isolated per caller (`CallerDirectory.cache_salt`)
+whenever keys name callers: every request carries vLLM's `cache_salt`, which
+vLLM mixes into the hash of a prompt's first KV block (so of every block after
+it), and requests with different salts never share a cached block. Without it,
+caller B learns from `cache_read_input_tokens` (or from its TTFT) whether
+caller A sent a prompt. Callers of one `cache_group` share a salt, so a team's
+common system prompt still caches across its keys. The salt is an HMAC-SHA256
+of the caller's (or group's) name under a secret drawn at random when the
+process starts; never the key, and not the name itself, which vLLM may write
+out (KV events, a KV connector's store). A per-process secret costs nothing:
+vLLM's prefix cache lives in the engine's memory and dies with the process,
+a SIGHUP reload keeps every salt (a secret derived from the file would reset
+every caller's cache on each edit), and a caller whose key is rotated keeps
+its cache. Only a KV connector that persists blocks across restarts
+(LMCache, disk offload) loses its hits at a restart. In open mode (no keys)
+the `user` field is the client's own claim, so there is nothing to isolate:
+no salt, as with `--shared-prefix-cache`.
+
 The file:
 
     [callers.chat]
@@ -31,6 +49,7 @@ The file:
     tokens_per_minute = 2000000  # prompt + generated tokens; 429 past it
     adapters = ["alpha", "beta"] # LoRA adapters it may use and see (absent: all)
     default_adapter = "alpha"    # what a request naming the base model runs on
+    cache_group = "team-a"       # shares the engine's prefix cache with this group
 
 `adapters` and `default_adapter` name adapters given with --lora-modules (the
 list may also name the base model, to allow it too); server/engines/lora.py rule 4 says
@@ -38,14 +57,16 @@ what a caller gets for the others: 404 for an adapter outside its list, 403 for
 the base model when its list does not name it. A name that is not configured
 is a start-up (or reload) error.
 
-Caller names are 1-64 characters of letters, digits, `_`, `-` and `.` (they
-become metric labels and log fields).
+Caller names (and `cache_group` names) are 1-64 characters of letters,
+digits, `_`, `-` and `.` (they become metric labels and log fields).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import re
+import secrets
 import stat
 import tomllib
 from collections.abc import Collection
@@ -59,10 +80,13 @@ from server.engines.lora import OPEN_ACCESS, AdapterAccess
 __all__ = [
     "MAX_USER_NAMES",
     "OTHER_CALLER",
+    "USER_LABEL",
     "CallerDirectory",
     "CallerTable",
     "CallersError",
+    "bearer_token",
     "load_callers",
+    "same_key",
     "world_readable",
 ]
 
@@ -71,6 +95,9 @@ OTHER_CALLER = "other"
 # own (fair share, metrics series); 64 is far more than the teams sharing one
 # workstation card, and small enough for a per-caller series set in Prometheus.
 MAX_USER_NAMES = 64
+# The metric label of every caller that a `user` field named (open mode): the
+# name is the client's own string, so it never becomes a label of its own.
+USER_LABEL = "user"
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _FIELDS = {
@@ -81,6 +108,7 @@ _FIELDS = {
     "tokens_per_minute",
     "adapters",
     "default_adapter",
+    "cache_group",
 }
 
 
@@ -96,9 +124,14 @@ class CallerTable:
     keys: tuple[tuple[bytes, str], ...] = field(repr=False)  # (key, caller name)
     # Each caller's LoRA adapter rules (server/engines/lora.py rule 4); absent: no restriction.
     access: tuple[tuple[str, AdapterAccess], ...] = ()
+    # Each caller's cache_group (it shares the prefix cache); absent: its own.
+    groups: tuple[tuple[str, str], ...] = ()
 
     def access_for(self, name: str) -> AdapterAccess:
         return next((a for n, a in self.access if n == name), OPEN_ACCESS)
+
+    def group_for(self, name: str) -> str | None:
+        return next((g for n, g in self.groups if n == name), None)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -152,6 +185,17 @@ def _access(where: str, spec: dict[str, Any], known: _Known) -> AdapterAccess:
     return AdapterAccess(allowed, default)
 
 
+def _group(where: str, spec: dict[str, Any]) -> str | None:
+    group = spec.get("cache_group")
+    if group is None:
+        return None
+    if not isinstance(group, str) or not _NAME.fullmatch(group):
+        raise CallersError(
+            f"{where}.cache_group must be a name: 1-64 letters, digits, '_', '-' or '.'"
+        )
+    return group
+
+
 def _caller(name: str, spec: Any) -> tuple[CallerPolicy, str]:
     where = f"callers.{name}"
     if not _NAME.fullmatch(name):
@@ -199,6 +243,7 @@ def parse_callers(
     policies: list[CallerPolicy] = []
     keys: list[tuple[bytes, str]] = []
     access: list[tuple[str, AdapterAccess]] = []
+    groups: list[tuple[str, str]] = []
     seen: dict[str, str] = {}
     known = _Known(adapters, base)
     for name, spec in table.items():
@@ -211,7 +256,9 @@ def parse_callers(
         rules = _access(f"callers.{name}", spec, known)
         if rules != OPEN_ACCESS:
             access.append((name, rules))
-    return CallerTable(Callers(tuple(policies)), tuple(keys), tuple(access))
+        if (group := _group(f"callers.{name}", spec)) is not None:
+            groups.append((name, group))
+    return CallerTable(Callers(tuple(policies)), tuple(keys), tuple(access), tuple(groups))
 
 
 def load_callers(
@@ -228,6 +275,17 @@ def load_callers(
         raise CallersError(f"callers file {path}: {exc}") from exc
 
 
+def bearer_token(authorization: str) -> str:
+    """The token of an `Authorization: Bearer ...` header, else ""."""
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def same_key(token: str, key: str | None) -> bool:
+    """`token` is `key` (both non-empty), compared in constant time."""
+    return bool(token and key) and hmac.compare_digest(token.encode(), str(key).encode())
+
+
 def world_readable(path: Path) -> bool:
     """True when users other than the owner and group may read the file (its keys)."""
     try:
@@ -239,10 +297,18 @@ def world_readable(path: Path) -> bool:
 class CallerDirectory:
     """The app's current way of naming callers (the table is swapped on SIGHUP)."""
 
-    def __init__(self, table: CallerTable | None, api_key: str | None) -> None:
+    def __init__(
+        self, table: CallerTable | None, api_key: str | None, *, shared_cache: bool = False
+    ) -> None:
         self.table = table
         self._api_key = None if api_key is None else api_key.encode()
         self._users: set[str] = set()
+        # The prefix cache's isolation (see the module docstring): off in open
+        # mode and with --shared-prefix-cache. The secret lives as long as the
+        # process, as the engine's cache does.
+        self.isolated = not shared_cache and not self.open
+        self._secret = secrets.token_bytes(32)
+        self._salts: dict[str, str] = {}
 
     @property
     def open(self) -> bool:
@@ -254,10 +320,8 @@ class CallerDirectory:
 
         Only for a directory that is not open.
         """
-        scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer":
-            return None
-        return self.identify(token)
+        token = bearer_token(authorization)
+        return self.identify(token) if token else None
 
     def identify(self, token: str) -> str | None:
         """The caller whose key is `token` (a bearer token or an `x-api-key`); None: 401."""
@@ -272,6 +336,26 @@ class CallerDirectory:
         if self.table is None or caller is None:
             return OPEN_ACCESS
         return self.table.access_for(caller)
+
+    def cache_salt(self, caller: str | None) -> str | None:
+        """The prefix-cache salt of a caller's requests (vLLM's cache_salt), or
+        None for the shared cache: its cache_group's, else its own name's."""
+        if not self.isolated or caller is None:
+            return None
+        group = self.table.group_for(caller) if self.table is not None else None
+        scope = f"group\0{group}" if group is not None else f"caller\0{caller}"
+        salt = self._salts.get(scope)
+        if salt is None:
+            # 128 bits of an HMAC-SHA256, hex: within vLLM's 128 characters, and
+            # none of the characters it forbids (@, /, backslash, NUL).
+            digest = hmac.new(self._secret, scope.encode(), hashlib.sha256).hexdigest()
+            salt = self._salts[scope] = digest[:32]
+        return salt
+
+    def label(self, caller: str) -> str:
+        """A caller's metric label: its name when keys name callers (configured
+        names only), else `default` or, for every `user` name, USER_LABEL."""
+        return caller if not self.open or caller == DEFAULT_CALLER else USER_LABEL
 
     def from_user(self, user: str | None) -> str:
         """An open directory's caller for a request's `user` field (bounded)."""

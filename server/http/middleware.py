@@ -9,6 +9,13 @@ on /v1/messages*, OpenAI's everywhere else; authentication is checked once
 for every protected path rather than by each handler remembering to (the key
 arrives as `Authorization: Bearer` or as Anthropic's `x-api-key`).
 `install` wires all of it into an app, in that order.
+
+A request that aiohttp's HTTP parser refuses (a bare CR in a header, a bad
+request line) never reaches the app: aiohttp answers its 400 itself. So that
+it still leaves one access line and one log line in Sluice's log, the server
+is run with `server_options()`: aiohttp's access logger hook writes the line
+for a request no middleware saw, and aiohttp's own error log goes through
+Sluice's logging as one line without a traceback (`_ParserRefusals`).
 """
 
 from __future__ import annotations
@@ -22,30 +29,39 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
+from aiohttp.http_exceptions import HttpProcessingError
 
 from server.api.lora_admin.endpoint import ADMIN_PATHS
 from server.errors import SluiceError
+from server.http.callers import bearer_token, same_key
 from server.operations import logs
-from server.state import ACCESS, CALLER, CALLERS, METRICS, REQUEST_ID, Access
+from server.state import ACCESS, ADMIN, CALLER, CALLERS, METRICS, REQUEST_ID, SETTINGS, Access
 
 __all__ = [
     "ANTHROPIC_PREFIX",
+    "METRICS_PATH",
     "PROTECTED_PREFIXES",
+    "STATUS_PATH",
     "auth_middleware",
     "error_middleware",
     "install",
     "request_middleware",
+    "server_options",
 ]
 
 log = logging.getLogger("sluice")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-# Paths behind the API key (when one is set). The probes and /metrics stay
-# open: systemd, load balancers and Prometheus read them without a key. The
-# status page itself (/, /static/) holds no data; what it shows, /status.json,
-# is behind the key.
+# Paths behind the API key (when one is set). The probes stay open: systemd
+# and load balancers read them without a key; /metrics too, for Prometheus on
+# loopback, unless --metrics-key-file gives it a key of its own. The status
+# page itself (/, /static/) holds no data; what it shows, /status.json, is
+# behind the key: a caller's key gets its own view, the admin key the whole.
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/status.json")
+STATUS_PATH = "/status.json"
+METRICS_PATH = "/metrics"
 # Paths whose clients read Anthropic's error shape and statuses.
 ANTHROPIC_PREFIX = "/v1/messages"
 
@@ -53,7 +69,7 @@ ANTHROPIC_PREFIX = "/v1/messages"
 # once-a-second poll): their access lines are at debug level while they
 # succeed, so that an idle server's log is not one line a second. A refusal
 # on them (a 401, a 503 probe) stays at info.
-_QUIET_PATHS = frozenset({"/health", "/ready", "/metrics", "/", "/status.json"})
+_QUIET_PATHS = frozenset({"/health", "/ready", "/metrics", "/", "/status.json", "/api/hello"})
 _QUIET_PREFIX = "/static/"
 
 
@@ -185,10 +201,20 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     open and the pipeline names the caller from the `user` field.
     """
     directory = request.app[CALLERS]
-    if directory.open or not request.path.startswith(PROTECTED_PREFIXES):
+    path = request.path
+    if path == METRICS_PATH:
+        _check_metrics_key(request)
         return await handler(request)
-    if request.path in ADMIN_PATHS:
+    if directory.open or not path.startswith(PROTECTED_PREFIXES):
+        return await handler(request)
+    if path in ADMIN_PATHS:
         # the admin key's, not a caller's (server/api/lora_admin/endpoint.py)
+        return await handler(request)
+    if path == STATUS_PATH and same_key(
+        bearer_token(request.headers.get("Authorization", "")),
+        request.app[SETTINGS].admin_key,
+    ):
+        request[ADMIN] = True  # the full view (server/operations/status_page.py)
         return await handler(request)
     api_key = request.headers.get("x-api-key")
     caller = (
@@ -203,7 +229,69 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     raise SluiceError("invalid or missing API key", status=401, code="invalid_api_key")
 
 
+def _check_metrics_key(request: web.Request) -> None:
+    """/metrics with --metrics-key-file: its Bearer key or a 401 (no other key opens it)."""
+    key = request.app[SETTINGS].metrics_key
+    if key is None or same_key(bearer_token(request.headers.get("Authorization", "")), key):
+        return
+    request.app[METRICS].rejections.labels("auth").inc()
+    raise SluiceError("invalid or missing metrics key", status=401, code="invalid_api_key")
+
+
 def install(app: web.Application) -> None:
     """The middlewares in their order (outermost first) and the id's echo."""
     app.middlewares.extend([request_middleware, error_middleware, auth_middleware])
     app.on_response_prepare.append(_echo_request_id)
+
+
+class _UnseenRequests(AbstractAccessLogger):
+    """aiohttp's access-log hook: the access line of a request that no
+    middleware saw (one its parser refused: aiohttp's own error handler
+    answered it). Every other request has written its line already."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        if REQUEST_ID in request:
+            return
+        fields = {
+            "request_id": uuid.uuid4().hex,
+            "method": request.method,  # aiohttp's placeholder: the line was not read
+            "endpoint": request.path,
+            "status": response.status,
+            "total_ms": round(time * 1000, 2),
+            "error": "bad_http_request",
+        }
+        logs.access(fields)
+
+
+class _ParserRefusals(logging.Filter):
+    """On aiohttp's server logger: a refusal by the HTTP parser (a client's
+    malformed request, not a fault here) becomes one line naming the cause,
+    without the traceback aiohttp attaches; anything else passes unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            why = " ".join(str(exc.message).split())  # the parser's text spans lines
+            record.msg, record.args = "request refused by the HTTP parser: %s", (why,)
+            record.exc_info, record.exc_text = None, None
+            # INFO (aiohttp says ERROR), or DEBUG where aiohttp chose it (a
+            # connection's first line not HTTP at all: port scans, TLS).
+            record.levelno = min(record.levelno, logging.INFO)
+            record.levelname = logging.getLevelName(record.levelno)
+            record.fields = {"status": exc.code}
+        return True
+
+
+_SERVER_LOG = logging.getLogger("sluice.http")
+_SERVER_LOG.addFilter(_ParserRefusals())
+
+
+def server_options() -> dict[str, Any]:
+    """aiohttp's server arguments that keep its own output in Sluice's log: the
+    access hook above (Sluice writes its other lines itself, so aiohttp's
+    format is never used) and its error logger as a child of `sluice`."""
+    return {
+        "access_log_class": _UnseenRequests,
+        "access_log": logs.ACCESS,
+        "logger": _SERVER_LOG,
+    }

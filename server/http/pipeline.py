@@ -34,7 +34,6 @@ from aiohttp import web
 
 from batching import DEFAULT_CALLER, group_key
 from batching import Request as CoreRequest
-from server.api.openai_chat.output import TokenLogprob, Usage
 from server.engines.driver import Generation, Ticket
 from server.engines.interface import CompletionDelta, EngineOutput
 from server.engines.lora import Adapter
@@ -52,6 +51,7 @@ from server.state import (
     SETTINGS,
     Phase,
 )
+from server.wire.output import TokenLogprob, Usage
 from server.wire.request import Sampling
 
 __all__ = [
@@ -240,11 +240,15 @@ def generation_endpoint(
 
 async def _run(request: web.Request, tr: Trace, job: Job, enc: Encoder[Any]) -> web.StreamResponse:
     results = request.app[RESULTS]
+    # The caller's prefix-cache salt (None: shared): the engine's cache, dedupe
+    # and the result cache share work only within it (server/http/callers.py).
+    salt = request.app[CALLERS].cache_salt(tr.caller)
     key: Hashable = None
     if job.cacheable and not job.stream and job.sampling.deterministic and results.enabled:
         key = (
             tr.endpoint,
             tr.adapter,
+            salt,
             job.prompts,
             job.max_tokens,
             job.sampling.fingerprint(),
@@ -254,7 +258,7 @@ async def _run(request: web.Request, tr: Trace, job: Job, enc: Encoder[Any]) -> 
             choices, tr.completion_tokens = hit
             tr.first_token()
             return json_response(enc.body(choices, _usage(tr)))
-    tr.tickets = _submit(request, tr, job)
+    tr.tickets = _submit(request, tr, job, salt)
     try:
         gens = [await t.wait() for t in tr.tickets]
         if job.stream:
@@ -279,7 +283,7 @@ def _note_cached(tr: Trace, prompt: int, out: EngineOutput) -> None:
         tr.cached[prompt] = out.num_cached_tokens
 
 
-def _submit(request: web.Request, tr: Trace, job: Job) -> list[Ticket]:
+def _submit(request: web.Request, tr: Trace, job: Job, salt: str | None) -> list[Ticket]:
     """Admit one core request per prompt; all or none (a refusal leaves the rest)."""
     driver = request.app[DRIVER]
     engine = request.app[ENGINE]
@@ -289,8 +293,10 @@ def _submit(request: web.Request, tr: Trace, job: Job) -> list[Ticket]:
     # core batches, dedupes and releases by it (batching/keys.py).
     key = group_key(settings.model_name, tr.adapter)
     sampling = job.sampling
-    # Only deterministic sampling can share a generation (greedy, or seeded).
-    fp = (sampling.fingerprint(), job.variant) if sampling.deterministic else None
+    # Only deterministic sampling can share a generation (greedy, or seeded),
+    # and only within one prefix-cache salt: another caller's would tell it
+    # what this one sent (its answer comes at once, as a result).
+    fp = (sampling.fingerprint(), job.variant, salt) if sampling.deterministic else None
     base = f"{tr.rid}-{next(_seq)}"
     single = len(job.prompts) == 1
     tickets: list[Ticket] = []
@@ -310,7 +316,7 @@ def _submit(request: web.Request, tr: Trace, job: Job) -> list[Ticket]:
                 open_ended=sampling.max_tokens is None,
             )
             params = engine.sampling_params(sampling, job.max_tokens[i])
-            tickets.append(driver.submit(core_req, params, job.adapter))
+            tickets.append(driver.submit(core_req, params, job.adapter, salt))
     except SluiceError:
         for t in tickets:
             t.leave()
@@ -407,7 +413,6 @@ async def _stream(
 ) -> web.StreamResponse:
     n = job.sampling.n
     resp = web.StreamResponse(headers=_SSE_HEADERS)
-    await resp.prepare(request)
     # The head (chat's role frame, an echo, Messages' message_start) goes out
     # with the first output, as vLLM's server sends it: a client that times
     # its first frame (vllm bench serve does) then times the first token, not
@@ -436,6 +441,9 @@ async def _stream(
             wrote()
 
     try:
+        # Inside the guard: a client that left before the headers went out
+        # (before aiohttp cancelled this handler) is a 499 too, not a 500.
+        await resp.prepare(request)
         async with _keepalive(resp, beat) as wrote:
             await _each_output(gens, tr.tickets, send)
         # After the beat stopped: nothing may follow the closing frames.
@@ -498,7 +506,7 @@ def _finish_trace(request: web.Request, tr: Trace) -> None:
     now = time.monotonic()
     metrics.requests.labels(tr.endpoint, str(tr.status), tr.adapter or "").inc()
     if tr.caller is not None:
-        metrics.caller_requests.labels(tr.caller, str(tr.status)).inc()
+        metrics.caller_requests.labels(metrics.caller_label(tr.caller), str(tr.status)).inc()
     metrics.duration.observe(now - tr.t0)
     if tr.ttft is not None:
         metrics.observe_ttft(tr.ttft)

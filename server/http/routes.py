@@ -10,8 +10,6 @@ assigns a request id (`request[REQUEST_ID]`, set for every route).
 
 from __future__ import annotations
 
-from typing import Any
-
 import orjson
 from aiohttp import web
 
@@ -24,6 +22,7 @@ from server.errors import SluiceError
 from server.http.pipeline import check_accepting, generation_endpoint, json_response
 from server.operations.metrics import CONTENT_TYPE
 from server.state import ADAPTERS, CALLER, CALLERS, ENGINE, METRICS, RUNTIME, SETTINGS, Phase
+from server.wire.fields import load_object
 
 __all__ = ["add_routes"]
 
@@ -53,6 +52,13 @@ async def health(request: web.Request) -> web.Response:
     return json_response(orjson.dumps({"status": "ok", "phase": rt.phase.value}))
 
 
+async def hello(request: web.Request) -> web.Response:
+    """Claude Code's preconnect: it sends ``HEAD /api/hello`` to its
+    ANTHROPIC_BASE_URL as it starts (and periodically) to open a connection,
+    and reads nothing back; answered, not a 404 in every session's log."""
+    return json_response(b"{}")
+
+
 async def ready(request: web.Request) -> web.Response:
     rt = request.app[RUNTIME]
     if not rt.ready:
@@ -65,20 +71,10 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": CONTENT_TYPE})
 
 
-def _object(body: bytes) -> dict[str, Any]:
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise SluiceError(f"malformed JSON: {exc}", code="invalid_json") from None
-    if not isinstance(obj, dict):
-        raise SluiceError("the request body must be a JSON object", code="invalid_json")
-    return obj
-
-
 async def tokenize(request: web.Request) -> web.Response:
     """vLLM-compatible /tokenize: {"prompt"} or {"messages"}; "model" is optional."""
     check_accepting(request)
-    obj = _object(await read_body(request))
+    obj = load_object(await read_body(request))
     model = obj.get("model") or request.app[SETTINGS].model_name
     if not isinstance(model, str):
         raise SluiceError("'model' must be a string", param="model")
@@ -100,7 +96,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     check_accepting(request)
-    obj = _object(await read_body(request))
+    obj = load_object(await read_body(request))
     tokens = obj.get("tokens")
     if not isinstance(tokens, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
@@ -122,6 +118,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/api/hello", hello)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/tokenize", tokenize)

@@ -9,10 +9,16 @@ token and service totals, which the core keeps anyway (batching.CallerStats).
 Per LoRA adapter (label `adapter` of `sluice_requests_total`, bounded: only
 configured adapter names): requests by endpoint and status.
 
-Per caller (label `caller`, bounded: server/http/callers.py): requests by status
-(429 included), queue wait, queued / backlogged / in-flight work, prompt and
+Fields the APIs accepted and ignored (server/wire/ignored.py), by API and
+field (label `field`, bounded: only names that module lists, else `other`).
+
+Per caller (label `caller`: only configured names, server/http/callers.py
+`CallerDirectory.label`; without keys every `user`-named caller is one label,
+`user`, since the name is the client's own string): requests by status (429
+included), queue wait, queued / backlogged / in-flight work, prompt and
 generated tokens, service (prompt + 2 x generated, the fair-share unit) and
-the fair-share counter itself. Share of service per caller, in PromQL:
+the fair-share counter itself (of a label that stands for several callers:
+the least of theirs, the one served next). Share of service per caller, in PromQL:
 
     sum by (caller) (rate(sluice_caller_service_total[5m]))
       / ignoring(caller) group_left sum(rate(sluice_caller_service_total[5m]))
@@ -36,6 +42,7 @@ from prometheus_client.registry import Collector
 
 from batching import CallerStats, DedupeHit, Ended, Outcome, Refusal, Released
 from batching.pressure import RankStats
+from server.operations.ignored_log import IgnoredFields
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -55,8 +62,9 @@ _RECENT = 4096
 class _LiveCollector(Collector):
     """Gauges read from live objects at scrape time."""
 
-    def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, read: Callable[[], dict[str, Any]], label: Callable[[str], str]) -> None:
         self._read = read
+        self._label = label
 
     def collect(self) -> Iterable[Metric]:
         v = self._read()
@@ -155,7 +163,7 @@ class _LiveCollector(Collector):
             "Generations released to the engine without a first output yet",
             value=v["unstarted"],
         )
-        yield from _caller_families(v.get("callers") or ())
+        yield from _caller_families(v.get("callers") or (), self._label)
         yield from _rank_families(v.get("ranks") or ())
 
 
@@ -175,8 +183,12 @@ def _rank_families(ranks: Sequence[RankStats]) -> Iterable[Metric]:
         yield g
 
 
-def _caller_families(callers: Iterable[CallerStats]) -> Iterable[Metric]:
-    """Per-caller series from the core's snapshot (read at scrape time)."""
+def _caller_families(
+    callers: Iterable[CallerStats], label: Callable[[str], str] = str
+) -> Iterable[Metric]:
+    """Per-caller series from the core's snapshot (read at scrape time), by
+    metric label: the callers one label stands for are summed (the counter:
+    their least)."""
     gauges = {
         "queued": ("sluice_caller_queued", "Requests waiting in Sluice (window and backlog)"),
         "backlog": ("sluice_caller_backlog", "Generations held in the backlog"),
@@ -188,6 +200,13 @@ def _caller_families(callers: Iterable[CallerStats]) -> Iterable[Metric]:
         "generated_tokens": ("sluice_caller_generated_tokens", "Tokens generated"),
         "service": ("sluice_caller_service", "Service received: prompt + 2 x generated tokens"),
     }
+    rows: dict[str, dict[str, float]] = {}
+    for c in callers:
+        row = rows.setdefault(label(c.name), {})
+        for attr in (*gauges, *counters):
+            v = float(getattr(c, attr))
+            old = row.get(attr)
+            row[attr] = v if old is None else min(old, v) if attr == "counter" else old + v
     families: list[tuple[str, GaugeMetricFamily | CounterMetricFamily]] = [
         (attr, GaugeMetricFamily(name, doc, labels=["caller"]))
         for attr, (name, doc) in gauges.items()
@@ -196,17 +215,19 @@ def _caller_families(callers: Iterable[CallerStats]) -> Iterable[Metric]:
         (attr, CounterMetricFamily(name, doc, labels=["caller"]))
         for attr, (name, doc) in counters.items()
     ]
-    for c in callers:
+    for name, row in rows.items():
         for attr, fam in families:
-            fam.add_metric([c.name], getattr(c, attr))
+            fam.add_metric([name], row[attr])
     for _, fam in families:
         yield fam
 
 
 class Metrics:
-    """Sluice's metrics; one instance per app."""
+    """Sluice's metrics; one instance per app. `caller_label` turns a caller's
+    name into its `caller` label (server/http/callers.py `CallerDirectory.label`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, caller_label: Callable[[str], str] = str) -> None:
+        self.caller_label = caller_label
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         # `adapter`: the LoRA adapter a generation ran on, empty for the base
@@ -265,6 +286,15 @@ class Metrics:
         self.prompt_tokens = Counter(
             "sluice_prompt_tokens", "Prompt tokens of answered requests", registry=r
         )
+        self.ignored = IgnoredFields(
+            Counter(
+                "sluice_ignored_fields",
+                "Request fields, blocks and tool types accepted and ignored, by API and "
+                "field (a name Sluice lists, else other)",
+                ["api", "field"],
+                registry=r,
+            )
+        )
         # TTFTs and released batch sizes since the status sampler last looked:
         # it takes exact p50/p95 per second from them (server/operations/status_samples.py).
         self.recent_ttft: deque[float] = deque(maxlen=_RECENT)
@@ -291,7 +321,7 @@ class Metrics:
             elif isinstance(e, Ended):
                 self.ended.labels(e.outcome.name.lower()).inc()
                 if e.outcome is Outcome.DISPATCHED:
-                    self.queue_wait.labels(e.caller).observe(e.queue_wait)
+                    self.queue_wait.labels(self.caller_label(e.caller)).observe(e.queue_wait)
             elif isinstance(e, Refusal):
                 self.rejections.labels(e.reason.value).inc()
             elif isinstance(e, DedupeHit):
@@ -299,7 +329,7 @@ class Metrics:
 
     def watch(self, read: Callable[[], dict[str, Any]]) -> None:
         """Register the live gauges (read at scrape time)."""
-        self.registry.register(_LiveCollector(read))
+        self.registry.register(_LiveCollector(read, self.caller_label))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,7 +7,10 @@ serves the page (server/operations/static/, package data: no build step, no CDN)
 
 `/` and `/static/` carry no data and stay open; `/status.json` is behind the
 API key like `/v1/` (server/http/middleware.py). The page asks for the key once and
-sends it as an Authorization header.
+sends it as an Authorization header. What it gets depends on the key: a
+caller's key its own view (`caller_view`: its own series, totals for the
+rest, only the adapters it may use), the admin key the whole document, and
+so does everyone when no keys are configured.
 """
 
 from __future__ import annotations
@@ -23,11 +26,23 @@ from prometheus_client import Counter
 from batching import AdmissionState
 from batching.pressure import HostMemory
 from server import __version__
-from server.operations.status_samples import Snapshot, StatusSampler
+from server.operations.status_samples import Snapshot, StatusSampler, View
 from server.settings import Settings
-from server.state import DRIVER, ENGINE, METRICS, RUNTIME, SETTINGS, STATUS, WATCHDOG, Phase
+from server.state import (
+    ADMIN,
+    CALLER,
+    CALLERS,
+    DRIVER,
+    ENGINE,
+    METRICS,
+    RUNTIME,
+    SETTINGS,
+    STATUS,
+    WATCHDOG,
+    Phase,
+)
 
-__all__ = ["STATIC", "add_status_routes", "make_sampler", "snapshot"]
+__all__ = ["STATIC", "add_status_routes", "caller_view", "make_sampler", "snapshot"]
 
 STATIC = Path(__file__).resolve().parent / "static"
 
@@ -148,9 +163,23 @@ async def index(request: web.Request) -> web.FileResponse:
     )
 
 
+def caller_view(app: web.Application, caller: str) -> View:
+    """What a caller's key sees of /status.json: the adapters its callers-file
+    entry lets it use and see (server/engines/lora.py rule 4; the base model's column
+    too: it is every adapter's parent), by its own name among the callers."""
+    access = app[CALLERS].access(caller)
+    adapters = access.adapters
+    if adapters is not None:
+        adapters = adapters | {app[SETTINGS].model_name}
+    return View(caller, adapters)
+
+
 async def status_json(request: web.Request) -> web.Response:
+    # No caller: no keys configured (open), or the admin key (server/http/middleware.py).
+    caller = request.get(CALLER)
+    view = None if caller is None or request.get(ADMIN) else caller_view(request.app, caller)
     return web.Response(
-        body=request.app[STATUS].body(),
+        body=request.app[STATUS].body(view),
         content_type="application/json",
         headers={"Cache-Control": "no-store"},
     )

@@ -22,7 +22,10 @@ How it stays cheap:
   draws them only when the engine has more than one rank: one rank's numbers
   are the engine's, already plotted.
 * The JSON body is built at most once per sample (orjson) and cached: many
-  browsers refreshing every second cost one build.
+  browsers refreshing every second cost one build. So is each caller's view
+  (`View`): a caller's key sees its own per-caller series and one total for
+  the rest, and only the adapters it may use (server/operations/status_page.py decides
+  who gets which).
 * Measured on the 2-core test machine (tests/unit/test_status.py): about
   50 us per sample for a busy second (200 TTFTs, 40 batches), 0.5 ms to dump
   a full 15-minute body (114 KB). The body reports the sampler's own cost.
@@ -113,6 +116,20 @@ class Sample:
     rank_queue: Mapping[str, float]  # "rank N running" / "rank N waiting"
     rank_kv_pct: Mapping[str, float]  # "rank N"
     held_pct: Mapping[str, float]  # share of the second the backlog held work, by rule
+
+
+# The keyed columns that total what a caller's view may not show by name.
+OTHER_CALLERS = "(other callers)"
+OTHER_ADAPTERS = "(other adapters)"
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """What one caller's key may see: its own name among the callers, and the
+    adapter columns it may use (None: all); the rest is summed into one column."""
+
+    caller: str
+    adapters: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +228,7 @@ class StatusSampler:
         self.marks: deque[Mark] = deque()
         self._prev: tuple[float, Snapshot] | None = None
         self._body: bytes | None = None
+        self._views: dict[View, bytes] = {}  # callers' bodies of this sample
         self._failing = False
         # Cost of sample() on the calling thread, in seconds: last and mean.
         self.cost_last = 0.0
@@ -241,6 +259,7 @@ class StatusSampler:
         while self.marks and self.marks[0].t < oldest:
             self.marks.popleft()
         self._body = None
+        self._views.clear()
         self.cost_last = time.perf_counter() - start
         self._cost_sum += self.cost_last
         self._cost_n += 1
@@ -335,19 +354,31 @@ class StatusSampler:
 
     # -- /status.json ------------------------------------------------------
 
-    def body(self) -> bytes:
-        """The JSON document the page reads, cached until the next sample."""
+    def body(self, view: View | None = None) -> bytes:
+        """The JSON document the page reads (`view`: as one caller may see it;
+        None: whole), cached until the next sample."""
+        if view is not None:
+            body = self._views.get(view)
+            if body is None:
+                body = self._views[view] = orjson.dumps(self._document(view))
+            return body
         if self._body is None:
             self._body = orjson.dumps(self._document())
         return self._body
 
-    def _document(self) -> dict[str, Any]:
+    def _document(self, view: View | None = None) -> dict[str, Any]:
         last = self._prev[1] if self._prev else None
         t = self.columns["t"]
         now = t[-1] if t and t[-1] is not None else self._wall()
         series: dict[str, Any] = {name: list(col) for name, col in self.columns.items()}
         for name, cols in self.keyed.items():
             series[name] = {key: list(col) for key, col in sorted(cols.items())}
+        if view is not None:
+            series["callers"] = _only(series["callers"], {view.caller}.__contains__, OTHER_CALLERS)
+            if view.adapters is not None:
+                series["adapters"] = _only(
+                    series["adapters"], view.adapters.__contains__, OTHER_ADAPTERS
+                )
         return {
             "info": self._info,
             "started": round(self._started, 3),
@@ -366,3 +397,19 @@ class StatusSampler:
                 "mean": round(self._cost_sum / self._cost_n * 1e6, 1) if self._cost_n else 0.0,
             },
         }
+
+
+def _only(
+    columns: dict[str, list[float | None]], shown: Callable[[str], bool], rest: str
+) -> dict[str, list[float | None]]:
+    """The columns whose key is shown, and the others summed into one column
+    (`rest`; absent when there are none). A point is None where every summed
+    column is None (no value then), else the sum of those that have one."""
+    out = {k: v for k, v in columns.items() if shown(k)}
+    hidden = [v for k, v in columns.items() if not shown(k)]
+    if hidden:
+        out[rest] = [
+            None if all(x is None for x in point) else _round(sum(x or 0.0 for x in point))
+            for point in zip(*hidden, strict=True)
+        ]
+    return out

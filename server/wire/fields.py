@@ -167,7 +167,7 @@ def get_text_parts(
         if refusals and kind == "refusal" and isinstance(part.get("refusal"), str):
             texts.append(part["refusal"])
             continue
-        if kind not in kinds:
+        if not isinstance(kind, str) or kind not in kinds:  # a list is no key of `kinds`
             raise unsupported(f"{where}.type", f"content part type {show(kind)} (only text)")
         text = part.get("text")
         if not isinstance(text, str):
@@ -176,11 +176,27 @@ def get_text_parts(
     return "\n".join(texts)
 
 
+# How deep a request body may nest objects and arrays (the body itself is level
+# 1). orjson refuses to encode past 254 levels and the parsers re-encode what
+# they accept (tool parameters, a Messages call's input, a Responses body as
+# chat), each inside a few levels of wrapping; Python's json (chat templates'
+# `tojson`) and xgrammar recurse per level too. Real clients stay far below:
+# Claude Code's opening request nests 10 levels, Codex's 9.
+MAX_DEPTH: Final = 64
+# Path segments an error names before "..." (the field, not 64 levels of it).
+_PATH_SEGMENTS = 6
+
+
 def load_object(body: bytes) -> dict[str, Any]:
+    """A request body as a JSON object within MAX_DEPTH; a 400 otherwise.
+
+    Every route's body is parsed here, so the bound holds for all APIs
+    before any field reader (or re-encode) sees the object."""
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        # orjson reports invalid UTF-8 and bad JSON alike; its text says which.
+        # orjson reports invalid UTF-8 and bad JSON alike (and nesting past
+        # its own 1,024 levels); its text says which.
         raise SluiceError(
             f"Request body is not valid JSON: {exc}", status=400, code="invalid_json"
         ) from None
@@ -190,7 +206,56 @@ def load_object(body: bytes) -> dict[str, Any]:
             status=400,
             code="invalid_json",
         )
+    # A body with fewer brackets than the bound cannot nest past it (brackets
+    # inside strings only overcount): most chat turns skip the walk.
+    if body.count(b"{") + body.count(b"[") > MAX_DEPTH:
+        check_depth(obj)
     return obj
+
+
+def check_depth(obj: dict[str, Any], limit: int = MAX_DEPTH) -> None:
+    """A 400 naming the first field that nests past `limit` levels (`obj` is level 1).
+
+    Recursive, but at most `limit` calls deep: the walk stops where the bound
+    is passed. About 30 us for Claude Code's opening request (271 containers),
+    as long as parsing it."""
+    if _fits(obj, limit - 1):
+        return
+    path = _too_deep(obj, limit - 1) or []
+    shown = "".join(path[:_PATH_SEGMENTS]).lstrip(".")
+    param = shown + ("..." if len(path) > _PATH_SEGMENTS else "")
+    raise SluiceError(
+        f"'{param}' nests objects and arrays deeper than {limit} levels "
+        f"(the limit of a request body)",
+        status=400,
+        param=param,
+        code="too_deep",
+    )
+
+
+def _fits(node: dict[str, Any] | list[Any], room: int) -> bool:
+    for v in node.values() if type(node) is dict else node:
+        if (type(v) is dict or type(v) is list) and (room == 0 or not _fits(v, room - 1)):
+            return False
+    return True
+
+
+def _too_deep(node: dict[str, Any] | list[Any], room: int) -> list[str] | None:
+    """The path (".key" and "[i]" segments) to the first container past the
+    bound, in one walk (only after `_fits` said no); None where it fits."""
+    items = node.items() if type(node) is dict else enumerate(node)
+    for k, v in items:
+        if type(v) is dict or type(v) is list:
+            step = f"[{k}]" if type(node) is list else "." + _key(str(k))
+            if room == 0:
+                return [step]
+            if (below := _too_deep(v, room - 1)) is not None:
+                return [step, *below]
+    return None
+
+
+def _key(key: str) -> str:
+    return key if len(key) <= 24 else key[:21] + "..."
 
 
 def get_model(obj: dict[str, Any]) -> str:

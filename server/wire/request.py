@@ -12,6 +12,8 @@ from typing import Any, Final, Literal
 
 import orjson
 
+from server.wire.ignored import Ignored
+
 __all__ = [
     "DEFAULTABLE",
     "ChatRequest",
@@ -24,6 +26,7 @@ __all__ = [
     "Tool",
     "ToolCall",
     "ToolChoice",
+    "merge_system",
 ]
 
 # Fields a model's generation_config may default (vLLM's --generation-config),
@@ -244,13 +247,26 @@ class Message:
         return out
 
 
+def merge_system(messages: tuple[Message, ...]) -> tuple[Message, ...]:
+    """Every system message's text appended, in order, to the first message
+    (made a system message when it is not one), joined with "" as vLLM's
+    /v1/messages merges them: for a chat template that refuses a system
+    message after the first (vLLM's probe, server/engines/vllm_adapter.py)."""
+    systems = [m for m in messages if m.role == "system"]
+    if not systems or (len(systems) == 1 and messages[0].role == "system"):
+        return messages
+    head = Message("system", "".join(m.content for m in systems))
+    return (head, *(m for m in messages if m.role != "system"))
+
+
 @dataclass(frozen=True, slots=True)
 class ChatRequest:
     """A validated /v1/chat/completions request.
 
     ``chat_template_kwargs`` is the request's object as sorted items, always
     holding the resolved ``enable_thinking`` so the template and the reasoning
-    splitter agree; ``template_kwargs()`` gives it back as a dict.
+    splitter agree; ``template_kwargs()`` gives it back as a dict. The three
+    chat-shaped APIs (chat, Responses, Messages) all build one.
     """
 
     model: str
@@ -265,6 +281,9 @@ class ChatRequest:
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = ToolChoice()
     parallel_tool_calls: bool = True
+    # What the parser accepted and ignored (server/wire/ignored.py): not
+    # part of the request's value, so not of equality or dedupe.
+    ignored: tuple[Ignored, ...] = field(default=(), compare=False)
 
     @property
     def logprobs(self) -> bool:
@@ -301,3 +320,4 @@ class CompletionRequest:
     priority: int = 0
     user: str | None = None
     echo: bool = False
+    ignored: tuple[Ignored, ...] = field(default=(), compare=False)

@@ -24,7 +24,7 @@ import orjson
 from server.wire.fields import MISSING, bad, get, show, type_name, unsupported
 from server.wire.request import Constraint
 
-__all__ = ["parse_constraint"]
+__all__ = ["json_schema", "parse_constraint"]
 
 _GUIDED: Final = {
     "guided_json": "json",
@@ -68,6 +68,12 @@ def _of_kind(kind: str, value: Any, param: str) -> Constraint:
             raise bad(param, f"'{param}' must be a non-empty array of strings")
         return Constraint("choice", choices=tuple(value), param=param)
     return Constraint(kind, _text(value, param), param=param)  # type: ignore[arg-type]
+
+
+def json_schema(value: Any, param: str) -> Constraint:
+    """A JSON schema constraint from another API's field (Anthropic's
+    ``output_config.format.schema``), checked as ``response_format``'s is."""
+    return _of_kind("json", value, param)
 
 
 def _response_format(value: Any) -> Constraint | None:

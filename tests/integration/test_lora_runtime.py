@@ -14,7 +14,6 @@ unloaded finishes on that adapter (two engine slots, four streams).
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ import httpx
 import openai
 import pytest
 
+from server.engines.demo.model import write_safetensors
 from tests.support import ROOT, SluiceProcess, metric
 
 pytestmark = pytest.mark.engine
@@ -69,10 +69,13 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     make_adapter(root / "beta", 2)
     make_adapter(root / "gamma", 3)
     make_adapter(root / "rank16", 4, "--rank", "16")
-    other = make_adapter(root / "other-base", 5)
-    config = json.loads((other / "adapter_config.json").read_text())
-    config["base_model_name_or_path"] = "Qwen/Qwen3-14B"
-    (other / "adapter_config.json").write_text(json.dumps(config))
+    # A fine-tune whose config names another base, with the demo model's shapes.
+    make_adapter(root / "other-base", 5, "--base", "Qwen/Qwen3-14B")
+    # The demo model's names, but a tensor of the wrong width.
+    misfit = make_adapter(root / "misfit", 6)
+    with (misfit / "adapter_model.safetensors").open("wb") as f:
+        a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+        write_safetensors(f, {a: ((8, 512), b"\0" * 2 * 8 * 512)})
     return root
 
 
@@ -168,7 +171,7 @@ def test_load_run_unload_then_404(server: SluiceProcess, api: openai.OpenAI, roo
     ("name", "path", "says"),
     [
         ("big", "rank16", "rank 16 is above --max-lora-rank 8"),
-        ("other", "other-base", "for base model 'Qwen/Qwen3-14B'"),
+        ("misfit", "misfit", "does not fit the base model's q_proj"),
         ("none", "no-such-dir", "is not a directory"),
         ("alpha", "beta", "has already been loaded"),
         (MODEL, "beta", "conflicts with a served base model"),
@@ -184,6 +187,20 @@ def test_a_bad_adapter_is_a_400_while_the_loaded_keep_serving(
     assert says in error["message"] and error["type"] == "invalid_request_error"
     assert complete(api, "alpha") == alpha
     assert listed(api) == before
+
+
+def test_a_base_named_otherwise_loads_when_its_shapes_fit(
+    server: SluiceProcess, api: openai.OpenAI, root: Path
+) -> None:
+    """Names do not decide (issue 28): the adapter's config says Qwen/Qwen3-14B,
+    its tensors fit the demo model, so it loads with a warning and runs."""
+    resp = load(server, "other", root / "other-base")
+    assert resp.status_code == 200, resp.text
+    assert resp.text.startswith("Success: LoRA adapter 'other' added successfully.")
+    assert "Warning" in resp.text and "'Qwen/Qwen3-14B'" in resp.text
+    assert complete(api, "other") != complete(api, MODEL)
+    assert "LoRA adapter loaded on a base named otherwise" in server.tail(100_000)
+    assert unload(server, "other").status_code == 200
 
 
 def test_a_path_outside_the_root_is_403(

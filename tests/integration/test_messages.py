@@ -20,7 +20,7 @@ import jsonschema
 import orjson
 import pytest
 
-from tests import claude_code
+from tests.agents import RECORDED
 from tests.integration.test_tools import MODEL, WEATHER
 from tests.support import SluiceProcess
 
@@ -190,35 +190,16 @@ def test_unknown_model_is_not_found(ac: anthropic.Anthropic) -> None:
         )
 
 
-def test_claude_codes_opening_request(sluice_server: SluiceProcess) -> None:
-    """Claude Code's opening request as captured (max_tokens 32000, thinking,
-    a dozen tools, cache_control, metadata.user_id, stream): it streams. The
-    demo model thinks until the context ends, so the test reads the stream's
-    start and hangs up (which also aborts the generation)."""
-    headers = {**claude_code.HEADERS, "x-api-key": "unused"}
-    seen: list[str] = []
-    with httpx.stream(
-        "POST",
-        sluice_server.base + claude_code.PATH,
-        json=claude_code.request(MODEL),
-        headers=headers,
-        timeout=120,
-    ) as resp:
-        assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if line.startswith("data: "):
-                payload = orjson.loads(line.removeprefix("data: "))
-                seen.append(payload["type"])
-                if payload["type"] == "content_block_start":
-                    assert payload["content_block"]["type"] == "thinking"
-                if seen.count("content_block_delta") >= 5:
-                    break
-    assert seen[:2] == ["message_start", "content_block_start"]
-    # Claude Code's own model name gets a 404 that says which model is missing.
+def test_claude_codes_own_model_name_is_a_404_naming_it(sluice_server: SluiceProcess) -> None:
+    """Claude Code's recorded opening request (tests/agents/recorded/) with its
+    own model name, as when ANTHROPIC_MODEL is not set: a 404 that says which
+    model is missing. The whole turn runs in test_coding_agents.py."""
+    rec = orjson.loads((RECORDED / "claude-code-2.1.332.json").read_bytes())
     unset = httpx.post(
-        sluice_server.base + claude_code.PATH,
-        json=claude_code.request("claude-opus-4-6"),
-        headers=headers,
+        sluice_server.base + rec["path"],
+        json={**rec["body"], "model": "claude-opus-4-6"},
+        headers={**rec["headers"], "x-api-key": "unused"},
+        timeout=30,
     )
     assert unset.status_code == 404
     assert unset.json()["error"]["message"].startswith("model: The model `claude-opus-4-6`")

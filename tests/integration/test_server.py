@@ -196,7 +196,9 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     ("chat", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
     ("completions", {"model": MODEL}, 400, "prompt"),
     ("chat", {**_chat(), "model": "no-such-model"}, 404, "model"),
-    ("chat", _chat(max_tokens=100_000), 400, None),
+    # A prompt that alone fills the context (a max_tokens above the room left
+    # is lowered to it instead: test_context_overflow_names_both_numbers).
+    ("completions", {"model": MODEL, "prompt": [7] * 41_000, "max_tokens": 1}, 400, "prompt"),
 ]
 
 
@@ -218,9 +220,25 @@ def test_bad_input(
 
 
 def test_context_overflow_names_both_numbers(sluice_server: SluiceProcess) -> None:
-    r = httpx.post(sluice_server.base + "/v1/chat/completions", json=_chat(max_tokens=100_000))
+    """A prompt alone over the context is a 400 naming both lengths; a
+    max_tokens above the room left is lowered to it (as vLLM does)."""
+    prompt = [7] * 41_000
+    r = httpx.post(
+        sluice_server.base + "/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "max_tokens": 1},
+        timeout=30,
+    )
+    assert r.status_code == 400, r.text
     msg = r.json()["error"]["message"]
-    assert "8192" in msg and "100000" in msg
+    assert "40960" in msg and "41000" in msg
+    r = httpx.post(
+        sluice_server.base + "/v1/completions",
+        json={"model": MODEL, "prompt": prompt[:40_955], "max_tokens": 100_000},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 5
 
 
 def test_body_too_large(sluice_server: SluiceProcess) -> None:

@@ -27,7 +27,7 @@ def test_tokenize_prompt(sluice_server: SluiceProcess, model: dict[str, str]) ->
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["count"] == len(body["tokens"]) > 0
-    assert body["max_model_len"] == 8192
+    assert body["max_model_len"] == 40960
     # The completions endpoint counts the same prompt the same.
     c = _post(
         sluice_server,

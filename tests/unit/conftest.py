@@ -1,5 +1,6 @@
-"""Fixtures for handler tests: the real app on a real loopback socket, with a
-fake engine from tests/fakes.py standing in for vLLM."""
+"""Fixtures for handler tests: the real app on a real loopback socket, run with
+the server options `sluice serve` uses, with a fake engine from tests/fakes.py
+standing in for vLLM."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from batching import CoalescerConfig
 from server.app import build_app
+from server.http.middleware import server_options
 from server.settings import Settings
 from server.state import RUNTIME, Phase
 from tests.fakes import FakeEngine
@@ -36,7 +38,11 @@ async def make_client() -> AsyncIterator[AppFactory]:
             **overrides,
         )
         app = build_app(settings, engine)
-        client: TestClient[Any, Any] = TestClient(TestServer(app, handler_cancellation=True))
+        server = TestServer(app)
+        # TestServer ignores its constructor's server arguments; start_server
+        # takes them (handler_cancellation is on there already, as in serve()).
+        await server.start_server(**server_options())
+        client: TestClient[Any, Any] = TestClient(server)
         await client.start_server()
         clients.append(client)
         if wait_ready:

@@ -8,6 +8,7 @@ import logging
 import re
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
@@ -16,9 +17,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from server.api.openai_chat.endpoint import ChatEncoder
 from server.http.callers import CallerDirectory
 from server.http.middleware import install
+from server.operations import logs
 from server.operations.metrics import Metrics
 from server.settings import Settings
 from server.state import CALLERS, METRICS, SETTINGS
+from tests.support import until
 from tests.unit.test_handlers import chat, events
 
 CHAT = "/v1/chat/completions"
@@ -185,3 +188,55 @@ async def test_no_second_answer_on_a_started_response(caplog: pytest.LogCaptureF
     assert len(tracebacks) == 1 and "handler bug" in str(tracebacks[0].exc_info[1])  # type: ignore[index]
     [line] = access_lines(caplog, "b-1")
     assert line.fields["status"] == 500 and line.levelno == logging.INFO
+
+
+async def test_a_client_gone_before_the_headers_is_a_499_without_a_traceback(
+    make_client: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race of issue 28: the client left while its stream's headers were
+    being written, before aiohttp cancelled the handler. Fault injection: the
+    connection closes just before the first write of a stream's headers."""
+    client, app, _ = await make_client(warmup=False)
+    real = web.StreamResponse.prepare
+
+    async def closing(self: web.StreamResponse, request: web.BaseRequest) -> Any:
+        if request.path == CHAT and request.transport is not None:
+            request.transport.close()
+        return await real(self, request)
+
+    monkeypatch.setattr(web.StreamResponse, "prepare", closing)
+    caplog.set_level(logging.INFO)
+    with pytest.raises(aiohttp.ClientError):
+        await client.post(CHAT, json=chat(stream=True), headers={"x-request-id": "gone"})
+    await until(lambda: bool(access_lines(caplog, "gone")), what="the access line")
+    [line] = access_lines(caplog, "gone")
+    assert (line.fields["status"], line.fields["error"]) == (499, "client went away")
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    text = app[METRICS].render().decode()
+    assert requests_total(text, "chat", "499") == 1 and requests_total(text, "chat", "500") == 0
+
+
+async def test_a_request_the_parser_refuses_gets_an_access_line_and_one_log_line(
+    make_client: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bare CR in a header is refused by aiohttp's parser before any
+    middleware runs: one access line (status 400) and one log line without a
+    traceback, both through Sluice's loggers (so in its JSON log)."""
+    client, _, _ = await make_client(warmup=False)
+    caplog.set_level(logging.DEBUG)
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Bad: a\rb\r\n\r\n")
+    await writer.drain()
+    head = await reader.read(4096)
+    writer.close()
+    assert head.split(b"\r\n", 1)[0].endswith(b" 400 Bad Request"), head
+    await until(lambda: bool(access_lines(caplog)), what="the access line")
+    [line] = access_lines(caplog)
+    assert line.fields["status"] == 400 and HEX_ID.fullmatch(line.fields["request_id"])
+    assert line.fields["error"] == "bad_http_request"
+    others = [r for r in caplog.records if r.name != "sluice.access"]
+    assert [r.name for r in others] == ["sluice.http"], [r.getMessage() for r in others]
+    [refusal] = others
+    assert refusal.exc_info is None and refusal.exc_text is None
+    assert "\n" not in refusal.getMessage() and "refused by the HTTP parser" in refusal.getMessage()
+    assert logs.JsonFormatter().format(refusal).count("\n") == 0

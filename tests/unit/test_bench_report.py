@@ -1272,3 +1272,87 @@ def test_nohold_is_sluice_without_its_held_backlog() -> None:
     ]
     assert ready_path(rp.NOHOLD) == "/ready"
     assert rp.RUNNING_METRICS[rp.NOHOLD] == rp.RUNNING_METRICS[rp.SLUICE]
+
+
+def test_front_cpu_is_the_server_process_cpu_per_completed_request() -> None:
+    jobs = [{"completed": 300.0, "failed": 1.0}, {"completed": 100.0}]
+    assert rp.front_cpu(2.0, jobs) == {"front_cpu_ms": 5.0}
+    assert rp.front_cpu(2.0, [{"completed": 0.0}]) == {}  # nothing done: no figure
+
+
+def test_process_cpu_seconds_reads_one_process_user_and_system_time() -> None:
+    import os
+
+    from bench.servers import process_cpu_seconds
+
+    t0 = time.process_time()
+    end = t0 + 0.3
+    while time.process_time() < end:  # burn 0.3 s of CPU in this process
+        pass
+    # /proc counts in clock ticks (10 ms): allow two of them either way.
+    assert process_cpu_seconds(os.getpid()) == pytest.approx(time.process_time(), abs=0.02)
+
+
+def test_issue27_front_cpu_targets() -> None:
+    from bench.scenarios import DATA_PARALLEL, dp_point
+
+    def recs(sluice_ms: float) -> list[rp.Record]:
+        out = []
+        for sc, point in ((CONCURRENCY, "c=128"), (DATA_PARALLEL, dp_point(512))):
+            for system, ms in ((rp.SLUICE, sluice_ms), (rp.VLLM, 8.0)):
+                out.append(rp.Record(sc, point, system, 1, {"front_cpu_ms": ms}))
+        return out
+
+    by = {t: (m, v) for t, m, v in tg.issue27_cpu(recs(4.0))}
+    assert by["c=128: front CPU per request <= 0.5x vLLM's server's"] == (
+        "4.00 ms/req vs 8.00 ms/req (0.50x)",
+        "met",
+    )
+    assert by[f"{dp_point(512)} (DP=2): front CPU per request <= 0.5x vLLM's server's"][1] == (
+        "met"
+    )
+    assert not any(WIDE_POINT in t for t in by)  # not run: no row
+    by = {t: (m, v) for t, m, v in tg.issue27_cpu(recs(4.8))}
+    assert by["c=128: front CPU per request <= 0.5x vLLM's server's"][1] == "MISSED"
+    assert tg.issue27_cpu([]) == []
+
+
+def test_plan_prefix_callers() -> None:
+    """Issue 28's point: the prefix burst's prompts from four callers, each with
+    its key and the same prompts (one seed), on a server of its own (its jobs
+    name callers, the other points' do not); asked for by name."""
+    from bench.scenarios import (
+        DEFAULT_SCENARIOS,
+        PREFIX,
+        PREFIX_CALLERS,
+        callers_of,
+        check_callers,
+    )
+
+    plan = build_plan([*DEFAULT_SCENARIOS, PREFIX_CALLERS], FULL, max_model_len=8192,
+                      kv_bytes_per_token=1024)  # fmt: skip
+    check_callers(plan.points)  # a server of its own: no mix of keyed and unkeyed jobs
+    (burst,) = [p for p in plan.points if p.scenario == PREFIX]
+    (point,) = [p for p in plan.points if p.scenario == PREFIX_CALLERS]
+    assert point.engine is not None and point.engine != burst.engine and point.prefix_metrics
+    assert len(callers_of([point])) == 4 and len({j.role for j in point.jobs}) == 4
+    assert {j.seed_role for j in point.jobs} == {point.jobs[0].role}
+    quarter = list(burst.jobs[0].args)
+    quarter[quarter.index("--num-prompts") + 1] = "32"
+    for j in point.jobs:
+        assert list(j.args[: len(quarter)]) == quarter
+    assert PREFIX_CALLERS in SCENARIOS and PREFIX_CALLERS not in DEFAULT_SCENARIOS
+
+
+def test_pooled_metrics_take_every_callers_requests() -> None:
+    from bench.report import RequestLog, pooled_metrics
+
+    def log(ttfts: list[float], errors: list[str]) -> RequestLog:
+        n = len(ttfts)
+        return RequestLog((0.0,) * n, (1.0,) * n, tuple(ttfts), (1,) * n, tuple(errors), ())
+
+    results = {"a": {"completed": 2, "duration_s": 2.0}, "b": {"completed": 2, "duration_s": 4.0}}
+    logs = {"a": log([0.1, 0.3], ["", ""]), "b": log([0.2, 9.0], ["", "refused"])}
+    out = pooled_metrics(results, logs)
+    assert out["req_s"] == 1.0  # 4 completions over the longest job
+    assert out["ttft_p50"] == pytest.approx(200.0)  # 100, 200, 300 ms: the refused one left out

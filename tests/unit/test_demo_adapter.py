@@ -77,3 +77,16 @@ def test_the_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit) as info:
         main(["make-demo-adapter", str(tmp_path / "z"), "--rank", "0"])
     assert info.value.code == 2
+
+
+def test_base_names_the_model_it_is_for(tmp_path: Path) -> None:
+    """--base NAME goes into base_model_name_or_path; the default is the name
+    `sluice serve` serves the demo model as (server/cli.py)."""
+    from server.cli import DEMO_MODEL_NAME
+
+    assert main(["make-demo-adapter", str(tmp_path / "d")]) == 0
+    config = json.loads((tmp_path / "d" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == DEMO_MODEL_NAME
+    assert main(["make-demo-adapter", str(tmp_path / "p"), "--base", "/srv/models/demo"]) == 0
+    config = json.loads((tmp_path / "p" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "/srv/models/demo"

@@ -236,7 +236,7 @@ def test_info_carries_the_resolved_capacity(adapter: EngineAdapter) -> None:
     info = adapter.info
     assert (info.max_num_seqs, info.max_num_batched_tokens) == (128, 2048)  # CPU, server context
     assert info.kv_cache_tokens == GPU_BLOCKS * config.cache_config.block_size
-    assert info.max_model_len == 8192
+    assert info.max_model_len == 40960
     # The prefill cap Sluice set (server/engines/step_flags.py) reaches room rule 3.
     assert info.prefill_chunk == 512 == config.scheduler_config.long_prefill_token_threshold
     assert engine_capacity(info).prefill_chunk == 512
@@ -280,3 +280,20 @@ def test_lora_request_from_an_adapter() -> None:
         "/adapters/beta",
         "fake",
     )
+
+
+def test_a_later_system_message_renders_in_place_or_merged(adapter: EngineAdapter) -> None:
+    """Claude Code sends a system message after the user's turn: Qwen3's
+    template renders it in place (the start-up probe says so); for a template
+    that refuses one, the messages are merged into the first, as vLLM does."""
+    msgs = [Message("system", "Alpha."), Message("user", "hi"), Message("system", "Beta.")]
+    kwargs = {"enable_thinking": False}
+    assert adapter._inline_system
+    inline = adapter._render_chat(msgs, kwargs)
+    assert inline.index("hi") < inline.index("<|im_start|>system\nBeta.")
+    adapter._inline_system = False
+    try:
+        merged = adapter._render_chat(msgs, kwargs)
+    finally:
+        adapter._inline_system = True
+    assert merged.startswith("<|im_start|>system\nAlpha.Beta.<|im_end|>\n<|im_start|>user\nhi")

@@ -418,13 +418,32 @@ async def test_unknown_model_404(make_client: Any, path: str) -> None:
     assert (await client.post(path, json=body)).status == 200
 
 
-async def test_context_overflow_400_names_both_numbers(make_client: Any) -> None:
+async def test_max_tokens_above_the_room_left_is_lowered_to_it(make_client: Any) -> None:
+    """As vLLM does (issue 26: Qwen Code asks for 32000 whatever the model)."""
+    client, _, _ = await make_client()
+    # Chat: 8 prompt tokens + 250 > 256: 248 are generated, the answer is cut.
+    body = await (await client.post(CHAT, json=chat(max_tokens=250))).json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 248
+    # The same on completions (a 5-token prompt).
+    body = await (await client.post(COMP, json=comp(prompt="hello", max_tokens=9000))).json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 251
+
+
+async def test_the_generation_configs_max_tokens_is_the_default(make_client: Any) -> None:
+    """vLLM's server takes a request's default max_tokens from the generation
+    config (max_new_tokens, or --override-generation-config): so does Sluice."""
+    client, _, _ = await make_client(FakeEngine(default_max_tokens=3))
+    body = await (await client.post(CHAT, json=chat(max_tokens=None))).json()
+    assert body["usage"]["completion_tokens"] == 3
+    assert body["choices"][0]["finish_reason"] == "length"
+    body = await (await client.post(CHAT, json=chat(max_tokens=7))).json()
+    assert body["usage"]["completion_tokens"] == 7
+
+
+async def test_a_prompt_over_the_context_is_a_400_naming_both_numbers(make_client: Any) -> None:
     client, _, engine = await make_client()
-    # Chat: 8 prompt tokens + 250 = 258 > 256.
-    err = await assert_error(
-        await client.post(CHAT, json=chat(max_tokens=250)), 400, code="context_length_exceeded"
-    )
-    assert "256" in err["message"] and "258" in err["message"], err
     # Completions: a 300-token prompt alone exceeds the context.
     err = await assert_error(
         await client.post(COMP, json=comp(prompt="x" * 300, max_tokens=1)),
@@ -432,9 +451,13 @@ async def test_context_overflow_400_names_both_numbers(make_client: Any) -> None
         code="context_length_exceeded",
     )
     assert "256" in err["message"] and "300" in err["message"], err
+    # Chat: a prompt of exactly the context leaves no room either.
+    long = chat(messages=[{"role": "user", "content": "x" * 250}])
+    err = await assert_error(
+        await client.post(CHAT, json=long), 400, code="context_length_exceeded"
+    )
+    assert "256" in err["message"], err
     assert real(engine.added) == []
-    # Exactly at the limit is fine.
-    assert (await client.post(CHAT, json=chat(max_tokens=248))).status == 200
 
 
 async def test_body_too_large_413(make_client: Any) -> None:
@@ -481,7 +504,7 @@ async def test_bad_requests_do_not_disturb_good_streams(make_client: Any) -> Non
         elif kind == 2:
             await assert_error(await client.post(CHAT, json=chat(model="nope")), 404)
         else:
-            await assert_error(await client.post(CHAT, json=chat(max_tokens=1000)), 400)
+            await assert_error(await client.post(CHAT, json=chat(top_p=0)), 400)
 
     alone = await good(99)
     assert alone[0].startswith("Hello world")

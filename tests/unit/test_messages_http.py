@@ -13,14 +13,10 @@ from typing import Any
 import anthropic
 import orjson
 import pytest
-from anthropic.lib.streaming._messages import accumulate_event
-from anthropic.types import RawMessageStreamEvent
-from pydantic import TypeAdapter
 
 from server.api.anthropic_messages import endpoint as messages
 from server.http.callers import parse_callers
 from server.state import RUNTIME, Phase
-from tests import claude_code
 from tests.fakes import FakeEngine
 from tests.unit.test_tools_http import AUTO_SCRIPT, PARAMS
 
@@ -221,30 +217,6 @@ async def test_stream_cut_by_disconnect_aborts_in_engine(make_client: Any) -> No
     assert [a for a in engine.aborted if not a.startswith("warmup-")]
 
 
-async def test_claude_codes_opening_request_streams(make_client: Any, tok: Any) -> None:
-    """Claude Code's opening request (tests/claude_code.py): all its fields are
-    accepted, max_tokens 32000 is lowered to the room left, and the stream is
-    one the client assembles."""
-    script = ("<think>", "look", "</think>", "Reading.")
-    engine = FakeEngine(max_model_len=8192, script=script, tokenizer=tok)
-    client, _, _ = await make_client(engine)
-    body = claude_code.request("fake")
-    resp = await client.post(
-        claude_code.PATH, json=body, headers={**claude_code.HEADERS, "x-api-key": "k"}
-    )
-    assert resp.status == 200, await resp.text()
-    snapshot = None
-    bufs: dict[int, bytes] = {}
-    for frame in (await resp.text()).split("\n\n"):
-        if frame:
-            payload = orjson.loads(frame.split("\n")[1].removeprefix("data: "))
-            event = TypeAdapter(RawMessageStreamEvent).validate_python(payload)
-            snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs=bufs)
-    assert snapshot is not None
-    assert [b.type for b in snapshot.content] == ["thinking", "text"]
-    assert snapshot.stop_reason == "end_turn"
-
-
 async def test_max_tokens_above_the_room_left_is_lowered_to_it(make_client: Any) -> None:
     client, _, engine = await make_client()  # 256 positions
     async with client_for(client) as ac:
@@ -289,3 +261,10 @@ async def test_stop_sequence_is_named_and_cut_from_the_text(make_client: Any) ->
         )
     assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == "ld END"
     assert msg.content[0].text == "Hello wor"  # type: ignore[union-attr]
+
+
+async def test_claude_codes_preconnect_is_answered(make_client: Any) -> None:
+    """Claude Code 2.1.332 sends HEAD /api/hello to its base URL as it starts."""
+    client, _, _ = await make_client()
+    assert (await client.head("/api/hello")).status == 200
+    assert (await client.get("/api/hello")).status == 200

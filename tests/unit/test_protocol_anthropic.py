@@ -26,9 +26,9 @@ from server.api.anthropic_messages.output import (
     stop_reason,
 )
 from server.api.anthropic_messages.parse import parse_messages
-from server.api.openai_chat.output import ToolCallDelta, Usage
 from server.api.openai_chat.parse import parse_chat
 from server.errors import SluiceError
+from server.wire.output import ToolCallDelta, Usage
 from server.wire.request import Limits, Message, ToolCall, ToolChoice
 
 LIMITS = Limits()
@@ -174,7 +174,7 @@ def test_count_tokens_needs_no_max_tokens() -> None:
     [
         ("max_tokens", {"max_tokens": None, "messages": HI}),
         ("messages", {"messages": []}),
-        ("messages[0].role", {"messages": [{"role": "system", "content": "x"}]}),
+        ("messages[0].role", {"messages": [{"role": "robot", "content": "x"}]}),
         # A turn's blocks are all checked to be objects before any is read.
         (
             "messages[0].content[1]",
@@ -218,8 +218,13 @@ def test_count_tokens_needs_no_max_tokens() -> None:
             },
         ),
         (
-            "tools[0].type",
-            {"messages": HI, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+            # A server tool is dropped, unless tool_choice forces it.
+            "tool_choice.name",
+            {
+                "messages": HI,
+                "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+                "tool_choice": {"type": "tool", "name": "web_search"},
+            },
         ),
         ("tools[0].input_schema", {"messages": HI, "tools": [{"name": "f"}]}),
         (
@@ -370,3 +375,92 @@ def test_stream_events_assemble_to_the_pieces(seq: list[Piece]) -> None:
     for g, w in zip(got, want, strict=True):
         assert {k: g[k] for k in w} == w
     assert msg.stop_reason == "end_turn" and msg.usage.output_tokens == 2
+
+
+# -- issue 26: what Claude Code sends today --------------------------------------
+
+
+def _fields(req: Any) -> list[tuple[str, str]]:
+    return [(i.field, i.name) for i in req.ignored]
+
+
+def test_a_system_message_in_messages_stays_where_it_is() -> None:
+    """Claude Code sends its environment as a system message after the user's
+    turn; it is a system message in place (Qwen3's template renders it so)."""
+    env = {
+        "role": "system",
+        "content": [{"type": "text", "text": "# Environment", "cache_control": {"type": "x"}}],
+    }
+    req = parse(system="Be brief.", messages=[*HI, env, {"role": "assistant", "content": "ok"}])
+    assert req.messages == (
+        Message("system", "Be brief."),
+        Message("user", "hi"),
+        Message("system", "# Environment"),
+        Message("assistant", "ok"),
+    )
+    assert ("messages[].content[].cache_control", "messages[].content[].cache_control") in (
+        _fields(req)
+    )
+
+
+@pytest.mark.parametrize("default", [True, False])
+def test_thinking_adaptive_keeps_the_servers_default(default: bool) -> None:
+    limits = Limits(default_enable_thinking=default)
+    body = {"model": "m", "max_tokens": 8, "messages": HI}
+
+    def thinking(value: Any) -> bool:
+        return parse_messages(orjson.dumps({**body, "thinking": value}), limits).enable_thinking
+
+    assert thinking({"type": "adaptive", "display": "omitted"}) is default
+    assert thinking(None) is default
+    assert thinking({"type": "enabled", "budget_tokens": 1024}) is True
+    assert thinking({"type": "disabled"}) is False
+
+
+def test_claude_codes_new_fields_are_noted_under_their_names() -> None:
+    req = parse(
+        messages=HI,
+        system=[{"type": "text", "text": "s", "cache_control": {"type": "ephemeral"}}],
+        tools=[{"name": "f", "input_schema": {}, "defer_loading": True, "kind": "new"}],
+        thinking={"type": "adaptive", "display": "omitted"},
+        context_management={"edits": []},
+        output_config={"effort": "high"},
+        brand_new={"a": 1},
+    )
+    assert sorted(_fields(req)) == sorted(
+        [
+            ("other", "brand_new"),
+            ("context_management", "context_management"),
+            ("output_config.effort", "output_config.effort"),
+            ("system[].cache_control", "system[].cache_control"),
+            ("tools[].defer_loading", "tools[].defer_loading"),
+            ("other", "tools[].kind"),
+            ("thinking.display", "thinking.display"),
+        ]
+    )
+
+
+def test_a_server_tool_is_dropped_and_tool_changes_apply() -> None:
+    f = {"name": "f", "input_schema": {}}
+    g = {"name": "g", "input_schema": {"type": "object"}}
+    change = {
+        "role": "system",
+        "content": [
+            {"type": "tool_addition", "tool": {"type": "tool_definition", "definition": g}},
+            {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "f"}},
+        ],
+    }
+    req = parse(
+        messages=[*HI, change],
+        tools=[f, {"type": "web_search_20250305", "name": "web_search"}],
+    )
+    assert [t.name for t in req.tools] == ["g"]
+    assert req.messages == (Message("user", "hi"),)
+    assert ("tools[type=web_search]", "tools[type=web_search]") in _fields(req)
+    bad = {
+        "role": "system",
+        "content": [{"type": "tool_addition", "tool": {"type": "tool_reference", "name": "nope"}}],
+    }
+    with pytest.raises(SluiceError) as info:
+        parse(messages=[*HI, bad], tools=[f])
+    assert info.value.param == "messages[1].content[0].tool.name"

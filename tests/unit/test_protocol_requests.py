@@ -438,12 +438,14 @@ def test_check_context() -> None:
     assert check_context(10, None, 100) == 90
     assert check_context(10, 90, 100) == 90
     assert check_context(10, 5, 100) == 5
-    with pytest.raises(SluiceError) as info:
-        check_context(60, 50, 100)
-    err = info.value
-    assert err.status == 400 and err.code == "context_length_exceeded"
-    assert err.message.startswith("This model's maximum context length is 100 tokens.")
-    assert "you requested 110 tokens (60 in the messages, 50 in the completion)" in err.message
-    with pytest.raises(SluiceError) as info:
-        check_context(100, None, 100, where="prompt")
-    assert "100 input tokens" in info.value.message and info.value.param == "prompt"
+    # Above the room left: lowered to it, as vLLM's get_max_tokens does.
+    assert check_context(60, 50, 100) == 40
+    assert check_context(99, 32000, 100) == 1
+    # A prompt that leaves no room is the one refusal.
+    for prompt_len in (100, 101):
+        with pytest.raises(SluiceError) as info:
+            check_context(prompt_len, 5, 100, where="prompt")
+        err = info.value
+        assert err.status == 400 and err.code == "context_length_exceeded"
+        assert err.message.startswith("This model's maximum context length is 100 tokens.")
+        assert f"{prompt_len} input tokens" in err.message and err.param == "prompt"

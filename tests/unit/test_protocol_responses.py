@@ -12,16 +12,9 @@ from hypothesis import strategies as st
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from server.api.openai_chat.output import (
-    ChatChoice,
-    CompletionChoice,
-    TokenLogprob,
-    Usage,
-    chat_completion_body,
-    completion_body,
-    models_body,
-)
+from server.api.openai_chat.output import chat_completion_body, completion_body, models_body
 from server.api.openai_chat.stream import DONE, ChatStream, CompletionStream, sse
+from server.wire.output import ChatChoice, CompletionChoice, TokenLogprob, Usage
 
 ODD_TEXTS = [
     "",

@@ -12,7 +12,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 from openai.types.responses import Response
 
-from server.api.openai_chat.output import ChatChoice, ParsedDelta, ToolCallDelta, Usage
 from server.api.openai_chat.parse import parse_chat
 from server.api.openai_responses.output import (
     ResponsesStream,
@@ -22,6 +21,7 @@ from server.api.openai_responses.output import (
 )
 from server.api.openai_responses.parse import parse_responses
 from server.errors import SluiceError
+from server.wire.output import ChatChoice, ParsedDelta, ToolCallDelta, Usage
 from server.wire.request import Limits, Message, ToolCall
 
 LIMITS = Limits(max_tokens_cap=4096)
@@ -150,10 +150,20 @@ def test_text_parts_and_refusals_join_with_a_newline() -> None:
         ({"conversation": "conv_1"}, "conversation"),
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"top_logprobs": 3}, "top_logprobs"),
-        ({"tools": [{"type": "web_search_preview"}]}, "tools[0].type"),
-        ({"tools": [{"type": "mcp", "server_label": "x"}]}, "tools[0].type"),
-        ({"tools": [{"type": "computer_use_preview"}]}, "tools[0].type"),
+        # Hosted tools are dropped (rule 2), unless tool_choice forces one.
+        (
+            {
+                "tools": [{"type": "web_search_preview"}],
+                "tool_choice": {"type": "web_search_preview"},
+            },
+            "tool_choice.type",
+        ),
+        (
+            {"tools": [{"type": "mcp", "server_label": "x"}], "tool_choice": {"type": "mcp"}},
+            "tool_choice.type",
+        ),
         ({"tool_choice": {"type": "file_search"}}, "tool_choice.type"),
+        ({"tools": [{"type": 7}]}, "tools[0].type"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_file"}]}]},
             "input[0].content[0].type",
@@ -171,8 +181,8 @@ def test_text_parts_and_refusals_join_with_a_newline() -> None:
 def test_refusals_name_the_field(kw: dict[str, Any], param: str) -> None:
     err = refused(**kw)
     assert err.param == param
-    if param.startswith("tools"):
-        assert kw["tools"][0]["type"] in err.message
+    if param == "tool_choice.type":
+        assert kw["tool_choice"]["type"] in err.message
 
 
 def test_background_false_and_ignored_fields_are_accepted() -> None:
@@ -302,3 +312,85 @@ def test_the_fast_delta_frame_is_the_reference(kind: str, text: str) -> None:
     want = stream.delta_dict(text)
     frame = stream.feed(ParsedDelta(**{kind: text}))
     assert frame == b"event: " + want["type"].encode() + b"\ndata: " + orjson.dumps(want) + b"\n\n"
+
+
+# -- issue 26: what Codex sends today ----------------------------------------------
+
+
+NAMESPACE = {
+    "type": "namespace",
+    "name": "multi_agent_v1",
+    "description": "Tools for sub-agents.",
+    "tools": [
+        {
+            "type": "function",
+            "name": "close_agent",
+            "description": "Close one.",
+            "parameters": PARAMS,
+        }
+    ],
+}
+CUSTOM = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Patch.",
+    "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"},
+}
+
+
+def test_namespace_and_custom_tools_are_offered_and_come_back_as_declared() -> None:
+    r = parse(tools=[NAMESPACE, CUSTOM, {"type": "web_search", "external_web_access": False}])
+    seen = {t.name: t for t in r.chat.tools}
+    assert list(seen) == ["multi_agent_v1__close_agent", "apply_patch"]
+    assert seen["multi_agent_v1__close_agent"].description == "Tools for sub-agents.\n\nClose one."
+    assert json.loads(seen["apply_patch"].parameters or "")["required"] == ["input"]
+    assert [(i.field, i.name) for i in r.chat.ignored] == [
+        ("tools[].format", "tools[].format"),
+        ("tools[type=web_search]", "tools[type=web_search]"),
+    ]
+    calls = (
+        ToolCall("c1", "multi_agent_v1__close_agent", '{"city":"Oslo"}'),
+        ToolCall("c2", "apply_patch", '{"input":"*** Begin Patch"}'),
+    )
+    choice = ChatChoice(0, None, "tool_calls", tool_calls=calls)
+    items = output_items("resp_1", choice, r)
+    assert [{k: v for k, v in i.items() if k not in ("id", "status")} for i in items] == [
+        {
+            "type": "function_call",
+            "call_id": "c1",
+            "name": "close_agent",
+            "namespace": "multi_agent_v1",
+            "arguments": '{"city":"Oslo"}',
+        },
+        {
+            "type": "custom_tool_call",
+            "call_id": "c2",
+            "name": "apply_patch",
+            "input": "*** Begin Patch",
+        },
+    ]
+    Response.model_validate(response_object(r, "resp_1", 0, "completed", items))
+    # Sent back as input, they render as the calls the model made.
+    back = [
+        {**items[0], "type": "function_call"},
+        {"type": "function_call_output", "call_id": "c1", "output": "closed"},
+        {k: v for k, v in items[1].items() if k != "status"},
+        {"type": "custom_tool_call_output", "call_id": "c2", "output": "done"},
+    ]
+    again = parse(tools=[NAMESPACE, CUSTOM], input=back)
+    assert again.chat.messages[0].tool_calls[0] == calls[0]
+    assert again.chat.messages[2].tool_calls[0] == calls[1]
+    assert conversation_after((), (), items)[-1].tool_calls == calls
+
+
+def test_a_streamed_custom_call_ends_with_its_input() -> None:
+    r = parse(tools=[CUSTOM], stream=True)
+    stream = ResponsesStream(r, "resp_1", 0)
+    out = stream.head()
+    out += stream.feed(ParsedDelta(tool_calls=(ToolCallDelta(0, "c2", "apply_patch", '{"in'),)))
+    out += stream.feed(ParsedDelta(tool_calls=(ToolCallDelta(0, None, None, 'put":"x"}'),)))
+    frames, final = stream.end("completed", Usage(1, 1), 0)
+    kinds = [json.loads(f.split(b"data: ")[1])["type"] for f in (out + frames).split(b"\n\n") if f]
+    assert "response.custom_tool_call_input.done" in kinds
+    assert final["output"][-1]["type"] == "custom_tool_call"
+    assert final["output"][-1]["input"] == "x"

@@ -9,10 +9,11 @@ from typing import Any
 import orjson
 import pytest
 
-from server.api.openai_chat.output import ChatChoice, ToolCallDelta, Usage, chat_completion_body
+from server.api.openai_chat.output import chat_completion_body
 from server.api.openai_chat.parse import parse_chat, parse_completion
 from server.api.openai_chat.stream import ChatStream, sse
 from server.errors import SluiceError
+from server.wire.output import ChatChoice, ToolCallDelta, Usage
 from server.wire.request import ChatRequest, Constraint, Limits, Message, Tool, ToolCall, ToolChoice
 
 USER = [{"role": "user", "content": "hi"}]

@@ -184,8 +184,10 @@ async def test_store_get_delete_and_owner(make_client: Any) -> None:
     ("extra", "param"),
     [
         ({"background": True}, "background"),
-        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-        ({"tools": [{"type": "file_search", "vector_store_ids": []}]}, "tools[0].type"),
+        (
+            {"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}},
+            "tool_choice.type",
+        ),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, None),
         ({"previous_response_id": "resp_gone"}, "previous_response_id"),
         ({"input": "x" * 400}, "input"),  # over the fake's 256-token context

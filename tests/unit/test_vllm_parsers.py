@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from server.api.openai_chat.output import Parsed, ParsedDelta
 from server.api.openai_chat.parse import parse_chat
 from server.api.openai_chat.stream import ChatStream
 from server.engines.reasoning_split import split_reasoning
@@ -37,6 +36,7 @@ from server.engines.vllm_parsers import (
     tool_parsers,
 )
 from server.errors import SluiceError
+from server.wire.output import Parsed, ParsedDelta
 from server.wire.request import ChatRequest, Limits
 
 WEATHER = {

@@ -29,12 +29,12 @@ from server.api.anthropic_messages.output import (
 )
 from server.api.anthropic_messages.parse import parse_messages
 from server.api.openai_chat.endpoint import chat_job, check_model, read_body
-from server.api.openai_chat.output import TokenLogprob, Usage
 from server.engines.interface import ChatParser, ChoiceParser, CompletionDelta
 from server.engines.reasoning_split import ReasoningSplitter, split_reasoning
 from server.errors import SluiceError
 from server.http.pipeline import Encoder, Job, Trace, check_accepting, json_response
 from server.state import ENGINE, RUNTIME
+from server.wire.output import TokenLogprob, Usage
 from server.wire.request import ChatRequest
 
 __all__ = ["PING_IDLE_S", "MessagesEncoder", "count_tokens", "prepare_messages"]
@@ -47,7 +47,7 @@ PING_IDLE_S: Final = 5.0
 
 async def prepare_messages(request: web.Request, tr: Trace) -> tuple[Job, Encoder[MessagesChoice]]:
     req = parse_messages(await read_body(request), request.app[RUNTIME].limits)
-    cj = await chat_job(request, req, fit_context=True)
+    cj = await chat_job(request, req, "messages")
     return cj.job, MessagesEncoder(req, tr.rid, cj.parser, cj.prompt_ids)
 
 

@@ -21,8 +21,8 @@ from typing import Any, Final, Literal
 
 import orjson
 
-from server.api.openai_chat.output import ToolCallDelta, Usage
 from server.errors import SluiceError
+from server.wire.output import ToolCallDelta, Usage
 from server.wire.request import ToolCall
 
 __all__ = [

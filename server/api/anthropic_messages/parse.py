@@ -6,31 +6,45 @@ so they are tested on their own (tests/unit/test_protocol_anthropic.py).
 
 Request (shapes as the `anthropic` client's types and vLLM 0.32's
 entrypoints/anthropic/serving.py read them, so a prompt renders to the same
-tokens as through vLLM's server):
+tokens as through vLLM's server). What is accepted and ignored follows
+server/wire/ignored.py's rule (listed there, and in the README's "Coding
+agents" section):
 
-1. ``system``: a string or text blocks, joined with "" as vLLM does;
-   ``cache_control`` is accepted and ignored; a block that is Claude Code's
-   ``x-anthropic-billing-header`` is dropped, as vLLM does (it changes per
-   request and would defeat the prefix cache).
-2. ``messages``: user / assistant turns; content a string or blocks. Text
-   blocks of one turn are joined with "\\n" (vLLM's string content format);
-   a user turn's ``tool_result`` blocks become tool messages, in order,
-   before the turn's text; an assistant's ``tool_use`` blocks become its tool
-   calls and its ``thinking`` blocks its reasoning; ``redacted_thinking`` is
-   dropped. ``image``, ``document`` and any other block: a 400 naming it.
+1. ``system``: a string or text blocks, joined with "" as vLLM does; a block
+   that is Claude Code's ``x-anthropic-billing-header`` is dropped, as vLLM
+   does (it changes per request and would defeat the prefix cache).
+2. ``messages``: user / assistant turns, and ``system`` messages anywhere
+   (Claude Code sends its environment as one after the user's turn): each
+   stays where it is, a system message for the chat template, which renders
+   it in place (Qwen3's template does; for a template that refuses a system
+   message after the first, the engine adapter merges them into the first,
+   as vLLM does, see server/engines/vllm_adapter.py). Content a string or blocks. Text
+   blocks of one turn are joined with "\\n" (vLLM's string content format); a
+   user turn's ``tool_result`` blocks become tool messages, in order, before
+   the turn's text; an assistant's ``tool_use`` blocks become its tool calls
+   and its ``thinking`` blocks its reasoning; ``redacted_thinking`` is
+   dropped. A system message's ``tool_addition`` / ``tool_removal`` blocks
+   change ``tools`` as vLLM applies them: the tools in effect at the end of
+   the conversation are offered. ``image``, ``document`` and any other
+   block: a 400 naming it (dropping it would change the answer).
 3. ``max_tokens`` is required (except for count_tokens), as in Anthropic's API,
    and is a ceiling: the server's cap and the context's room lower it
    (Claude Code sends 32000 whatever the model) instead of a 400.
-4. ``thinking``: ``enabled`` / ``adaptive`` turn Qwen3's thinking on,
-   ``disabled`` off, absent keeps the server default; ``budget_tokens`` is
-   accepted and ignored (the template has a switch, not a budget).
+4. ``thinking``: ``enabled`` turns Qwen3's thinking on, ``disabled`` off;
+   ``adaptive`` (the model decides) and absent keep the server's default;
+   ``budget_tokens`` and ``display`` are accepted and ignored (the template
+   has a switch, not a budget; thinking goes back whole).
 5. ``tool_choice``: auto, any (-> required), tool (-> that function), none;
-   ``disable_parallel_tool_use`` -> parallel_tool_calls false.
+   ``disable_parallel_tool_use`` -> parallel_tool_calls false. Tools of
+   Anthropic's server types (``web_search_20250305``, ``bash_...``) are
+   dropped from what the model sees, unless ``tool_choice`` names one: a 400.
 6. ``metadata.user_id`` names the caller where OpenAI's ``user`` does.
 7. ``mcp_servers`` and ``container`` ask for things Sluice does not run: 400.
 8. ``ignore_eos``, vLLM's extension, is honoured as on chat and Responses (the
    benchmark point runs all three APIs to the same length with it; vLLM's own
    /v1/messages drops it).
+9. ``output_config.format`` (a JSON schema) constrains the answer, as
+   ``response_format`` does on chat; ``output_config.effort`` is ignored.
 
 Bodies and stream events going back: server/api/anthropic_messages/output.py.
 """
@@ -59,20 +73,53 @@ from server.wire.fields import (
     type_name,
     unsupported,
 )
+from server.wire.ignored import Notes
 from server.wire.request import (
     ChatRequest,
+    Constraint,
     Limits,
     Message,
     Tool,
     ToolCall,
     ToolChoice,
 )
+from server.wire.structured import json_schema
 
 __all__ = ["parse_messages"]
 
 _BILLING: Final = "x-anthropic-billing-header"
 # Fields whose meaning Sluice cannot honour (servers it would have to run).
 _REFUSED: Final = ("mcp_servers", "container")
+# Top-level fields read here; any other is noted as ignored (rule 2).
+_HONOURED: Final = frozenset(
+    {
+        "model",
+        "messages",
+        "system",
+        "max_tokens",
+        "tools",
+        "tool_choice",
+        "thinking",
+        "temperature",
+        "top_p",
+        "top_k",
+        "ignore_eos",
+        "stop_sequences",
+        "stream",
+        "metadata",
+        "output_config",
+        *_REFUSED,
+    }
+)
+# Each block type's own keys; any other is noted as ignored.
+_BLOCK_KEYS: Final = {
+    "text": frozenset({"type", "text"}),
+    "tool_use": frozenset({"type", "id", "name", "input"}),
+    "tool_result": frozenset({"type", "tool_use_id", "content", "is_error"}),
+    "thinking": frozenset({"type", "thinking", "signature"}),
+    "redacted_thinking": frozenset({"type", "data"}),
+}
+_TOOL_KEYS: Final = frozenset({"type", "name", "description", "input_schema"})
 
 
 # ---------------------------------------------------------------------------
@@ -94,22 +141,37 @@ def _text(block: dict[str, Any], where: str) -> str:
     return text
 
 
-def _system(obj: dict[str, Any]) -> tuple[Message, ...]:
-    value = get(obj, "system")
-    if value is MISSING:
-        return ()
+def _system_text(
+    value: Any, param: str, label: str, notes: Notes, changes: list[tuple[str, Any, str]] | None
+) -> str:
+    """A system prompt's text blocks joined with "" (as vLLM joins them),
+    without Claude Code's billing header. A system message's tool changes go
+    to ``changes`` (None: the top-level ``system``, which takes none)."""
     parts = []
-    for j, block in enumerate(_blocks(value, "system")):
-        where = f"system[{j}]"
-        if block.get("type") != "text":
-            raise unsupported(f"{where}.type", f"system block type {show(block.get('type'))}")
+    for j, block in enumerate(_blocks(value, param)):
+        where = f"{param}[{j}]"
+        kind = block.get("type")
+        if kind in ("tool_addition", "tool_removal") and changes is not None:
+            changes.append((kind, block.get("tool"), where))
+            continue
+        if kind != "text":
+            raise unsupported(f"{where}.type", f"system block type {show(kind)}")
+        notes.extra_keys(block, _BLOCK_KEYS["text"], f"{label}.")
         text = _text(block, where)
         if not text.startswith(_BILLING):
             parts.append(text)
-    return (Message("system", "".join(parts)),) if parts else ()
+    return "".join(parts)
 
 
-def _tool_result(block: dict[str, Any], where: str) -> Message:
+def _system(obj: dict[str, Any], notes: Notes) -> tuple[Message, ...]:
+    value = get(obj, "system")
+    if value is MISSING:
+        return ()
+    text = _system_text(value, "system", "system[]", notes, None)
+    return (Message("system", text),) if text else ()
+
+
+def _tool_result(block: dict[str, Any], where: str, notes: Notes) -> Message:
     call_id = block.get("tool_use_id")
     if not isinstance(call_id, str) or not call_id:
         raise bad(f"{where}.tool_use_id", f"'{where}.tool_use_id' must be a non-empty string")
@@ -119,10 +181,15 @@ def _tool_result(block: dict[str, Any], where: str) -> Message:
     if content is not MISSING:
         for k, part in enumerate(_blocks(content, f"{where}.content")):
             at = f"{where}.content[{k}]"
-            if part.get("type") != "text":
-                raise unsupported(
-                    f"{at}.type", f"tool_result content type {show(part.get('type'))}"
-                )
+            kind = part.get("type")
+            if kind == "tool_reference":
+                # A tool search's answer: the tool it names is already shown
+                # to the model (defer_loading is ignored), so nothing to add.
+                notes.note("tool_result.content[type=tool_reference]")
+                continue
+            if kind != "text":
+                raise unsupported(f"{at}.type", f"tool_result content type {show(kind)}")
+            notes.extra_keys(part, _BLOCK_KEYS["text"], "messages[].content[].")
             texts.append(_text(part, at))
     return Message("tool", "\n".join(texts), tool_call_id=call_id)
 
@@ -142,15 +209,25 @@ def _tool_use(block: dict[str, Any], where: str) -> ToolCall:
     return ToolCall(call_id, name, orjson.dumps(args).decode())
 
 
-def _turn(msg: Any, where: str) -> list[Message]:
-    """One Anthropic turn as chat messages (a user turn may yield tool messages)."""
+def _turn(msg: Any, where: str, notes: Notes, changes: list[tuple[str, Any, str]]) -> list[Message]:
+    """One Anthropic turn as chat messages (a user turn may yield tool messages;
+    a system message's tool changes go to ``changes``)."""
     if not isinstance(msg, dict):
         raise bad(where, f"'{where}' must be an object")
     role = msg.get("role")
-    if role not in ("user", "assistant"):
-        raise bad(f"{where}.role", f"'{where}.role' must be user or assistant; got {show(role)}")
+    if role not in ("user", "assistant", "system"):
+        raise bad(
+            f"{where}.role",
+            f"'{where}.role' must be user, assistant or system; got {show(role)}",
+        )
     if "content" not in msg:
         raise bad(f"{where}.content", f"'{where}.content' is required")
+    notes.extra_keys(msg, ("role", "content"), "messages[].")
+    if role == "system":
+        text = _system_text(
+            msg["content"], f"{where}.content", "messages[].content[]", notes, changes
+        )
+        return [Message("system", text)] if text else []
     out: list[Message] = []
     texts: list[str] = []
     thoughts: list[str] = []
@@ -158,11 +235,13 @@ def _turn(msg: Any, where: str) -> list[Message]:
     for j, block in enumerate(_blocks(msg["content"], f"{where}.content")):
         at = f"{where}.content[{j}]"
         kind = block.get("type")
+        if isinstance(kind, str) and kind in _BLOCK_KEYS:
+            notes.extra_keys(block, _BLOCK_KEYS[kind], "messages[].content[].")
         if kind == "text":
             if text := _text(block, at):
                 texts.append(text)
         elif kind == "tool_result" and role == "user":
-            out.append(_tool_result(block, at))
+            out.append(_tool_result(block, at, notes))
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_use(block, at))
         elif kind == "thinking" and role == "assistant":
@@ -190,46 +269,106 @@ def _turn(msg: Any, where: str) -> list[Message]:
     return out
 
 
-def _messages(obj: dict[str, Any]) -> tuple[Message, ...]:
+def _messages(
+    obj: dict[str, Any], notes: Notes, changes: list[tuple[str, Any, str]]
+) -> tuple[Message, ...]:
     value = get(obj, "messages")
     if not isinstance(value, list) or not value:
         raise bad("messages", "'messages' is required and must be a non-empty array")
-    out = list(_system(obj))
+    out = list(_system(obj, notes))
     for i, msg in enumerate(value):
-        out.extend(_turn(msg, f"messages[{i}]"))
+        out.extend(_turn(msg, f"messages[{i}]", notes, changes))
     return tuple(out)
 
 
-def _tools(obj: dict[str, Any]) -> tuple[Tool, ...]:
+def _tool(item: dict[str, Any], where: str, notes: Notes) -> Tool:
+    name = item.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad(f"{where}.name", f"'{where}.name' must be a non-empty string")
+    schema = item.get("input_schema")
+    if not isinstance(schema, dict):
+        raise bad(f"{where}.input_schema", f"'{where}.input_schema' must be a JSON schema object")
+    notes.extra_keys(item, _TOOL_KEYS, "tools[].")
+    description = get_str(item, "description", param=f"{where}.description")
+    return Tool(name, orjson.dumps(schema).decode(), description)
+
+
+def _server_tool(kind: str) -> str:
+    """An Anthropic server tool's type without its version date:
+    ``web_search_20250305`` -> ``web_search``."""
+    head, _, date = kind.rpartition("_")
+    return head if head and date.isdigit() else kind
+
+
+def _tools(obj: dict[str, Any], notes: Notes) -> tuple[tuple[Tool, ...], set[str]]:
+    """The client's tools, and the names of the server tools left out."""
     value = get(obj, "tools")
     if value is MISSING:
-        return ()
+        return (), set()
     if not isinstance(value, list):
         raise bad("tools", f"'tools' must be an array, got {type_name(value)}")
     tools: list[Tool] = []
     seen: set[str] = set()
+    dropped: set[str] = set()
     for where, item in objects(value, "tools"):
         kind = item.get("type", "custom")
         if kind not in ("custom", None):
-            # Anthropic's server tools (web_search_..., bash_..., code_execution_...).
-            raise unsupported(f"{where}.type", f"tool type {show(kind)} (only custom tools)")
-        name = item.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad(f"{where}.name", f"'{where}.name' must be a non-empty string")
-        if name in seen:
-            raise bad(f"{where}.name", f"'tools' names tool {show(name)} twice")
-        seen.add(name)
-        schema = item.get("input_schema")
-        if not isinstance(schema, dict):
-            raise bad(
-                f"{where}.input_schema", f"'{where}.input_schema' must be a JSON schema object"
-            )
-        description = get_str(item, "description", param=f"{where}.description")
-        tools.append(Tool(name, orjson.dumps(schema).decode(), description))
-    return tuple(tools)
+            # Anthropic's server tools (web_search_..., bash_..., code_execution_...):
+            # run by Anthropic or shaped by its training, not offered here.
+            if not isinstance(kind, str):
+                raise bad(f"{where}.type", f"'{where}.type' must be a string")
+            notes.note(f"tools[type={_server_tool(kind)}]")
+            if isinstance(item.get("name"), str):
+                dropped.add(item["name"])
+            continue
+        tool = _tool(item, where, notes)
+        if tool.name in seen:
+            raise bad(f"{where}.name", f"'tools' names tool {show(tool.name)} twice")
+        seen.add(tool.name)
+        tools.append(tool)
+    return tuple(tools), dropped
 
 
-def _tool_choice(obj: dict[str, Any], tools: Sequence[Tool]) -> tuple[ToolChoice, bool]:
+def _tool_changes(
+    tools: tuple[Tool, ...], changes: list[tuple[str, Any, str]], notes: Notes
+) -> tuple[Tool, ...]:
+    """``tools`` after the system messages' tool_addition / tool_removal blocks,
+    in order, as vLLM applies them (its ``_resolve_tools``): a tool given by
+    definition is declared, one given by reference must be in ``tools``, a
+    removed one is left out."""
+    if not changes:
+        return tools
+    by_name = {t.name: t for t in tools}
+    removed: set[str] = set()
+    for kind, change, where in changes:
+        if not isinstance(change, dict):
+            raise bad(f"{where}.tool", f"'{where}.tool' must be an object")
+        if change.get("type") == "tool_reference":
+            name = change.get("name") or change.get("tool_name")
+            if name not in by_name:
+                raise bad(
+                    f"{where}.tool.name",
+                    f"'{where}.tool' names tool {show(name)}, which is not in 'tools'",
+                )
+        else:
+            definition = change.get("definition", change)
+            if not isinstance(definition, dict):
+                raise bad(
+                    f"{where}.tool.definition", f"'{where}.tool.definition' must be an object"
+                )
+            tool = _tool(definition, f"{where}.tool.definition", notes)
+            name = tool.name
+            by_name[name] = tool
+        if kind == "tool_removal":
+            removed.add(name)
+        else:
+            removed.discard(name)
+    return tuple(t for n, t in by_name.items() if n not in removed)
+
+
+def _tool_choice(
+    obj: dict[str, Any], tools: Sequence[Tool], dropped: set[str]
+) -> tuple[ToolChoice, bool]:
     value = get(obj, "tool_choice")
     if value is MISSING:
         return ToolChoice("auto" if tools else "none"), True
@@ -239,6 +378,9 @@ def _tool_choice(obj: dict[str, Any], tools: Sequence[Tool]) -> tuple[ToolChoice
         value, "disable_parallel_tool_use", False, param="tool_choice.disable_parallel_tool_use"
     )
     kind = value.get("type")
+    name = value.get("name")
+    if kind == "tool" and isinstance(name, str) and name in dropped:
+        raise unsupported("tool_choice.name", f"forcing the server tool {show(name)}")
     if kind == "none" or (kind == "auto" and not tools):
         return ToolChoice("none"), parallel
     if kind == "auto":
@@ -248,7 +390,6 @@ def _tool_choice(obj: dict[str, Any], tools: Sequence[Tool]) -> tuple[ToolChoice
     if kind == "any":
         return ToolChoice("required"), parallel
     if kind == "tool":
-        name = value.get("name")
         if name not in {t.name for t in tools}:
             raise bad("tool_choice.name", f"'tool_choice.name' {show(name)} is not in 'tools'")
         return ToolChoice("function", name), parallel
@@ -257,14 +398,17 @@ def _tool_choice(obj: dict[str, Any], tools: Sequence[Tool]) -> tuple[ToolChoice
     )
 
 
-def _thinking(obj: dict[str, Any], default: bool) -> bool:
+def _thinking(obj: dict[str, Any], default: bool, notes: Notes) -> bool:
     value = get(obj, "thinking")
     if value is MISSING:
         return default
     kind = value.get("type") if isinstance(value, dict) else None
+    if isinstance(value, dict) and value.get("display") is not None:
+        notes.note("thinking.display")
     if kind in ("enabled", "adaptive"):
         get_int(value, "budget_tokens", None, lo=0)  # checked, then ignored
-        return True
+        # adaptive: "the model decides" -- here the server's default decides.
+        return True if kind == "enabled" else default
     if kind == "disabled":
         return False
     raise bad(
@@ -301,6 +445,22 @@ def _max_tokens(obj: dict[str, Any], limits: Limits, required: bool) -> int | No
     return limits.default_max_tokens
 
 
+def _output_config(obj: dict[str, Any], notes: Notes) -> Constraint | None:
+    """``output_config.format`` as a JSON schema constraint; ``effort`` ignored."""
+    value = get(obj, "output_config")
+    if value is MISSING:
+        return None
+    if not isinstance(value, dict):
+        raise bad("output_config", f"'output_config' must be an object, got {type_name(value)}")
+    notes.extra_keys(value, ("format",), "output_config.")
+    fmt = get(value, "format")
+    if fmt is MISSING:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise bad("output_config.format", "'output_config.format' must be a json_schema format")
+    return json_schema(fmt.get("schema"), "output_config.format.schema")
+
+
 def _user(obj: dict[str, Any]) -> str | None:
     meta = get(obj, "metadata")
     if meta is MISSING:
@@ -318,10 +478,15 @@ def parse_messages(body: bytes, limits: Limits, *, count_only: bool = False) -> 
     for key in _REFUSED:
         if get(obj, key) is not MISSING:
             raise unsupported(key, f"'{key}'")
-    messages = _messages(obj)
-    tools = _tools(obj)
-    tool_choice, parallel = _tool_choice(obj, tools)
-    thinking = _thinking(obj, limits.default_enable_thinking)
+    notes = Notes("messages")
+    notes.extra_keys(obj, _HONOURED)
+    changes: list[tuple[str, Any, str]] = []
+    messages = _messages(obj, notes, changes)
+    tools, dropped = _tools(obj, notes)
+    tools = _tool_changes(tools, changes, notes)
+    tool_choice, parallel = _tool_choice(obj, tools, dropped)
+    thinking = _thinking(obj, limits.default_enable_thinking, notes)
+    constraint = _output_config(obj, notes)
     max_tokens = _max_tokens(obj, limits, required=not count_only)
     # OpenAI's sampling reader on the fields both APIs share (same names and
     # ranges; Anthropic's temperature stops at 1, Sluice accepts vLLM's 2),
@@ -338,6 +503,7 @@ def parse_messages(body: bytes, limits: Limits, *, count_only: bool = False) -> 
         _sampling(shared, limits, max_tokens, None),
         stop=stop,
         include_stop_str_in_output=bool(stop) and not stream,
+        constraint=constraint,
     )
     return ChatRequest(
         model=model,
@@ -350,4 +516,5 @@ def parse_messages(body: bytes, limits: Limits, *, count_only: bool = False) -> 
         tools=tools,
         tool_choice=tool_choice,
         parallel_tool_calls=parallel,
+        ignored=notes.done(),
     )

@@ -22,11 +22,13 @@ Rules:
    200 with its plain-text "Success: ..." line; 400 for a missing field, a
    name that is the base model's, or one already loaded without load_inplace;
    404 for unloading a name not loaded. Errors in the OpenAI shape.
-4. A load is checked before the engine reads it (server/engines/lora.py rules 5-7:
-   the path under --lora-root or 403; the directory, its rank, its base model
-   and its tensor shapes or 400 naming the cause), then loaded into the engine
-   (vLLM's own errors are a 400 too), and only then registered: a refused
-   load changes nothing, and the adapters already loaded keep serving.
+4. A load is checked before the engine reads it (server/engines/lora.py rules 5-8:
+   the path and every adapter file in it under --lora-root or 403; a path the
+   OS refuses, the directory, its rank or its tensor shapes wrong: 400 naming
+   the cause), then loaded into the engine (vLLM's own errors are a 400 too),
+   and only then registered: a refused load changes nothing, and the adapters
+   already loaded keep serving. A config naming another base model is loaded
+   when its shapes fit, with a warning in the log and in the success text.
 5. Unloading finishes the work already admitted on the adapter: the name
    leaves the registry at once (new requests get 404, /v1/models drops it),
    while requests queued in Sluice's backlog or running in the engine carry
@@ -41,7 +43,6 @@ Rules:
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ from aiohttp import web
 
 from server.engines.lora import Adapter, adapter_rank, check_base, under_root
 from server.errors import SluiceError
+from server.http.callers import bearer_token, same_key
 from server.state import ADAPTERS, CALLERS, ENGINE, METRICS, RESULTS, SETTINGS
 from server.wire.fields import load_object
 
@@ -66,10 +68,8 @@ _LOCK = web.AppKey("lora_admin_lock", asyncio.Lock)  # rule 6
 
 def check_admin(request: web.Request) -> None:
     """Rule 2: return if the request carries the admin key, else 401 or 403."""
-    key = request.app[SETTINGS].admin_key
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    token = token.strip() if scheme.lower() == "bearer" else ""
-    if key and token and hmac.compare_digest(token.encode(), key.encode()):
+    token = bearer_token(request.headers.get("Authorization", ""))
+    if same_key(token, request.app[SETTINGS].admin_key):
         return
     request.app[METRICS].rejections.labels("auth").inc()
     callers = request.app[CALLERS]
@@ -119,7 +119,6 @@ async def load(request: web.Request) -> web.Response:
             f"The lora adapter '{name}' conflicts with a served base model.", param="lora_name"
         )
     assert settings.lora_root is not None  # the CLI's check (rule 1)
-    directory = under_root(settings.lora_root, path)
     async with app[_LOCK]:
         old = registry.get(name)
         if old is not None and not inplace:
@@ -129,15 +128,19 @@ async def load(request: web.Request) -> web.Response:
                 param="lora_name",
             )
         try:
-            await asyncio.to_thread(
+            directory, other_base = await asyncio.to_thread(
                 _check_dir,
-                directory,
+                settings.lora_root,
+                path,
                 settings.max_lora_rank,
                 (settings.model_name, settings.model_path),
             )
-        except ValueError as exc:
+        except (OSError, ValueError) as exc:
+            # ValueError: a cause named by server/engines/lora.py, or a path the OS
+            # refuses (a NUL byte); OSError: a name too long, no permission.
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise SluiceError(
-                f"LoRA adapter {name!r}: {exc}", param="lora_path", code="invalid_adapter"
+                f"LoRA adapter {name!r}: {why}", param="lora_path", code="invalid_adapter"
             ) from None
         # Parent: the served name, as for a static adapter without base_model_name.
         adapter = Adapter(name, str(directory), registry.next_id(), registry.base)
@@ -154,19 +157,35 @@ async def load(request: web.Request) -> web.Response:
             registry.remove(name)
             app[RESULTS].clear()
         registry.add(adapter)
-    log.info(
-        "LoRA adapter loaded",
-        extra={"fields": {"adapter": name, "path": adapter.path, "id": adapter.id}},
-    )
-    return _success(f"Success: LoRA adapter '{name}' added successfully.")
+    fields = {"adapter": name, "path": adapter.path, "id": adapter.id}
+    log.info("LoRA adapter loaded", extra={"fields": fields})
+    text = f"Success: LoRA adapter '{name}' added successfully."
+    if other_base is not None:
+        # Rule 4: its shapes fit (the engine's check passed); only the name differs.
+        served = ", ".join(sorted({settings.model_name, settings.model_path} - {""}))
+        warning = (
+            f"its adapter_config.json names base model {other_base!r}, not the one "
+            f"served ({served}); loaded because its tensor shapes fit"
+        )
+        log.warning(
+            "LoRA adapter loaded on a base named otherwise: %s",
+            warning,
+            extra={"fields": {**fields, "base_model_name_or_path": other_base}},
+        )
+        text += f" Warning: {warning}."
+    return _success(text)
 
 
-def _check_dir(directory: Path, max_rank: int, base_names: tuple[str, str]) -> None:
-    """server/engines/lora.py rules 5-6 for a runtime load (blocking: on a thread)."""
+def _check_dir(
+    root: Path, path: str, max_rank: int, base_names: tuple[str, str]
+) -> tuple[Path, str | None]:
+    """server/engines/lora.py rules 5-6 for a runtime load (blocking: on a thread): the
+    directory resolved under the root, and the other base its config names, if any."""
+    directory = under_root(root, path)
     rank = adapter_rank(directory)
     if rank > max_rank:
         raise ValueError(f"rank {rank} is above --max-lora-rank {max_rank}")
-    check_base(directory, base_names)
+    return directory, check_base(directory, base_names)
 
 
 async def unload(request: web.Request) -> web.Response:

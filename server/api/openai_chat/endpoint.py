@@ -16,15 +16,7 @@ from typing import Final
 
 from aiohttp import web
 
-from server.api.openai_chat.output import (
-    ChatChoice,
-    CompletionChoice,
-    FinishReason,
-    TokenLogprob,
-    Usage,
-    chat_completion_body,
-    completion_body,
-)
+from server.api.openai_chat.output import chat_completion_body, completion_body
 from server.api.openai_chat.parse import check_context, parse_chat, parse_completion
 from server.api.openai_chat.stream import DONE, ChatStream, CompletionStream, sse
 from server.engines.interface import ChatParser, ChoiceParser, CompletionDelta
@@ -32,7 +24,9 @@ from server.engines.lora import Adapter, choose
 from server.engines.reasoning_split import ReasoningSplitter, split_reasoning
 from server.errors import SluiceError
 from server.http.pipeline import Encoder, Job, Trace, logprobs
-from server.state import ADAPTERS, CALLER, CALLERS, ENGINE, RUNTIME, SETTINGS
+from server.state import ADAPTERS, CALLER, CALLERS, ENGINE, METRICS, RUNTIME, SETTINGS
+from server.wire.ignored import Api
+from server.wire.output import ChatChoice, CompletionChoice, FinishReason, TokenLogprob, Usage
 from server.wire.request import ChatRequest, CompletionRequest
 
 __all__ = [
@@ -92,7 +86,7 @@ def _finish_reason(reason: str | None) -> FinishReason:
 
 async def prepare_chat(request: web.Request, tr: Trace) -> tuple[Job, Encoder[ChatChoice]]:
     req = parse_chat(await read_body(request), request.app[RUNTIME].limits)
-    cj = await chat_job(request, req)
+    cj = await chat_job(request, req, "chat")
     return cj.job, ChatEncoder(
         req, tr.rid, request.app[ENGINE].detokenize, cj.parser, cj.prompt_ids
     )
@@ -111,15 +105,14 @@ class ChatJob:
     prompt_ids: tuple[int, ...]
 
 
-async def chat_job(request: web.Request, req: ChatRequest, *, fit_context: bool = False) -> ChatJob:
+async def chat_job(request: web.Request, req: ChatRequest, api: Api) -> ChatJob:
     """The steps every chat-shaped API shares once its body is a ChatRequest:
-    the model check, the tool parser, the constraint check, rendering and
-    tokenizing through the engine's chat template, and the context check.
-    OpenAI chat, Anthropic Messages and OpenAI Responses all come through here.
-
-    `fit_context`: max_tokens is a ceiling that the room left in the context
-    lowers instead of a 400 (Anthropic's reading: Claude Code asks for 32000
-    whatever the model); the prompt itself must still fit."""
+    what its parser ignored recorded (server/operations/ignored_log.py), the model
+    check, the tool parser, the constraint check, rendering and tokenizing
+    through the engine's chat template, and the context check, which lowers
+    max_tokens to the room the prompt leaves (check_context). OpenAI chat,
+    Anthropic Messages and OpenAI Responses all come through here."""
+    request.app[METRICS].ignored.record(api, req.ignored)
     adapter = check_model(request, req.model)
     engine = request.app[ENGINE]
     # With tools, vLLM's parsers read the output (calls and the thinking
@@ -134,10 +127,7 @@ async def chat_job(request: web.Request, req: ChatRequest, *, fit_context: bool 
     if sampling.constraint is not None:
         await engine.check_constraint(sampling.constraint)
     ids = (await engine.tokenize_chat([(req.messages, req.template_kwargs())]))[0]
-    limit = sampling.max_tokens
-    if fit_context and limit is not None:
-        limit = min(limit, max(1, engine.info.max_model_len - len(ids)))
-    max_tokens = check_context(len(ids), limit, engine.info.max_model_len)
+    max_tokens = check_context(len(ids), sampling.max_tokens, engine.info.max_model_len)
     job = Job(
         model=req.model,
         adapter=adapter,
@@ -308,6 +298,7 @@ async def prepare_completion(
     request: web.Request, tr: Trace
 ) -> tuple[Job, Encoder[CompletionChoice]]:
     req = parse_completion(await read_body(request), request.app[RUNTIME].limits)
+    request.app[METRICS].ignored.record("completions", req.ignored)
     adapter = check_model(request, req.model)
     engine = request.app[ENGINE]
     if req.sampling.constraint is not None:

@@ -7,8 +7,11 @@ this module re-checks a field, so ranges follow vLLM 0.32's own
 ``SamplingParams`` checks (a body vLLM's server accepts, we accept) with
 OpenAI's documented limits where the two agree.
 
-Unknown fields are ignored: OpenAI clients send fields we have no use for
-(``store``, ``metadata``, ``service_tier``). Fields whose *meaning* we
+Unknown fields are accepted and ignored, and noted under
+server/wire/ignored.py's rule (logged once, counted): OpenAI clients send
+fields we have no use for (``store``, ``metadata``, ``service_tier``). A
+``max_tokens`` above what the context leaves is lowered to it
+(``check_context``), as vLLM does. Fields whose *meaning* we
 cannot honour are refused with a clear 400 instead of being silently
 dropped, because dropping them changes the answer (see
 ``fields.refuse_unsupported``): ``logit_bias``, ``suffix``, ``best_of``
@@ -47,6 +50,7 @@ from server.wire.fields import (
     type_name,
     unsupported,
 )
+from server.wire.ignored import Notes
 from server.wire.request import (
     DEFAULTABLE,
     ChatRequest,
@@ -75,6 +79,61 @@ __all__ = [
 COMPLETION_DEFAULT_MAX_TOKENS: Final = 16
 
 _ROLES: Final = ("system", "user", "assistant", "tool", "developer")
+# Fields both parsers read (sampling, streaming, priority, refusals checked);
+# each adds its own. Any other is noted as ignored (rule 2).
+_SHARED: Final = frozenset(
+    {
+        "model",
+        "n",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "min_tokens",
+        "stop",
+        "stop_token_ids",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "ignore_eos",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+        "response_format",
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "logprobs",
+        "stream",
+        "stream_options",
+        "priority",
+        "user",
+        # Checked by refuse_unsupported: honoured in their neutral values.
+        "prompt_logprobs",
+        "audio",
+        "logit_bias",
+        "suffix",
+        "modalities",
+        "best_of",
+        "continue_final_message",
+        "add_generation_prompt",
+    }
+)
+_CHAT: Final = _SHARED | {
+    "messages",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "max_completion_tokens",
+    "top_logprobs",
+    "chat_template_kwargs",
+}
+_COMPLETIONS: Final = _SHARED | {"prompt", "echo", "tools", "functions", "tool_choice"}
 
 
 # ---------------------------------------------------------------------------
@@ -264,6 +323,8 @@ def parse_chat(body: bytes, limits: Limits) -> ChatRequest:
 
     stream, include_usage = _stream(obj)
     thinking, kwargs = _template_kwargs(obj, limits)
+    notes = Notes("chat")
+    notes.extra_keys(obj, _CHAT)
     return ChatRequest(
         model=model,
         messages=messages,
@@ -277,6 +338,7 @@ def parse_chat(body: bytes, limits: Limits) -> ChatRequest:
         tools=tools,
         tool_choice=tool_choice,
         parallel_tool_calls=parallel,
+        ignored=notes.done(),
     )
 
 
@@ -353,6 +415,8 @@ def parse_completion(body: bytes, limits: Limits) -> CompletionRequest:
 
     stream, include_usage = _stream(obj)
     sampling = _sampling(obj, limits, max_tokens, logprobs)
+    notes = Notes("completions")
+    notes.extra_keys(obj, _COMPLETIONS)
     if sampling.constraint is not None:
         # A raw prompt has no chat template opening a thought: constrain at once.
         constraint = dataclasses.replace(sampling.constraint, from_start=True)
@@ -366,6 +430,7 @@ def parse_completion(body: bytes, limits: Limits) -> CompletionRequest:
         priority=_priority(obj),
         user=get_str(obj, "user"),
         echo=echo,
+        ignored=notes.done(),
     )
 
 
@@ -376,32 +441,23 @@ def parse_completion(body: bytes, limits: Limits) -> CompletionRequest:
 def check_context(
     prompt_len: int, max_tokens: int | None, max_model_len: int, *, where: str = "messages"
 ) -> int:
-    """The effective max_tokens for a prompt of ``prompt_len`` tokens.
+    """The max_tokens a prompt of ``prompt_len`` tokens runs with: what the
+    request asked for (``None``: the rest of the context), lowered to the room
+    the context leaves, as vLLM's ``get_max_tokens`` does. The answer then
+    ends with finish reason ``length`` when it fills that room. Every API's
+    context check is this one call.
 
-    ``None`` means "the rest of the context". Raises SluiceError(400) with
-    vLLM's wording when the prompt plus the completion does not fit.
-    ``where`` names the prompt in the message ("messages" or "prompt").
+    A prompt that leaves no room is a 400 with vLLM's wording; ``where``
+    names the prompt in the message ("messages", "prompt" or "input").
     """
-    if max_tokens is None:
-        if prompt_len >= max_model_len:
-            raise SluiceError(
-                f"This model's maximum context length is {max_model_len} tokens. "
-                f"However, your request has {prompt_len} input tokens, which leaves no "
-                f"room for a completion. Please reduce the length of the {where}.",
-                status=400,
-                param=where,
-                code="context_length_exceeded",
-            )
-        return max_model_len - prompt_len
-    total = prompt_len + max_tokens
-    if total > max_model_len:
+    room = max_model_len - prompt_len
+    if room <= 0:
         raise SluiceError(
             f"This model's maximum context length is {max_model_len} tokens. "
-            f"However, you requested {total} tokens ({prompt_len} in the {where}, "
-            f"{max_tokens} in the completion). Please reduce the length of the "
-            f"{where} or completion.",
+            f"However, your request has {prompt_len} input tokens, which leaves no "
+            f"room for a completion. Please reduce the length of the {where}.",
             status=400,
             param=where,
             code="context_length_exceeded",
         )
-    return max_tokens
+    return room if max_tokens is None else min(max_tokens, room)

@@ -22,15 +22,8 @@ from typing import Any, Final
 
 import orjson
 
-from server.api.openai_chat.output import (
-    REASONING_FIELD,
-    FinishReason,
-    TokenLogprob,
-    ToolCallDelta,
-    Usage,
-    chat_logprobs,
-    completion_logprobs,
-)
+from server.api.openai_chat.output import REASONING_FIELD, chat_logprobs, completion_logprobs
+from server.wire.output import FinishReason, TokenLogprob, ToolCallDelta, Usage
 
 __all__ = ["DONE", "ChatStream", "CompletionStream", "sse"]
 

@@ -23,7 +23,6 @@ import orjson
 from aiohttp import web
 
 from server.api.openai_chat.endpoint import ChatEncoder, ChatJob, chat_job, read_body
-from server.api.openai_chat.output import ChatChoice, TokenLogprob, Usage
 from server.api.openai_responses.output import (
     ResponsesStream,
     conversation_after,
@@ -38,6 +37,7 @@ from server.engines.interface import CompletionDelta, Engine
 from server.errors import SluiceError
 from server.http.pipeline import Encoder, Job, Trace, json_response
 from server.state import CALLER, ENGINE, RESPONSES, RUNTIME
+from server.wire.output import ChatChoice, TokenLogprob, Usage
 from server.wire.request import ChatRequest, Message
 
 __all__ = ["delete_response", "get_response", "prepare_responses"]
@@ -65,7 +65,7 @@ async def prepare_responses(request: web.Request, tr: Trace) -> tuple[Job, Encod
         history = prev.conversation
     req = rreq.with_history(history)
     try:
-        cj = await chat_job(request, req)
+        cj = await chat_job(request, req, "responses")
     except SluiceError as err:
         if err.param == "messages":  # the context check names chat's field
             err.param = "input"
@@ -112,7 +112,7 @@ class ResponsesEncoder:
 
     def body(self, choices: Sequence[ChatChoice], usage: Usage) -> bytes:
         choice = choices[0]
-        output = output_items(self._id, choice)
+        output = output_items(self._id, choice, self._rreq)
         reasoning = self._engine.count_tokens(choice.reasoning or "")
         status = status_of(choice.finish_reason)
         obj = response_object(self._rreq, self._id, self._created, status, output, usage, reasoning)

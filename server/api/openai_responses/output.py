@@ -19,9 +19,9 @@ from typing import Any, Literal
 
 import orjson
 
-from server.api.openai_chat.output import ChatChoice, ParsedDelta, ToolCallDelta, Usage
-from server.api.openai_responses.parse import ResponsesRequest
+from server.api.openai_responses.parse import ClientTool, ResponsesRequest, custom_input, flat_name
 from server.errors import SluiceError
+from server.wire.output import ChatChoice, ParsedDelta, ToolCallDelta, Usage
 from server.wire.request import Message, ToolCall
 
 __all__ = [
@@ -65,7 +65,16 @@ def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]
     }
 
 
-def _call_item(item_id: str, call: ToolCall, status: str) -> dict[str, Any]:
+_CALLS = ("function_call", "custom_tool_call")
+
+
+def _call_item(
+    item_id: str, call: ToolCall, status: str, back: ClientTool | None = None
+) -> dict[str, Any]:
+    """A call as its output item: a ``function_call``, or, for a namespace or
+    custom tool, the item the client declared it for (``ClientTool``)."""
+    if back is not None:
+        return {"id": item_id, **back.call_item(call.id, call.arguments), "status": status}
     return {
         "id": item_id,
         "type": "function_call",
@@ -81,7 +90,9 @@ def _item_id(response_id: str, prefix: str, index: int) -> str:
     return f"{prefix}_{response_id.removeprefix('resp_')}_{index}"
 
 
-def output_items(response_id: str, choice: ChatChoice) -> list[dict[str, Any]]:
+def output_items(
+    response_id: str, choice: ChatChoice, req: ResponsesRequest | None = None
+) -> list[dict[str, Any]]:
     """A finished choice as output items: reasoning, the message, then the calls.
 
     The message is there when the model wrote text, or when nothing else came
@@ -96,8 +107,19 @@ def output_items(response_id: str, choice: ChatChoice) -> list[dict[str, Any]]:
             )
         )
     for call in choice.tool_calls:
-        items.append(_call_item(_item_id(response_id, "fc", len(items)), call, "completed"))
+        back = req.client_tool(call.name) if req is not None else None
+        items.append(_call_item(_item_id(response_id, "fc", len(items)), call, "completed", back))
     return items
+
+
+def _as_called(item: dict[str, Any]) -> ToolCall:
+    """An output call item as the call the model wrote (the name it saw)."""
+    if item["type"] == "custom_tool_call":
+        args = orjson.dumps({"input": item["input"]}).decode()
+        return ToolCall(item["call_id"], item["name"], args)
+    return ToolCall(
+        item["call_id"], flat_name(item.get("namespace"), item["name"]), item["arguments"]
+    )
 
 
 def _usage(usage: Usage, reasoning_tokens: int) -> dict[str, Any]:
@@ -163,11 +185,7 @@ def conversation_after(
         for part in item["content"]
         if part["type"] == "output_text"
     )
-    calls = tuple(
-        ToolCall(item["call_id"], item["name"], item["arguments"])
-        for item in output
-        if item["type"] == "function_call"
-    )
+    calls = tuple(_as_called(item) for item in output if item["type"] in _CALLS)
     return (*history, *turn, Message(role="assistant", content=text, tool_calls=calls))
 
 
@@ -230,7 +248,7 @@ class ResponsesStream:
 
     def _start(self, item: dict[str, Any]) -> bytes:
         self._open, self._parts = item, []
-        if item["type"] != "function_call":
+        if item["type"] not in _CALLS:
             self._fast = self._fast_pieces()
         index = len(self.output)
         out = self._event("response.output_item.added", output_index=index, item=item)
@@ -310,13 +328,19 @@ class ResponsesStream:
             out += self.close()
             index = len(self.output)
             fc = ToolCall(call.id or f"call_{self._id}_{index}", call.name or "", "")
-            out += self._start(_call_item(_item_id(self._id, "fc", index), fc, "in_progress"))
-        elif self._open["type"] != "function_call":
+            back = self._req.client_tool(fc.name)
+            item = _call_item(_item_id(self._id, "fc", index), fc, "in_progress", back)
+            out += self._start(item)
+        elif self._open["type"] not in _CALLS:
             return out  # arguments without a call: nothing a client could place
         if not call.arguments:
             return out
         assert self._open is not None
         self._parts.append(call.arguments)
+        if self._open["type"] == "custom_tool_call":
+            # The model writes {"input": ...} as JSON: the input is known
+            # whole at the end (its done event), not as deltas of that text.
+            return out
         return out + self._event(
             "response.function_call_arguments.delta",
             item_id=self._open["id"],
@@ -343,7 +367,15 @@ class ResponsesStream:
         text = "".join(self._parts)
         index = len(self.output)
         kind = item["type"]
-        if kind == "function_call":
+        if kind == "custom_tool_call":
+            done = {**item, "input": custom_input(text), "status": "completed"}
+            out = self._event(
+                "response.custom_tool_call_input.done",
+                item_id=item["id"],
+                output_index=index,
+                input=done["input"],
+            )
+        elif kind == "function_call":
             done = {**item, "arguments": text, "status": "completed"}
             out = self._event(
                 "response.function_call_arguments.done",

@@ -2,7 +2,7 @@
 
 Why this module exists: LoRA serving needs adapters to test on, and the demo
 model (server/engines/demo/model.py) has no fine-tunes and no hub to fetch one from.
-`sluice make-demo-adapter DIR [--seed N --rank R]` writes what PEFT's
+`sluice make-demo-adapter DIR [--seed N --rank R --base NAME]` writes what PEFT's
 `save_pretrained` writes for a LoRA (`adapter_config.json` and
 `adapter_model.safetensors`), with random weights: different seeds are
 different "fine-tunes", and a seed gives the same bytes on every machine
@@ -28,7 +28,13 @@ from typing import Any
 
 import numpy as np
 
-from server.engines.demo.model import ARCHITECTURE, json_bytes, to_bf16, write_safetensors
+from server.engines.demo.model import (
+    ARCHITECTURE,
+    DEMO_MODEL_NAME,
+    json_bytes,
+    to_bf16,
+    write_safetensors,
+)
 
 __all__ = ["DEFAULT_RANK", "adapter_config", "write_demo_adapter"]
 
@@ -38,10 +44,12 @@ _SCALE = 0.5
 _TARGETS = ("q_proj", "v_proj")
 
 
-def adapter_config(rank: int) -> dict[str, Any]:
-    """PEFT's adapter_config.json for a LoRA of this rank on the demo model."""
+def adapter_config(rank: int, base: str = DEMO_MODEL_NAME) -> dict[str, Any]:
+    """PEFT's adapter_config.json for a LoRA of this rank on the demo model,
+    served as `base` (what its `base_model_name_or_path` says: only a name, the
+    shapes are the demo model's whatever it is called)."""
     return {
-        "base_model_name_or_path": "sluice-demo",
+        "base_model_name_or_path": base,
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
@@ -66,7 +74,9 @@ def _shapes(rank: int) -> Iterator[tuple[str, tuple[int, int]]]:
             yield p + "lora_B.weight", (out[module], rank)
 
 
-def write_demo_adapter(dest: Path, *, seed: int = 0, rank: int = DEFAULT_RANK) -> Path:
+def write_demo_adapter(
+    dest: Path, *, seed: int = 0, rank: int = DEFAULT_RANK, base: str = DEMO_MODEL_NAME
+) -> Path:
     """Write the adapter for `seed` and `rank` into `dest` (created if absent)."""
     if rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
@@ -80,7 +90,7 @@ def write_demo_adapter(dest: Path, *, seed: int = 0, rank: int = DEFAULT_RANK) -
         rng = np.random.RandomState(int.from_bytes(digest[:4], "little"))
         values = (rng.standard_normal(shape) * _SCALE).astype(np.float32)
         tensors[name] = (shape, to_bf16(values).astype("<u2").tobytes())
-    (dest / "adapter_config.json").write_bytes(json_bytes(adapter_config(rank)))
+    (dest / "adapter_config.json").write_bytes(json_bytes(adapter_config(rank, base)))
     with (dest / "adapter_model.safetensors").open("wb") as f:
         write_safetensors(f, tensors)
     return dest

@@ -56,6 +56,8 @@ _CHAT_TEMPLATE = _DATA / "chat_template.jinja"
 # everything that shapes the output (see recipe_digest), so a forgotten bump
 # cannot serve a stale model.
 DEMO_MODEL_VERSION = 1
+# The name `sluice serve` serves the demo model as (its --served-model-name).
+DEMO_MODEL_NAME = "sluice-demo"
 
 # 4096 tokens in all: 4087 learned by BPE plus the 9 added tokens below. The
 # embedding has exactly as many rows as the tokenizer has tokens: with random
@@ -90,8 +92,10 @@ _PRETOKENIZE_REGEX = (
 
 # Qwen3 shapes, shrunk. 2 layers x 2 KV heads x head_dim 64 x (K and V) x 2 bytes
 # (bf16) = 1 KiB of KV cache per token, which makes KV pressure easy to reason
-# about in tests. 8192 positions lets benchmarks send prompts of a few thousand
-# tokens.
+# about in tests. Qwen3's own 40,960 positions: a coding agent's opening
+# request (Claude Code 2.1.332's about 18.7k demo-model tokens, Codex 0.171's
+# 14.7k, Qwen Code 0.24's 22.5k) fits without overrides (issue 26). The KV cache is sized
+# in bytes (demo_engine_kwargs), not by this, so it does not grow with it.
 ARCHITECTURE: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"],
     "attention_bias": False,
@@ -103,7 +107,7 @@ ARCHITECTURE: dict[str, Any] = {
     "hidden_size": 256,
     "initializer_range": 0.02,
     "intermediate_size": 768,
-    "max_position_embeddings": 8192,
+    "max_position_embeddings": 40960,
     "max_window_layers": 2,
     "model_type": "qwen3",
     "num_attention_heads": 4,
@@ -203,7 +207,7 @@ def demo_engine_kwargs(model_dir: Path, *, kv_cache_bytes: int = 512 * 2**20) ->
       the default 512 MiB holds 524,288 tokens: 128 streams of 4,096). On CPU
       the alternative, ``gpu_memory_utilization``, is a fraction of NUMA node 0
       host memory; its default 0.92 fails there.
-    * ``max_model_len`` is the model's full 8,192 positions.
+    * ``max_model_len`` is the model's full 40,960 positions (Qwen3's).
     * Everything else keeps vLLM's defaults (torch.compile on: engine start is
       about 40 s the first time, 18 s once vLLM's compile cache is warm, against
       12 s with ``enforce_eager=True``, for ~30% more tokens/s).
