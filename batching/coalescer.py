@@ -4,6 +4,19 @@ Why this module exists: it is the one queue Sluice owns, and the only place wher
 policy happens. It is sans-IO (h11 style): the driver passes `now` in, calls `due()`
 when `next_deadline()` comes (or right after `add()`), and submits what comes back.
 
+Why it is one module of ~1,200 lines (issue 29 weighed a split into admission, the
+window and release, and kept it whole): its thirteen rules are one state machine
+over one set of records (`Gen`, `Group`, `CallerState`). Each public call (`add`,
+`due`, `cancel`, `started`, `finished`) moves a generation between the window, the
+backlog and the engine and keeps, as one step, the counts every rule reads
+(pending requests and tokens, a caller's queue, the unstarted prompts the room
+judges): split by rule, each module would write the others' counts, and the
+invariant "every admitted subscriber ends exactly once" would have no single
+home. What does stand alone has left it, each with its rules on top: the release
+order (order.py), the per-caller backlog (backlog.py), the engine's room
+(room.py), fair share (callers.py), the admission pressure (pressure.py), the
+drain rate (drain.py), LoRA slots (adapters.py), the records (_records.py).
+
 Rules:
 
 1. Admission is bounded by `max_pending_requests` (subscribers) and
