@@ -92,7 +92,7 @@ class StepEngine:
         pass
 
     def stats(self) -> Any:
-        from server.operations.watchdog import EngineStats
+        from batching.pressure import EngineStats
 
         return EngineStats(
             kv_cache_usage=0.1,

@@ -16,10 +16,10 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from batching import EngineStep
+from batching.pressure import ENGINE_IDLE, EngineStats
 from server.engines.interface import ModelInfo
 from server.engines.lora import Adapter
 from server.errors import SluiceError
-from server.operations.watchdog import ENGINE_IDLE, EngineStats
 from server.wire.request import ChatRequest, Constraint, Message, Sampling
 
 if TYPE_CHECKING:

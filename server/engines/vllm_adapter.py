@@ -54,6 +54,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
 
 from batching import EngineStep
+from batching.pressure import ENGINE_IDLE, EngineStats, RankStats
 from server.engines.interface import ModelInfo
 from server.engines.lora import Adapter, ModelShapes, check_shapes
 from server.engines.thread_batcher import Batcher
@@ -64,7 +65,6 @@ from server.engines.vllm_parsers import (
     to_structured_outputs,
 )
 from server.errors import SluiceError
-from server.operations.watchdog import ENGINE_IDLE, EngineStats, RankStats
 from server.wire.request import ChatRequest, Constraint, Message, Sampling, merge_system
 
 if TYPE_CHECKING:
