@@ -30,7 +30,7 @@ from server.wire.fields import (
 )
 from server.wire.request import Tool, ToolCall, ToolChoice
 
-__all__ = ["parse_tool_calls", "parse_tools", "tool_call_id"]
+__all__ = ["arguments_object", "parse_tool_calls", "parse_tools", "tool_call_id"]
 
 
 def _schema_text(value: Any, param: str) -> str:
@@ -163,3 +163,13 @@ def tool_call_id(msg: dict[str, Any], where: str) -> str:
             f"'{where}.tool_call_id' is required for role tool and must be a non-empty string",
         )
     return value
+
+
+def arguments_object(arguments: str) -> dict[str, Any]:
+    """A call's arguments (JSON text) as the object Anthropic's ``input`` and
+    Ollama's ``arguments`` are: {} when the text is not a JSON object."""
+    try:
+        value = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
