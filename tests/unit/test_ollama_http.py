@@ -193,6 +193,13 @@ async def test_refusals_in_ollamas_shape(make_client: Any, client_for: Any) -> N
     with pytest.raises(ollama.ResponseError) as emb:
         await oc.embed(model="fake", input="x")
     assert emb.value.status_code == 400 and "embedding" in emb.value.error
+    # The older route too, in Ollama's shape (keep_alive is no refusal).
+    legacy = await client.post(
+        "/api/embeddings", json={"model": "fake", "prompt": "x", "keep_alive": "5m"}
+    )
+    assert legacy.status == 400
+    assert (await legacy.json()).keys() == {"error"}
+    assert "serves no embedding model" in (await legacy.json())["error"]
     with pytest.raises(ollama.ResponseError) as pull:
         await oc.pull("fake")
     assert pull.value.status_code == 501 and "--model" in pull.value.error
