@@ -96,7 +96,7 @@ from server.wire.request import (
     ToolChoice,
 )
 from server.wire.structured import json_schema
-from server.wire.tools import parse_tools
+from server.wire.tools import function_of, parse_tools
 
 __all__ = [
     "EmbedRequest",
@@ -378,12 +378,7 @@ def _tool_calls(value: Any, where: str, turn: int) -> tuple[ToolCall, ...]:
         raise bad(where, f"'{where}' must be an array")
     calls = []
     for j, (at, call) in enumerate(objects(value, where)):
-        fn = call.get("function")
-        if not isinstance(fn, dict):
-            raise bad(f"{at}.function", f"'{at}.function' must be an object")
-        name = fn.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad(f"{at}.function.name", f"'{at}.function.name' must be a non-empty string")
+        fn, name = function_of(call, at)
         args = get(fn, "arguments")
         if args is MISSING:
             text = "{}"
