@@ -3,6 +3,7 @@
 Usage:
 
     python -m bench [--quick] [--repeat N] [--scenarios a,b,...] [--model M] [-- ENGINE FLAGS]
+    python -m bench apis [--apis chat,ollama] [--systems sluice] ...   # bench/api_point.py
 
 With no --model on a machine without a GPU the offline demo model is built and
 served with its measured CPU flags (bfloat16, max_model_len 8192 rather than
@@ -189,7 +190,13 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     import shlex
 
-    ns, passthrough = parse_args(sys.argv[1:] if argv is None else argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["apis"]:
+        # The API point (bench/api_point.py): one command with the rest.
+        from bench import api_point
+
+        return api_point.main(args[1:])
+    ns, passthrough = parse_args(args)
     scenarios = [s.strip() for s in ns.scenarios.split(",") if s.strip()]
     unknown = set(scenarios) - set(SCENARIOS)
     if unknown:

@@ -1,20 +1,23 @@
-"""Issue 17's benchmark point: chat, Responses and Anthropic Messages on the same prompts.
+"""Issues 17 and 31's benchmark point: chat, Responses, Anthropic Messages and
+Ollama's chat on the same prompts.
 
 Why this module exists: the translation to and from the Responses and the
-Messages API must cost under 5% of chat's throughput. One server at a time
-(Sluice, then vLLM's own server, which serves all three APIs, with the same
-engine flags: the demo model unless given), the same random prompts (128 in,
-64 out, `ignore_eos`) at concurrency 32 through `vllm bench serve` (backends
-`openai-chat`, `openai-responses` and bench/messages_backend.py's
-`anthropic-messages`), the APIs in a rotated order each of the `--repeat`
-rounds. Reported per API: req/s, TTFT p50 and p99 (every client times the
-first token: chat's role frame goes out with it on both servers), output
-tokens per request, and front CPU per request: the CPU seconds of the
-server's own process (not its engine-core child) over the run, divided by
-the requests. Thinking is off in all three bodies (`chat_template_kwargs` /
-`reasoning.effort` / `thinking.type`).
+Messages API must cost under 5% of chat's throughput, and Ollama's chat
+under 5% of its req/s and 10% of its front CPU. One server at a time
+(Sluice, then vLLM's own server, which serves all but Ollama's API, with the
+same engine flags: the demo model unless given), the same random prompts (128
+in, 64 out, `ignore_eos`) at concurrency 32 through `vllm bench serve`
+(backends `openai-chat`, `openai-responses`, bench/messages_backend.py's
+`anthropic-messages` and bench/ollama_backend.py's `ollama-chat`), the APIs
+in a rotated order each of the `--repeat` rounds. Reported per API: req/s,
+TTFT p50 and p99 (every client times the first token: chat's role frame goes
+out with it on both servers), output tokens per request, and front CPU per
+request: the CPU seconds of the server's own process (not its engine-core
+child) over the run, divided by the requests. Thinking is off in every body
+(`chat_template_kwargs` / `reasoning.effort` / `thinking.type` / `think`).
 
     python -m bench.api_point [--repeat 3] [--prompts 256] [--out bench/results/apis-cpu.md]
+    ./scripts/bench apis [--apis chat,ollama --systems sluice ...]   # the same
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +45,14 @@ APIS = {
     ),
     "responses": ("openai-responses", "/v1/responses", {"reasoning": {"effort": "none"}}),
     "messages": ("anthropic-messages", "/v1/messages", {"thinking": {"type": "disabled"}}),
+    "ollama": ("ollama-chat", "/api/chat", {"think": False}),
 }
-# The APIs whose translation is priced against chat (issue 17: under 5% of its req/s).
-TRANSLATED = ("responses", "messages")
+# The APIs whose translation is priced against chat (issue 17: under 5% of its
+# req/s; issue 31: Ollama's also within 10% of its front CPU per request).
+TRANSLATED = ("responses", "messages", "ollama")
+CPU_BUDGET = {"ollama": 0.10}
+# What a server does not speak: vLLM's has no Ollama API.
+UNSPOKEN = {VLLM: frozenset({"ollama"})}
 
 
 def _run(server: Server, api: str, tokenizer: str, prompts: int, seed: int, out: Path) -> Any:
@@ -133,28 +142,43 @@ def translation_cost(results: dict[tuple[str, str], list[dict[str, Any]]]) -> li
                 continue
             ratio = _median(runs, "req_s") / _median(chat, "req_s")
             cpu, cpu_chat = _median(runs, "cpu_ms"), _median(chat, "cpu_ms")
+            extra = cpu / cpu_chat - 1
+            budget = CPU_BUDGET.get(api)
+            cpu_verdict = (
+                ""
+                if budget is None
+                else f", {'within' if extra <= budget else 'over'} the {budget:.0%} budget"
+            )
             lines.append(
                 f"* {system} {api} / chat: req/s {ratio:.3f}x "
                 f"({'within' if ratio >= 0.95 else 'over'} the 5% budget); front CPU "
-                f"{cpu:.2f} against {cpu_chat:.2f} ms/req ({100 * (cpu / cpu_chat - 1):+.1f}%)."
+                f"{cpu:.2f} against {cpu_chat:.2f} ms/req ({100 * extra:+.1f}%{cpu_verdict})."
             )
     return lines
 
 
 def report(
-    results: dict[tuple[str, str], list[dict[str, Any]]], repeat: int, prompts: int
+    results: dict[tuple[str, str], list[dict[str, Any]]],
+    repeat: int,
+    prompts: int,
+    apis: Sequence[str] = tuple(APIS),
+    systems: Sequence[str] = (SLUICE, VLLM),
 ) -> list[str]:
     """The Markdown result: the table over servers x APIs, then the translation cost."""
     lines = [
-        "# Chat, Responses and Anthropic Messages, on Sluice and vLLM's own server (issue 17)",
+        "# Chat, Responses, Anthropic Messages and Ollama's chat, on Sluice and vLLM's "
+        "own server (issues 17 and 31)",
         "",
-        f"`python -m bench.api_point --repeat {repeat} --prompts {prompts}`: the demo "
+        f"`python -m bench.api_point --repeat {repeat} --prompts {prompts} --apis "
+        f"{','.join(apis)} --systems {','.join(systems)}`: the demo "
         "model on CPU, random prompts of 128 tokens in and 64 out (`ignore_eos`), "
-        "concurrency 32, `vllm bench serve` with the `openai-chat`, `openai-responses` and "
-        "`anthropic-messages` (bench/messages_backend.py) backends, the three APIs in a "
+        "concurrency 32, `vllm bench serve` with the `openai-chat`, `openai-responses`, "
+        "`anthropic-messages` (bench/messages_backend.py) and `ollama-chat` "
+        "(bench/ollama_backend.py; Sluice only) backends, the APIs in a "
         "rotated order each round; medians [min-max] over the repetitions. TTFT is the "
         "first token on every API (chat's role frame goes out with it, Responses' first "
-        "text delta, Messages' first text or thinking `content_block_delta`), so it "
+        "text delta, Messages' first text or thinking `content_block_delta`, Ollama's "
+        "first line with content or thinking), so it "
         "compares across APIs. Front CPU: the server process's own CPU time per request "
         "(engine core excluded). Output tok/req: vLLM's own /v1/messages drops "
         "`ignore_eos`, so its answers may stop early at EOS.",
@@ -170,13 +194,17 @@ def report(
     return lines
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--out", type=Path, default=Path("bench/results/apis-cpu.md"))
     ap.add_argument("--systems", default=f"{SLUICE},{VLLM}")
-    ns = ap.parse_args()
+    ap.add_argument("--apis", default=",".join(APIS), help="a subset of " + ",".join(APIS))
+    ns = ap.parse_args(argv)
+    chosen = [a for a in ns.apis.split(",") if a]
+    if set(chosen) - set(APIS):
+        ap.error(f"--apis takes {','.join(APIS)}")
     flags, tokenizer = _demo_flags()
     results: dict[tuple[str, str], list[dict[str, Any]]] = {}
     tmp = Path(tempfile.mkdtemp(prefix="apis-"))
@@ -185,7 +213,7 @@ def main() -> int:
         cmd = server_command(system, free_port(), flags, extra)
         with Server(system, int(cmd[cmd.index("--port") + 1]), cmd, tmp / f"{system}.log") as srv:
             srv.start(dict(os.environ))
-            apis = list(APIS)
+            apis = [a for a in chosen if a not in UNSPOKEN.get(system, ())]
             for rep in range(ns.repeat):
                 # Rotated so each API runs first, second and third once in 3 rounds.
                 for api in apis[rep % len(apis) :] + apis[: rep % len(apis)]:
@@ -193,7 +221,7 @@ def main() -> int:
                     results.setdefault((system, api), []).append(
                         _run(srv, api, tokenizer, ns.prompts, rep, out)
                     )
-    lines = report(results, ns.repeat, ns.prompts)
+    lines = report(results, ns.repeat, ns.prompts, chosen, ns.systems.split(","))
     ns.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

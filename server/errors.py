@@ -4,7 +4,8 @@ Like h11's ``error_status_hint``: the code that detects a problem says which
 status it deserves; one middleware (server/http/middleware.py) turns any SluiceError into
 an OpenAI-shaped body ``{"error": {"message", "type", "param", "code"}}``, or on
 Anthropic's paths (/v1/messages*) Anthropic's ``{"type": "error", "error":
-{"type", "message"}}`` with Anthropic's statuses (``anthropic_status``).
+{"type", "message"}}`` with Anthropic's statuses (``anthropic_status``), or on
+Ollama's paths (/api/*) Ollama's ``{"error": "..."}`` with the same statuses.
 Anything else that escapes a handler becomes a 500 without a stack trace.
 """
 
@@ -89,6 +90,11 @@ class SluiceError(Exception):
         )
         message = f"{self.param}: {self.message}" if self.param else self.message
         return {"type": "error", "error": {"type": kind, "message": message}}
+
+    def ollama_body(self) -> dict[str, Any]:
+        """Ollama's shape: the message alone (Sluice's messages name the field;
+        Ollama's clients read ``error`` and the status, nothing else)."""
+        return {"error": self.message}
 
     def headers(self) -> dict[str, str]:
         if self.retry_after is None:

@@ -5,7 +5,7 @@ Why this module exists: a request's id is assigned, echoed and logged in one
 place for every route (probes, /metrics and the page included); a refusal is
 made in one place (`SluiceError`, raised anywhere) and turned into a JSON
 error body in one place (here), in the shape of the path's API: Anthropic's
-on /v1/messages*, OpenAI's everywhere else; authentication is checked once
+on /v1/messages*, Ollama's on /api/*, OpenAI's everywhere else; authentication is checked once
 for every protected path rather than by each handler remembering to (the key
 arrives as `Authorization: Bearer` or as Anthropic's `x-api-key`).
 `install` wires all of it into an app, in that order.
@@ -41,6 +41,8 @@ from server.state import ACCESS, ADMIN, CALLER, CALLERS, METRICS, REQUEST_ID, SE
 __all__ = [
     "ANTHROPIC_PREFIX",
     "METRICS_PATH",
+    "OLLAMA_PREFIX",
+    "OPEN_PATHS",
     "PROTECTED_PREFIXES",
     "STATUS_PATH",
     "auth_middleware",
@@ -59,17 +61,24 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # loopback, unless --metrics-key-file gives it a key of its own. The status
 # page itself (/, /static/) holds no data; what it shows, /status.json, is
 # behind the key: a caller's key gets its own view, the admin key the whole.
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/status.json")
+PROTECTED_PREFIXES = ("/v1/", "/api/", "/tokenize", "/detokenize", "/status.json")
+# Under those prefixes, the probes that carry no data: Claude Code's preconnect
+# and Ollama's version, which its clients read before they send a key.
+OPEN_PATHS = frozenset({"/api/hello", "/api/version"})
 STATUS_PATH = "/status.json"
 METRICS_PATH = "/metrics"
 # Paths whose clients read Anthropic's error shape and statuses.
 ANTHROPIC_PREFIX = "/v1/messages"
+# Paths whose clients read Ollama's error shape (server/api/ollama/).
+OLLAMA_PREFIX = "/api/"
 
 # Paths read by machines every few seconds (probes, scrapes, the page's
 # once-a-second poll): their access lines are at debug level while they
 # succeed, so that an idle server's log is not one line a second. A refusal
 # on them (a 401, a 503 probe) stays at info.
-_QUIET_PATHS = frozenset({"/health", "/ready", "/metrics", "/", "/status.json", "/api/hello"})
+_QUIET_PATHS = frozenset(
+    {"/health", "/ready", "/metrics", "/", "/status.json", "/api/hello", "/api/version"}
+)
 _QUIET_PREFIX = "/static/"
 
 
@@ -139,10 +148,15 @@ async def _echo_request_id(request: web.Request, response: web.StreamResponse) -
 
 
 def _json_error(err: SluiceError, path: str = "") -> web.Response:
-    anthropic = path.startswith(ANTHROPIC_PREFIX)
+    if path.startswith(ANTHROPIC_PREFIX):
+        body, status = err.anthropic_body(), err.anthropic_status
+    elif path.startswith(OLLAMA_PREFIX):
+        body, status = err.ollama_body(), err.status
+    else:
+        body, status = err.body(), err.status
     return web.Response(
-        body=orjson.dumps(err.anthropic_body() if anthropic else err.body()),
-        status=err.anthropic_status if anthropic else err.status,
+        body=orjson.dumps(body),
+        status=status,
         content_type="application/json",
         headers=err.headers(),
     )
@@ -205,7 +219,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     if path == METRICS_PATH:
         _check_metrics_key(request)
         return await handler(request)
-    if directory.open or not path.startswith(PROTECTED_PREFIXES):
+    if directory.open or not path.startswith(PROTECTED_PREFIXES) or path in OPEN_PATHS:
         return await handler(request)
     if path in ADMIN_PATHS:
         # the admin key's, not a caller's (server/api/lora_admin/endpoint.py)

@@ -1,4 +1,5 @@
-"""The one generation pipeline behind /v1/chat/completions and /v1/completions.
+"""The one generation pipeline behind every generation route (chat, completions,
+Responses, Messages, Ollama's chat and generate).
 
 Why this module exists: both endpoints do the same steps, and each step should
 exist once. An endpoint (server/api/openai_chat/endpoint.py) parses its body and tokenizes
@@ -9,7 +10,8 @@ module does everything else:
     -> phase check -> prepare (endpoint: parse, tokenize, context check)
     -> result cache (deterministic, non-streaming results; --result-cache-ttl)
     -> Driver.submit per prompt (the core admits or refuses at once)
-    -> await the tickets -> stream SSE or collect one JSON body -> leave.
+    -> await the tickets -> stream (SSE, or the encoder's own framing: Ollama's
+       newline-delimited JSON) or collect one JSON body -> leave.
 
 The `finally` around the tickets is what makes a vanished client cost
 nothing: aiohttp cancels the handler (handler_cancellation=True) and
@@ -26,7 +28,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -58,6 +60,7 @@ __all__ = [
     "Encoder",
     "Job",
     "KeepAlive",
+    "StreamHeaders",
     "Trace",
     "generation_endpoint",
     "json_response",
@@ -162,6 +165,14 @@ class KeepAlive(Protocol):
     """
 
     def keepalive(self) -> tuple[float, bytes]: ...
+
+
+@runtime_checkable
+class StreamHeaders(Protocol):
+    """An encoder whose stream is not server-sent events (Ollama's
+    newline-delimited JSON): the headers its stream goes out with."""
+
+    def stream_headers(self) -> Mapping[str, str]: ...
 
 
 # An endpoint's own step: parse the body and tokenize, into a Job and its encoder.
@@ -412,7 +423,8 @@ async def _stream(
     request: web.Request, tr: Trace, job: Job, enc: Encoder[Any], gens: Sequence[Generation]
 ) -> web.StreamResponse:
     n = job.sampling.n
-    resp = web.StreamResponse(headers=_SSE_HEADERS)
+    headers = enc.stream_headers() if isinstance(enc, StreamHeaders) else _SSE_HEADERS
+    resp = web.StreamResponse(headers=headers)
     # The head (chat's role frame, an echo, Messages' message_start) goes out
     # with the first output, as vLLM's server sends it: a client that times
     # its first frame (vllm bench serve does) then times the first token, not

@@ -1,9 +1,10 @@
 """The HTTP surface: which path runs what.
 
-Why this module exists: one table of routes. The two generation endpoints are
-the pipeline (server/http/pipeline.py) with their endpoint's preparation
-(server/api/openai_chat/endpoint.py); the rest (models, probes, metrics, tokenizer) are
-small enough to live here. Authentication and error bodies are middleware
+Why this module exists: one table of routes. The generation endpoints are
+the pipeline (server/http/pipeline.py) with their API's preparation
+(server/api/*/endpoint.py); the rest (models, probes, metrics, tokenizer, and
+`/`, which serves the status page to a browser and Ollama's probe to its
+clients) are small enough to live here. Authentication and error bodies are middleware
 (server/http/middleware.py), so no handler checks a key, formats an error or
 assigns a request id (`request[REQUEST_ID]`, set for every route).
 """
@@ -14,6 +15,9 @@ import orjson
 from aiohttp import web
 
 from server.api.anthropic_messages.endpoint import count_tokens, prepare_messages
+from server.api.ollama import endpoint as ollama
+from server.api.ollama.output import PROBE
+from server.api.ollama.parse import ollama_probe
 from server.api.openai_chat.endpoint import check_model, prepare_chat, prepare_completion, read_body
 from server.api.openai_chat.output import models_body
 from server.api.openai_chat.parse import parse_chat
@@ -21,6 +25,7 @@ from server.api.openai_responses.endpoint import delete_response, get_response, 
 from server.errors import SluiceError
 from server.http.pipeline import check_accepting, generation_endpoint, json_response
 from server.operations.metrics import CONTENT_TYPE
+from server.operations.status_page import index
 from server.state import ADAPTERS, CALLER, CALLERS, ENGINE, METRICS, RUNTIME, SETTINGS, Phase
 from server.wire.fields import load_object
 
@@ -50,6 +55,15 @@ async def health(request: web.Request) -> web.Response:
             code="engine_dead",
         )
     return json_response(orjson.dumps({"status": "ok", "phase": rt.phase.value}))
+
+
+async def root(request: web.Request) -> web.StreamResponse:
+    """`/` (GET and HEAD): Ollama's probe, "Ollama is running", for its
+    clients (by User-Agent, or an Accept without HTML: server/api/ollama/parse.py
+    `ollama_probe`); the status page for a browser and anything else."""
+    if ollama_probe(request.headers.get("Accept", ""), request.headers.get("User-Agent", "")):
+        return web.Response(text=PROBE)
+    return await index(request)
 
 
 async def hello(request: web.Request) -> web.Response:
@@ -116,6 +130,20 @@ def add_routes(app: web.Application) -> None:
     # Anthropic Messages (server/api/anthropic_messages/endpoint.py).
     app.router.add_post("/v1/messages", generation_endpoint("messages", prepare_messages))
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
+    # Ollama's API (server/api/ollama/endpoint.py); `/` answers its probe.
+    app.router.add_get("/", root)
+    app.router.add_post("/api/chat", generation_endpoint("ollama_chat", ollama.prepare_chat))
+    app.router.add_post(
+        "/api/generate", generation_endpoint("ollama_generate", ollama.prepare_generate)
+    )
+    app.router.add_post("/api/embed", ollama.embed)
+    app.router.add_post("/api/embeddings", ollama.embeddings)
+    app.router.add_get("/api/tags", ollama.tags)
+    app.router.add_post("/api/show", ollama.show)
+    app.router.add_get("/api/ps", ollama.ps)
+    app.router.add_get("/api/version", ollama.version)
+    for path, advice in ollama.MANAGEMENT.items():
+        app.router.add_route("*", path, ollama.not_managed(advice))
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/api/hello", hello)

@@ -5,7 +5,8 @@ of the app; this module builds its once-a-second snapshot from the app's live
 objects (metrics, driver, engine stats, watchdog readings, run state) and
 serves the page (server/operations/static/, package data: no build step, no CDN).
 
-`/` and `/static/` carry no data and stay open; `/status.json` is behind the
+`/` (routed in server/http/routes.py, which also answers Ollama's probe
+there) and `/static/` carry no data and stay open; `/status.json` is behind the
 API key like `/v1/` (server/http/middleware.py). The page asks for the key once and
 sends it as an Authorization header. What it gets depends on the key: a
 caller's key its own view (`caller_view`: its own series, totals for the
@@ -42,7 +43,7 @@ from server.state import (
     Phase,
 )
 
-__all__ = ["STATIC", "add_status_routes", "caller_view", "make_sampler", "snapshot"]
+__all__ = ["STATIC", "add_status_routes", "caller_view", "index", "make_sampler", "snapshot"]
 
 STATIC = Path(__file__).resolve().parent / "static"
 
@@ -186,6 +187,7 @@ async def status_json(request: web.Request) -> web.Response:
 
 
 def add_status_routes(app: web.Application) -> None:
-    app.router.add_get("/", index)
+    # `/` itself is server/http/routes.py's: it serves `index` to a browser
+    # and Ollama's probe to Ollama's clients.
     app.router.add_get("/status.json", status_json)
     app.router.add_static("/static", STATIC)

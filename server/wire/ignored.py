@@ -1,4 +1,4 @@
-"""What the four APIs accept and ignore: one rule, one record (docs/DESIGN.md principle 10).
+"""What the five APIs accept and ignore: one rule, one record (docs/DESIGN.md principle 10).
 
 Why this module exists: clients add fields, blocks and tool types every few
 weeks (coding agents most of all), and a parser that refuses whatever it does
@@ -17,8 +17,8 @@ follows one rule:
    (a forced hosted tool, an image on a text-only model) stays a 400.
 
 The ``field`` label is bounded: a name listed in ``KNOWN`` for that API (the
-README's "Coding agents" section lists the same names, checked by
-tests/unit/test_ignored_fields.py), else ``other``; never a string the client
+README's "Coding agents" section lists the same names, docs/ollama.md
+Ollama's, checked by tests/unit/test_ignored_fields.py), else ``other``; never a string the client
 chose. Paths are written without indices: ``tools[].defer_loading``, a tool
 of a type this server does not offer as ``tools[type=web_search]``.
 
@@ -33,7 +33,7 @@ from typing import Any, Final, Literal
 
 __all__ = ["KNOWN", "OTHER", "Api", "Ignored", "Notes"]
 
-Api = Literal["chat", "completions", "responses", "messages"]
+Api = Literal["chat", "completions", "responses", "messages", "ollama"]
 OTHER: Final = "other"
 # The client's spelling of an unknown field, as logged: bounded in length.
 _NAME_CHARS: Final = 80
@@ -115,6 +115,35 @@ KNOWN: Final[Mapping[Api, Mapping[str, str]]] = {
         "tools[type=text_editor]": "an Anthropic-model tool: its schema is not given",
         "tools[type=computer]": "an Anthropic-model tool: its schema is not given",
         "tools[type=memory]": "an Anthropic-model tool: its schema is not given",
+    },
+    "ollama": {
+        "keep_alive": "one model, always loaded: it maps to the idle unload once several "
+        "models are served (issue 30)",
+        "think": "a level (low, medium, high, max) turns Qwen3's thinking on: its "
+        "template has a switch, not levels; with raw or template, thinking is not split",
+        "truncate": "Sluice never truncates: a prompt over the context is a 400",
+        "shift": "no context shift: an answer stops at the context (done_reason length)",
+        "options.num_keep": "a context-shift setting of Ollama's runner",
+        "options.typical_p": "a llama.cpp sampler vLLM does not have",
+        "options.repeat_last_n": "vLLM's repetition penalty covers the whole sequence",
+        "options.tfs_z": "a llama.cpp sampler vLLM does not have",
+        "options.mirostat": "a llama.cpp sampler vLLM does not have",
+        "options.mirostat_tau": "a llama.cpp sampler vLLM does not have",
+        "options.mirostat_eta": "a llama.cpp sampler vLLM does not have",
+        "options.penalize_newline": "a llama.cpp sampler setting vLLM does not have",
+        "options.numa": "a load-time setting of Ollama's runner: vLLM's are its engine flags",
+        "options.num_batch": "a load-time setting of Ollama's runner: vLLM's are its engine flags",
+        "options.num_gpu": "a load-time setting of Ollama's runner: vLLM's are its engine flags",
+        "options.main_gpu": "a load-time setting of Ollama's runner: vLLM's are its engine flags",
+        "options.low_vram": "a load-time setting of Ollama's runner: vLLM's are its engine flags",
+        "options.f16_kv": "a load-time setting of Ollama's runner: vLLM's are its engine flags",
+        "options.logits_all": "a load-time setting of Ollama's runner",
+        "options.vocab_only": "a load-time setting of Ollama's runner",
+        "options.use_mmap": "a load-time setting of Ollama's runner: vLLM's are its engine flags",
+        "options.use_mlock": "a load-time setting of Ollama's runner",
+        "options.embedding_only": "a load-time setting of Ollama's runner",
+        "options.num_thread": "a load-time setting of Ollama's runner: vLLM's are its engine flags",
+        "options.draft_num_predict": "speculative decoding is an engine flag in vLLM",
     },
 }
 

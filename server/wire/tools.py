@@ -30,7 +30,7 @@ from server.wire.fields import (
 )
 from server.wire.request import Tool, ToolCall, ToolChoice
 
-__all__ = ["parse_tool_calls", "parse_tools", "tool_call_id"]
+__all__ = ["arguments_object", "function_of", "parse_tool_calls", "parse_tools", "tool_call_id"]
 
 
 def _schema_text(value: Any, param: str) -> str:
@@ -39,7 +39,7 @@ def _schema_text(value: Any, param: str) -> str:
     return orjson.dumps(value).decode()
 
 
-def _function(obj: dict[str, Any], where: str) -> tuple[dict[str, Any], str]:
+def function_of(obj: dict[str, Any], where: str) -> tuple[dict[str, Any], str]:
     """``where.function``, an object, and its non-empty ``name``: a tool's and a
     tool call's alike."""
     fn = obj.get("function")
@@ -57,7 +57,7 @@ def _tool(value: Any, where: str) -> Tool:
     kind = value.get("type", "function")
     if kind != "function":
         raise unsupported(f"{where}.type", f"tool type {show(kind)} (only function)")
-    fn, name = _function(value, where)
+    fn, name = function_of(value, where)
     description = get(fn, "description")
     if description is not MISSING and not isinstance(description, str):
         param = f"{where}.function.description"
@@ -137,7 +137,7 @@ def parse_tool_calls(value: Any, where: str) -> tuple[ToolCall, ...]:
         call_id = call.get("id")
         if not isinstance(call_id, str) or not call_id:
             raise bad(f"{at}.id", f"'{at}.id' must be a non-empty string")
-        fn, name = _function(call, at)
+        fn, name = function_of(call, at)
         args = get(fn, "arguments")
         if args is MISSING or args == "":
             text = "{}"
@@ -163,3 +163,13 @@ def tool_call_id(msg: dict[str, Any], where: str) -> str:
             f"'{where}.tool_call_id' is required for role tool and must be a non-empty string",
         )
     return value
+
+
+def arguments_object(arguments: str) -> dict[str, Any]:
+    """A call's arguments (JSON text) as the object Anthropic's ``input`` and
+    Ollama's ``arguments`` are: {} when the text is not a JSON object."""
+    try:
+        value = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}

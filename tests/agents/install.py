@@ -73,10 +73,28 @@ def latest_version(agent: Agent) -> str:
 
 def install(agent: Agent, version: str, root: Path) -> Path:
     """The agent's command, installed at ``version`` under ``root`` if not already."""
-    home = root / f"{agent.package.replace('/', '+')}@{version}"
-    command = home / "node_modules" / ".bin" / agent.command
-    if (home / ".complete").exists() and command.exists():
-        return command
+    command = Path("node_modules") / ".bin" / agent.command
+    return (
+        install_package(agent.package, version, root, setup=agent.setup, expect=command) / command
+    )
+
+
+def install_package(
+    package: str,
+    version: str,
+    root: Path,
+    *,
+    setup: str | None = None,
+    expect: Path | None = None,
+) -> Path:
+    """The folder that holds npm ``package`` at ``version`` (its
+    ``node_modules/``), installed under ``root`` if not already: an agent, or
+    a client library a test drives (issue 31: the JavaScript ``ollama``).
+    ``setup``: a script of the package's own to run after (see below);
+    ``expect``: a path under the folder a complete install has."""
+    home = root / f"{package.replace('/', '+')}@{version}"
+    if (home / ".complete").exists() and (expect is None or (home / expect).exists()):
+        return home
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{home.name}.tmp-", dir=root))
     try:
@@ -95,7 +113,7 @@ def install(agent: Agent, version: str, root: Path) -> Path:
                 "--no-save",
                 "--ignore-scripts",
                 "--loglevel=error",
-                f"{agent.package}@{version}",
+                f"{package}@{version}",
             ],
             check=True,
             capture_output=True,
@@ -103,11 +121,10 @@ def install(agent: Agent, version: str, root: Path) -> Path:
             timeout=_NPM_TIMEOUT_S,
             env={**os.environ, "npm_config_update_notifier": "false"},
         )
-        if agent.setup is not None:
-            package = tmp / "node_modules" / agent.package
+        if setup is not None:
             subprocess.run(
-                ["node", agent.setup],
-                cwd=package,
+                ["node", setup],
+                cwd=tmp / "node_modules" / package,
                 check=True,
                 capture_output=True,
                 text=True,
@@ -125,4 +142,4 @@ def install(agent: Agent, version: str, root: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(tmp.with_name(tmp.name + "-old"), ignore_errors=True)
-    return command
+    return home

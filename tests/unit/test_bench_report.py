@@ -1069,7 +1069,7 @@ def test_bench_gives_every_system_the_step_flags_sluice_would_set(demo_model_dir
     assert _step_flags([*flags, "--no-long-prefill-token-threshold-adaptive"]) == []
 
 
-def test_api_point_reports_three_apis_and_their_translation_cost() -> None:
+def test_api_point_reports_the_apis_and_their_translation_cost() -> None:
     from bench import api_point as ap
 
     def run(req_s: float, cpu_ms: float, out_tok: float = 64.0) -> dict[str, float]:
@@ -1080,6 +1080,7 @@ def test_api_point_reports_three_apis_and_their_translation_cost() -> None:
         (rp.SLUICE, "chat"): [run(20.0, 4.0), run(22.0, 4.4), run(21.0, 4.2)],
         (rp.SLUICE, "responses"): [run(21.0, 4.4)],
         (rp.SLUICE, "messages"): [run(19.0, 4.62)],
+        (rp.SLUICE, "ollama"): [run(20.5, 4.83)],
         (rp.VLLM, "chat"): [run(18.0, 8.0)],
         (rp.VLLM, "messages"): [run(18.0, 8.0, out_tok=40.0)],
     }
@@ -1091,12 +1092,17 @@ def test_api_point_reports_three_apis_and_their_translation_cost() -> None:
         "front CPU 4.40 against 4.20 ms/req (+4.8%).",
         "* sluice messages / chat: req/s 0.905x (over the 5% budget); "
         "front CPU 4.62 against 4.20 ms/req (+10.0%).",
+        # Ollama's is priced in front CPU too (issue 31: within 10%).
+        "* sluice ollama / chat: req/s 0.976x (within the 5% budget); "
+        "front CPU 4.83 against 4.20 ms/req (+15.0%, over the 10% budget).",
         "* vllm messages / chat: req/s 1.000x (within the 5% budget); "
         "front CPU 8.00 against 8.00 ms/req (+0.0%).",
     ]
     assert all(line in md for line in ap.translation_cost(results))
-    assert set(ap.APIS) == {"chat", "responses", "messages"}
+    assert set(ap.APIS) == {"chat", "responses", "messages", "ollama"}
     assert ap.APIS["messages"][:2] == ("anthropic-messages", "/v1/messages")
+    assert ap.APIS["ollama"][:2] == ("ollama-chat", "/api/chat")
+    assert ap.UNSPOKEN[rp.VLLM] == {"ollama"}  # vLLM's own server has no Ollama API
 
 
 def test_running_summary_and_the_sampler_read_each_servers_gauge() -> None:

@@ -2,8 +2,8 @@
 
 The counter's `field` label holds only names the code lists (or `other`),
 each (api, field) is logged once, a client inventing names cannot grow the
-log set without bound, and the README lists, per API, every name the code
-does.
+log set without bound, and the docs list, per API, every name the code does
+(the README's "Coding agents" section; Ollama's in docs/ollama.md).
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ from server.operations import ignored_log as ignored_fields
 from server.operations.ignored_log import IgnoredFields
 from server.wire.ignored import KNOWN, OTHER, Ignored, Notes
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+# Where each API's "accepts and ignores" list is: the page and its section.
+LISTS = {"ollama": (ROOT / "docs/ollama.md", "## What is accepted and ignored")}
+README = (ROOT / "README.md", "## Coding agents")
 
 
 def recorder() -> tuple[IgnoredFields, Counter]:
@@ -64,22 +67,23 @@ def test_a_client_inventing_names_does_not_grow_what_is_logged(
     assert count(counter, "chat", OTHER) == 10
 
 
-def _readme_lists() -> dict[str, set[str]]:
-    """Per API, the names in backticks of the README's "accepted and ignored" list."""
-    text = README.read_text()
-    section = text[text.index("## Coding agents") :]
-    section = section[: section.index("\n## ", 1)]
+def _doc_lists() -> dict[str, set[str]]:
+    """Per API, the names in backticks of its page's "accepted and ignored" list."""
     out: dict[str, set[str]] = {}
     for api in KNOWN:
+        page, heading = LISTS.get(api, README)
+        text = page.read_text()
+        section = text[text.index(heading) :] + "\n## "
+        section = section[: section.index("\n## ", 1)]
         m = re.search(
             rf"^\* \*\*{api}\*\* accepts and ignores: (.*?)(?=^\* |\Z)", section, re.M | re.S
         )
-        assert m, f"the README's Coding agents section has no list for {api}"
+        assert m, f"{page.name}'s {heading!r} section has no list for {api}"
         out[api] = set(re.findall(r"`([^`]+)`", m.group(1)))
     return out
 
 
-def test_the_readme_lists_what_each_api_accepts_and_ignores() -> None:
-    listed = _readme_lists()
+def test_the_docs_list_what_each_api_accepts_and_ignores() -> None:
+    listed = _doc_lists()
     for api, fields in KNOWN.items():
         assert set(fields) - listed[api] == set(), api

@@ -24,6 +24,7 @@ import orjson
 from server.errors import SluiceError
 from server.wire.output import ToolCallDelta, Usage
 from server.wire.request import ToolCall
+from server.wire.tools import arguments_object
 
 __all__ = [
     "PING",
@@ -82,15 +83,6 @@ def usage_dict(usage: Usage) -> dict[str, int]:
     }
 
 
-def _input(arguments: str) -> Any:
-    """A call's arguments as the object Anthropic's ``input`` is ({} if not one)."""
-    try:
-        value = orjson.loads(arguments)
-    except orjson.JSONDecodeError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def _head(message_id: str, model: str) -> dict[str, Any]:
     return {"id": message_id, "type": "message", "role": "assistant", "model": model}
 
@@ -103,7 +95,7 @@ def message_body(message_id: str, model: str, choice: MessagesChoice, usage: Usa
     if choice.content:
         content.append({"type": "text", "text": choice.content})
     content.extend(
-        {"type": "tool_use", "id": c.id, "name": c.name, "input": _input(c.arguments)}
+        {"type": "tool_use", "id": c.id, "name": c.name, "input": arguments_object(c.arguments)}
         for c in choice.tool_calls
     )
     return orjson.dumps(

@@ -1,8 +1,8 @@
-"""The three chat-shaped APIs agree: one conversation, sent through OpenAI chat,
-Anthropic Messages and OpenAI Responses, reaches the engine's renderer as the
-same messages and template arguments, so the real engine sees the same token
-ids (its chat template is a pure function of those two). The fake engine
-records what each request asked it to render."""
+"""The four chat-shaped APIs agree: one conversation, sent through OpenAI chat,
+Anthropic Messages, OpenAI Responses and Ollama's chat, reaches the engine's
+renderer as the same messages and template arguments, so the real engine sees
+the same token ids (its chat template is a pure function of those two). The
+fake engine records what each request asked it to render."""
 
 from __future__ import annotations
 
@@ -81,6 +81,27 @@ RESPONSES = {
     ],
 }
 
+OLLAMA = {
+    "model": "fake:latest",
+    "stream": False,
+    "think": False,
+    "options": {"num_predict": 8},
+    "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}}],
+    "messages": [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": ASK},
+        {
+            "role": "assistant",
+            "content": "",
+            # Ollama carries a call's arguments as an object, as Messages does.
+            "tool_calls": [
+                {"id": "call_1", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}
+            ],
+        },
+        {"role": "tool", "content": RESULT, "tool_call_id": "call_1"},
+    ],
+}
+
 
 def _comparable(rendered: tuple[Any, dict[str, Any]]) -> Any:
     """What the chat template reads: each message's template dict, and the kwargs."""
@@ -88,7 +109,7 @@ def _comparable(rendered: tuple[Any, dict[str, Any]]) -> Any:
     return [m.template_dict() for m in messages], kwargs
 
 
-async def test_one_conversation_renders_the_same_through_all_three(
+async def test_one_conversation_renders_the_same_through_all_four(
     make_client: Any, tok: Any
 ) -> None:
     engine = FakeEngine(tokenizer=tok)
@@ -97,13 +118,15 @@ async def test_one_conversation_renders_the_same_through_all_three(
         ("/v1/chat/completions", CHAT),
         ("/v1/messages", MESSAGES),
         ("/v1/responses", RESPONSES),
+        ("/api/chat", OLLAMA),
     ):
         resp = await client.post(path, json=payload)
         assert resp.status == 200, (path, await resp.text())
-    chat, messages, responses = (_comparable(r) for r in engine.rendered[-3:])
+    chat, messages, responses, ollama = (_comparable(r) for r in engine.rendered[-4:])
     assert chat[0][-1]["role"] == "tool" and chat[1]["tools"]  # the whole turn, tools included
     assert messages == chat
     assert responses == chat
+    assert ollama == chat
 
 
 @pytest.fixture(scope="module")

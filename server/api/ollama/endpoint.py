@@ -1,0 +1,330 @@
+"""Ollama's API on the one pipeline: /api/chat, /api/generate and the routes around them.
+
+Why this module exists: the aiohttp half of Ollama's API, so that clients
+that speak only Ollama (its Python and JavaScript libraries, LangChain's
+ChatOllama, Open WebUI) point at Sluice unchanged. ``prepare_chat`` and
+``prepare_generate`` translate the body (server/api/ollama/parse.py) and hand
+it to ``chat_job``, so callers, the backlog, dedupe, tools, structured output,
+the thinking split, metrics (endpoint labels ``ollama_chat`` and
+``ollama_generate``), drain and abort on disconnect are the chat endpoint's
+own; a raw or templated generate is tokenized as a completion's prompt. The
+``OllamaEncoder`` reads the output as the other chat-shaped APIs do
+(``ChatEncoder.choices`` for a whole body, ``ChoiceReader`` per delta) and
+writes Ollama's bodies and newline-delimited lines (server/api/ollama/output.py).
+
+The rest: /api/tags, /api/show and /api/ps describe what is served;
+/api/version answers the version of Ollama's API these shapes follow; the
+embedding routes refuse until an embedding model is served (issue 30's
+pooling path: the translation is in parse.py and output.py already); the
+model-management routes refuse, each saying what to do instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Final
+
+import orjson
+from aiohttp import web
+
+from server import __version__
+from server.api.ollama.output import (
+    NDJSON,
+    CallAssembly,
+    Clock,
+    Metrics,
+    ModelEntry,
+    OllamaStream,
+    answer_body,
+    done_reason,
+    load_body,
+    ps_body,
+    show_body,
+    tags_body,
+)
+from server.api.ollama.parse import (
+    OllamaRequest,
+    check_num_ctx,
+    parse_chat,
+    parse_embed,
+    parse_embeddings,
+    parse_generate,
+    parse_show,
+    served_name,
+)
+from server.api.openai_chat.endpoint import ChatEncoder, chat_job, check_model, read_body
+from server.api.openai_chat.parse import check_context
+from server.engines.choice_reader import ChoiceReader
+from server.engines.interface import ChatParser, CompletionDelta
+from server.errors import SluiceError
+from server.http.pipeline import Encoder, Job, Trace, json_response, logprobs
+from server.state import ADAPTERS, CALLER, CALLERS, ENGINE, METRICS, RUNTIME, SETTINGS
+from server.wire.output import ChatChoice, TokenLogprob, Usage
+from server.wire.request import ChatRequest, ToolCall
+
+__all__ = [
+    "MANAGEMENT",
+    "OLLAMA_VERSION",
+    "OllamaEncoder",
+    "embed",
+    "embeddings",
+    "not_managed",
+    "prepare_chat",
+    "prepare_generate",
+    "ps",
+    "show",
+    "tags",
+    "version",
+]
+
+# The Ollama release whose API reference (docs/api.md, api/types.go) these
+# shapes follow: what /api/version answers, since clients gate features on it.
+OLLAMA_VERSION: Final = "0.32.15"
+
+Detokenize = Callable[[Sequence[int]], str]
+
+_STREAM_HEADERS: Final = {
+    "Content-Type": NDJSON,
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+
+def _served(request: web.Request, name: str) -> str:
+    """The served name an Ollama client's model name stands for (parse.py rule 1)."""
+    registry = request.app[ADAPTERS]
+    return served_name(name, lambda n: registry.is_base(n) or n in registry.names)
+
+
+async def prepare_chat(request: web.Request, tr: Trace) -> tuple[Job, Encoder[ChatChoice]]:
+    req = parse_chat(await read_body(request), request.app[RUNTIME].limits)
+    return await _prepare(request, tr, req)
+
+
+async def prepare_generate(request: web.Request, tr: Trace) -> tuple[Job, Encoder[ChatChoice]]:
+    req = parse_generate(await read_body(request), request.app[RUNTIME].limits)
+    return await _prepare(request, tr, req)
+
+
+async def _prepare(
+    request: web.Request, tr: Trace, req: OllamaRequest
+) -> tuple[Job, Encoder[ChatChoice]]:
+    chat = dataclasses.replace(req.chat, model=_served(request, req.name))
+    engine = request.app[ENGINE]
+    check_num_ctx(req.num_ctx, engine.info.max_model_len)
+    if not req.load and req.text is None:
+        cj = await chat_job(request, chat, "ollama")
+        return cj.job, OllamaEncoder(req, chat, tr, engine.detokenize, cj.parser, cj.prompt_ids)
+    request.app[METRICS].ignored.record("ollama", chat.ignored)
+    adapter = check_model(request, chat.model)
+    job = Job(
+        model=chat.model,
+        adapter=adapter,
+        prompts=(),
+        max_tokens=(),
+        sampling=chat.sampling,
+        cacheable=False,
+    )
+    if req.load:
+        # Nothing to generate (parse.py rule 9): the pipeline runs no prompt
+        # and the encoder answers Ollama's "loaded".
+        return job, OllamaEncoder(req, chat, tr, engine.detokenize)
+    assert req.text is not None
+    # A raw or templated prompt: the engine gets it as it is, like a completion's.
+    sampling = chat.sampling
+    if sampling.constraint is not None:
+        await engine.check_constraint(sampling.constraint)
+    ids = tuple((await engine.tokenize_prompts([req.text]))[0])
+    room = check_context(len(ids), sampling.max_tokens, engine.info.max_model_len, where="prompt")
+    job = dataclasses.replace(
+        job, prompts=(ids,), max_tokens=(room,), stream=chat.stream, variant=False, cacheable=True
+    )
+    return job, OllamaEncoder(req, chat, tr, engine.detokenize)
+
+
+class OllamaEncoder:
+    """Ollama's bodies and stream lines for one chat or generate request."""
+
+    def __init__(
+        self,
+        req: OllamaRequest,
+        chat: ChatRequest,
+        tr: Trace,
+        detokenize: Detokenize,
+        parser: ChatParser | None = None,
+        prompt_ids: Sequence[int] = (),
+    ) -> None:
+        self._req = req
+        self._chat = chat
+        self._tr = tr
+        self._detokenize = detokenize
+        self._parser = parser
+        self._prompt_ids = prompt_ids
+        self._reader = ChoiceReader(parser, prompt_ids, thinking=chat.enable_thinking)
+        self._stream = OllamaStream(req.name, generate=req.generate)
+        self._calls = CallAssembly()
+        self._clock = Clock()
+        self._first = True
+        self._reason = "stop"
+
+    def _metrics(self, usage: Usage) -> Metrics:
+        tr = self._tr
+        queued = tr.tickets[0].queue_wait if tr.tickets else 0.0
+        total = time.monotonic() - tr.t0
+        return Metrics.of(total, queued, tr.ttft, usage.prompt_tokens, usage.completion_tokens)
+
+    def choices(
+        self,
+        texts: Sequence[str],
+        logprobs: Sequence[Sequence[TokenLogprob]],
+        reasons: Sequence[str | None],
+    ) -> tuple[ChatChoice, ...]:
+        # Read as chat reads a whole answer (the thinking split, vLLM's parsers).
+        chat = ChatEncoder(
+            self._chat, self._tr.rid, self._detokenize, self._parser, self._prompt_ids
+        )
+        return chat.choices(texts, logprobs, reasons)
+
+    def body(self, choices: Sequence[ChatChoice], usage: Usage) -> bytes:
+        created = self._clock(time.time())
+        if not choices:
+            return load_body(self._req.name, created, generate=self._req.generate)
+        c = choices[0]
+        return answer_body(
+            self._req.name,
+            created,
+            generate=self._req.generate,
+            content=c.content or "",
+            thinking=c.reasoning,
+            calls=c.tool_calls,
+            reason=done_reason(c.finish_reason),
+            metrics=self._metrics(usage),
+            logprobs=c.logprobs,
+        )
+
+    def stream_headers(self) -> Mapping[str, str]:
+        return _STREAM_HEADERS
+
+    def stream_head(self) -> bytes:
+        return b""  # the first line is the first output's (output.py rule 1)
+
+    def stream_delta(self, choice: int, delta: CompletionDelta) -> bytes:
+        d = self._reader.feed(delta)
+        if d.tool_calls:
+            self._calls.add(d.tool_calls)
+        calls: tuple[ToolCall, ...] = ()
+        if delta.finish_reason is not None:
+            self._reason = done_reason(delta.finish_reason)
+            calls = self._calls.finish()
+        k = self._chat.sampling.logprobs
+        lps = None if k is None else logprobs(self._detokenize, delta, k)
+        if not (self._first or d.content or d.reasoning or calls or lps):
+            return b""
+        self._first = False
+        return self._stream.line(time.time(), d.content, d.reasoning, calls, lps)
+
+    def stream_end(self, usage: Usage) -> bytes:
+        return self._stream.done(time.time(), self._reason, self._metrics(usage))
+
+    def stream_error(self, err: SluiceError) -> bytes:
+        return self._stream.error(err)
+
+
+# ---------------------------------------------------------------------------
+# The models: what is served, as Ollama lists it.
+
+
+def _entries(request: web.Request) -> list[ModelEntry]:
+    """The base model and the adapters this caller may see (its /v1/models)."""
+    settings = request.app[SETTINGS]
+    info = request.app[ENGINE].info
+    base = ModelEntry(settings.model_name, settings.model_path, info.created, info.max_model_len)
+    access = request.app[CALLERS].access(request.get(CALLER))
+    adapters = request.app[ADAPTERS].visible(access)
+    return [
+        base,
+        *(ModelEntry(a.name, a.path, info.created, info.max_model_len, a.parent) for a in adapters),
+    ]
+
+
+async def tags(request: web.Request) -> web.Response:
+    return json_response(tags_body(_entries(request)))
+
+
+async def ps(request: web.Request) -> web.Response:
+    return json_response(ps_body(_entries(request), time.time()))
+
+
+async def show(request: web.Request) -> web.Response:
+    name = parse_show(await read_body(request))
+    served = _served(request, name)
+    check_model(request, served)  # the 404 / 403 of an unknown or forbidden name
+    entry = next((e for e in _entries(request) if e.served == served), None)
+    if entry is None:  # the base model named by its path
+        entry = _entries(request)[0]
+    return json_response(show_body(entry))
+
+
+async def version(request: web.Request) -> web.Response:
+    return json_response(orjson.dumps({"version": OLLAMA_VERSION, "sluice": __version__}))
+
+
+# ---------------------------------------------------------------------------
+# Embeddings: refused until an embedding model is served (issue 30).
+
+
+def _no_embeddings(request: web.Request, name: str) -> SluiceError:
+    """A 400, as Ollama answers a model without a capability the request
+    needs: the named model exists (else the model check's 404) but does not
+    embed. It stays the right answer for a chat model once an embedding model
+    is served beside it (issue 30)."""
+    check_model(request, _served(request, name))
+    return SluiceError(
+        f"model '{name}' does not support embeddings: this server serves no embedding "
+        "model (docs/ollama.md)",
+        status=400,
+        param="model",
+        code="embeddings_not_served",
+    )
+
+
+async def embed(request: web.Request) -> web.Response:
+    req = parse_embed(await read_body(request))
+    raise _no_embeddings(request, req.name)
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    req = parse_embeddings(await read_body(request))
+    raise _no_embeddings(request, req.name)
+
+
+# ---------------------------------------------------------------------------
+# Model management: not Sluice's job; each refusal says what to do instead.
+
+_SERVE: Final = "sluice serve --model NAME_OR_PATH"
+MANAGEMENT: Final = {
+    "/api/pull": f"Sluice serves the model it was started with and pulls none: start it "
+    f"with the model ({_SERVE}); GET /api/tags lists what it serves",
+    "/api/push": "Sluice does not push models: push from where the model was made",
+    "/api/create": f"Sluice does not create models from a Modelfile: serve a model "
+    f"directory ({_SERVE}), or a LoRA adapter on it (--lora-modules NAME=PATH)",
+    "/api/blobs/{digest}": "Sluice takes no model blobs (they are for /api/create, "
+    f"which it does not do): serve a model directory ({_SERVE})",
+    "/api/copy": "Sluice does not copy models: serve the model under another name "
+    "(--served-model-name NAME)",
+    "/api/delete": "Sluice does not delete models: stop the server, or unload a LoRA "
+    "adapter (POST /v1/unload_lora_adapter, with --allow-runtime-lora)",
+}
+
+
+def not_managed(advice: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """The handler of one model-management route: a 501 with ``advice``. The
+    route is known and deliberately not implemented: not a 404 (the client
+    reached the right server), not a 400 (no body would do)."""
+
+    async def handler(request: web.Request) -> web.Response:
+        raise SluiceError(advice, status=501, code="not_implemented")
+
+    return handler
