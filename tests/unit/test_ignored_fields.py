@@ -2,15 +2,14 @@
 
 The counter's `field` label holds only names the code lists (or `other`),
 each (api, field) is logged once, a client inventing names cannot grow the
-log set without bound, and the README lists, per API, every name the code
-does.
+log set without bound, and docs/apis.md ("What the APIs accept") lists, per
+API, every name the code does.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter
@@ -18,8 +17,9 @@ from prometheus_client import CollectorRegistry, Counter
 from server.operations import ignored_log as ignored_fields
 from server.operations.ignored_log import IgnoredFields
 from server.wire.ignored import KNOWN, OTHER, Ignored, Notes
+from tests.docpages import page, section
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE, SECTION = "docs/apis.md", "What the APIs accept"
 
 
 def recorder() -> tuple[IgnoredFields, Counter]:
@@ -64,22 +64,20 @@ def test_a_client_inventing_names_does_not_grow_what_is_logged(
     assert count(counter, "chat", OTHER) == 10
 
 
-def _readme_lists() -> dict[str, set[str]]:
-    """Per API, the names in backticks of the README's "accepted and ignored" list."""
-    text = README.read_text()
-    section = text[text.index("## Coding agents") :]
-    section = section[: section.index("\n## ", 1)]
+def _documented_lists() -> dict[str, set[str]]:
+    """Per API, the names in backticks of the docs' "accepts and ignores" list."""
+    text = section(page(PAGE), SECTION)
     out: dict[str, set[str]] = {}
     for api in KNOWN:
         m = re.search(
-            rf"^\* \*\*{api}\*\* accepts and ignores: (.*?)(?=^\* |\Z)", section, re.M | re.S
+            rf"^\* \*\*{api}\*\* accepts and ignores: (.*?)(?=^\* |\Z)", text, re.M | re.S
         )
-        assert m, f"the README's Coding agents section has no list for {api}"
+        assert m, f'{PAGE}, "{SECTION}", has no list for {api}'
         out[api] = set(re.findall(r"`([^`]+)`", m.group(1)))
     return out
 
 
-def test_the_readme_lists_what_each_api_accepts_and_ignores() -> None:
-    listed = _readme_lists()
+def test_the_docs_list_what_each_api_accepts_and_ignores() -> None:
+    listed = _documented_lists()
     for api, fields in KNOWN.items():
         assert set(fields) - listed[api] == set(), api
