@@ -3,10 +3,12 @@
 Every relative link reaches a file and, for a page, a heading; every
 `./scripts/serve` and `./scripts/bench` command in a shell block parses with
 the parser that would run it (Sluice's and vLLM's flags, bench's own), and
-every repository path a command names exists. So a renamed flag, a moved
+every repository path a command names exists; docs/operations.md lists
+exactly the metrics Sluice exports. So a renamed flag or metric, a moved
 script or a page split apart fails here, not in a reader's terminal. (The
-flags' own lines: test_readme_flags.py; the Python examples run against the
-demo model in tests/integration/test_docs_examples.py.)
+flags' own lines: test_readme_flags.py; the accepted-and-ignored lists:
+test_ignored_fields.py; the Python examples run against the demo model in
+tests/integration/test_docs_examples.py.)
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.docpages import ROOT, Block, all_blocks, anchors, pages, prose
+from tests.docpages import ROOT, Block, all_blocks, anchors, page, pages, prose, section
 
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 _CODE_SPAN = re.compile(r"`[^`]*`")
@@ -131,3 +133,30 @@ def test_every_repository_path_a_command_names_exists(block: Block) -> None:
         for w in words:
             if _REPO_PATH.match(w) and "*" not in w:
                 assert (ROOT / w).exists(), f"{block.where}: {w} does not exist"
+
+
+def exported_metrics() -> set[str]:
+    """Every metric family /metrics can serve, as a scrape names it: the app's
+    registry with the watchdog's gauges and two data-parallel ranks."""
+    from collections import defaultdict
+
+    from batching.pressure import RankStats
+    from server.operations.metrics import Metrics
+    from server.operations.watchdog import WatchdogMetrics
+
+    metrics = Metrics()
+    live: defaultdict[str, object] = defaultdict(float)
+    live["ranks"] = [RankStats(0.5, 1, 0), RankStats(0.5, 1, 0)]
+    metrics.watch(lambda: live)
+    WatchdogMetrics(metrics.registry)
+    return {f.name + ("_total" if f.type == "counter" else "") for f in metrics.registry.collect()}
+
+
+def test_the_metrics_list_is_what_sluice_exports() -> None:
+    text = section(page("docs/operations.md"), "Metrics")
+    listed = re.findall(r"^\| `(sluice_[a-z_]+)` \|", text, re.M)
+    assert len(listed) == len(set(listed)), "a metric listed twice"
+    exported = exported_metrics()
+    assert {"sluice_requests_total", "sluice_engine_rank_kv_cache_usage"} <= exported
+    assert sorted(exported - set(listed)) == [], "exported, not in docs/operations.md"
+    assert sorted(set(listed) - exported) == [], "in docs/operations.md, not exported"
