@@ -12,6 +12,8 @@ text moved from one page to another needs no test rewritten, only found.
 from __future__ import annotations
 
 import re
+import shlex
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,3 +148,31 @@ def section(path: Path, heading: str) -> str:
             level = len(m.group(1))
     assert level, f"{path.relative_to(ROOT)} has no heading {heading!r}"
     return "\n".join(out) + "\n"
+
+
+def commands(block: Block) -> Iterator[list[str]]:
+    """Each simple command of a shell block: continuations joined, comments,
+    redirections and environment assignments dropped, split at | && ; ."""
+    text = block.text.replace("\\\n", " ")
+    for line in text.splitlines():
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        lexer.commenters = "#"
+        words: list[str] = []
+        tokens = list(lexer)
+        i = 0
+        while i < len(tokens):
+            tok = tokens[i]
+            if tok in ("|", "||", "&&", ";", "&"):
+                if words:
+                    yield words
+                words = []
+            elif set(tok) <= set("<>&") and tok:  # a redirection: drop its target too
+                if words and words[-1].isdigit():
+                    words.pop()
+                i += 1
+            elif words or not re.match(r"[A-Z_][A-Z0-9_]*=", tok):
+                words.append(tok)
+            i += 1
+        if words:
+            yield words

@@ -3,24 +3,43 @@
 Every relative link reaches a file and, for a page, a heading; every
 `./scripts/serve` and `./scripts/bench` command in a shell block parses with
 the parser that would run it (Sluice's and vLLM's flags, bench's own), and
-every repository path a command names exists; docs/operations.md lists
-exactly the metrics Sluice exports. So a renamed flag or metric, a moved
+every repository path a command names exists; every curl names a method and
+path Sluice's own router serves (the admin routes only beside
+`--allow-runtime-lora`) and sends valid JSON; every JSON and TOML example
+parses, the callers file loads as Sluice loads one, Codex's provider and
+Prometheus's job reach routes Sluice serves; docs/operations.md lists exactly
+the metrics Sluice exports. So a renamed flag, route or metric, a moved
 script or a page split apart fails here, not in a reader's terminal. (The
 flags' own lines: test_readme_flags.py; the accepted-and-ignored lists:
-test_ignored_fields.py; the Python examples run against the demo model in
+test_ignored_fields.py; the examples that run on the demo model run in
 tests/integration/test_docs_examples.py.)
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import json
 import re
 import shlex
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
-from tests.docpages import ROOT, Block, all_blocks, anchors, page, pages, prose, section
+from tests.docpages import (
+    ROOT,
+    Block,
+    all_blocks,
+    anchors,
+    commands,
+    page,
+    pages,
+    prose,
+    section,
+)
 
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 _CODE_SPAN = re.compile(r"`[^`]*`")
@@ -53,34 +72,6 @@ def test_every_relative_link_resolves(path: Path) -> None:
     assert list(links(path)) or path.name == "DESIGN.md", "a page that links nowhere"
     bad = broken(path)
     assert not bad, "\n".join(bad)
-
-
-def commands(block: Block) -> Iterator[list[str]]:
-    """Each simple command of a shell block: continuations joined, comments,
-    redirections and environment assignments dropped, split at | && ; ."""
-    text = block.text.replace("\\\n", " ")
-    for line in text.splitlines():
-        lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
-        lexer.whitespace_split = True
-        lexer.commenters = "#"
-        words: list[str] = []
-        tokens = list(lexer)
-        i = 0
-        while i < len(tokens):
-            tok = tokens[i]
-            if tok in ("|", "||", "&&", ";", "&"):
-                if words:
-                    yield words
-                words = []
-            elif set(tok) <= set("<>&") and tok:  # a redirection: drop its target too
-                if words and words[-1].isdigit():
-                    words.pop()
-                i += 1
-            elif words or not re.match(r"[A-Z_][A-Z0-9_]*=", tok):
-                words.append(tok)
-            i += 1
-        if words:
-            yield words
 
 
 SHELL = all_blocks("sh", "bash")
@@ -160,3 +151,106 @@ def test_the_metrics_list_is_what_sluice_exports() -> None:
     assert {"sluice_requests_total", "sluice_engine_rank_kv_cache_usage"} <= exported
     assert sorted(exported - set(listed)) == [], "exported, not in docs/operations.md"
     assert sorted(set(listed) - exported) == [], "in docs/operations.md, not exported"
+
+
+CURLS = [(b, c) for b in SHELL for c in commands(b) if c[0] == "curl"]
+
+
+def served(method: str, path: str, *, runtime_lora: bool) -> bool:
+    """Whether Sluice's own router (the app `sluice serve` builds, on a fake
+    engine) has a handler for this method and path."""
+    from aiohttp.test_utils import make_mocked_request
+
+    from server.app import build_app
+    from server.settings import Settings
+    from tests.fakes import FakeEngine
+
+    settings = Settings(model_name="sluice-demo", allow_runtime_lora=runtime_lora)
+    app = build_app(settings, FakeEngine())
+
+    async def resolve() -> bool:
+        match = await app.router.resolve(make_mocked_request(method, path, app=app))
+        return match.http_exception is None
+
+    return asyncio.run(resolve())
+
+
+def curl_request(words: list[str]) -> tuple[str, str, list[str]]:
+    """A curl command's method, URL path and request bodies."""
+    url = next(w for w in words if _LOOPBACK.match(w))
+    bodies = [b for flag, b in itertools.pairwise(words) if flag in _DATA]
+    method = "POST" if bodies else "GET"
+    for flag, value in itertools.pairwise(words):
+        if flag in ("-X", "--request"):
+            method = value
+    return method, urlsplit(url if "://" in url else "http://" + url).path, bodies
+
+
+_LOOPBACK = re.compile(r"^(?:https?://)?(?:localhost|127\.0\.0\.1):\d+(?:/|$)")
+_DATA = ("-d", "--data", "--data-raw", "--json")
+
+
+def test_the_docs_have_curl_commands_to_check() -> None:
+    assert len(CURLS) >= 4, CURLS
+
+
+@pytest.mark.parametrize(
+    ("block", "words"), CURLS, ids=[f"{b.where} {c[-1][:30]}" for b, c in CURLS]
+)
+def test_every_curl_names_a_route_and_sends_json(block: Block, words: list[str]) -> None:
+    method, path, bodies = curl_request(words)
+    # The admin routes exist only with --allow-runtime-lora: the block's own
+    # serve command says whether its Sluice has them.
+    runtime_lora = any("--allow-runtime-lora" in c for c in commands(block))
+    assert served(method, path, runtime_lora=runtime_lora), (
+        f"{block.where}: Sluice serves no {method} {path}"
+    )
+    for body in bodies:
+        try:
+            json.loads(body)
+        except ValueError as exc:
+            pytest.fail(f"{block.where}: the body of {method} {path} is not JSON: {exc}")
+
+
+@pytest.mark.parametrize("block", all_blocks("json"), ids=lambda b: b.where)
+def test_json_examples_parse(block: Block) -> None:
+    from openai.types.chat import ChatCompletion
+
+    body = json.loads(block.text)
+    if body.get("object") == "chat.completion":  # an answer, as the openai client reads it
+        ChatCompletion.model_validate(body)
+
+
+@pytest.mark.parametrize("block", all_blocks("toml"), ids=lambda b: b.where)
+def test_toml_examples_parse(block: Block) -> None:
+    tomllib.loads(block.text)
+
+
+def test_the_callers_example_is_a_callers_file_sluice_reads(tmp_path: Path) -> None:
+    from server.http.callers import load_callers
+
+    (block,) = [b for b in all_blocks("toml") if "[callers." in b.text]
+    (tmp_path / "callers.toml").write_text(block.text)
+    table = load_callers(tmp_path / "callers.toml", adapters={"support"}, base="sluice-demo")
+    assert set(table.names) == {"chat", "batch", "support", "support-ci"}
+    assert table.identify("sk-chat-0f6c...") == "chat"
+    assert table.group_for("support") == table.group_for("support-ci") == "support-team"
+
+
+def test_the_codex_provider_reaches_the_responses_route() -> None:
+    (block,) = [b for b in all_blocks("toml") if "[model_providers." in b.text]
+    config = tomllib.loads(block.text)
+    provider = config["model_providers"][config["model_provider"]]
+    assert provider["wire_api"] == "responses"
+    url = urlsplit(provider["base_url"] + "/responses")
+    assert url.port == 8000, url
+    assert served("POST", url.path, runtime_lora=False), f"{block.where}: {url.path}"
+
+
+def test_the_prometheus_job_scrapes_sluice() -> None:
+    import yaml
+
+    (block,) = [b for b in all_blocks("yaml") if "scrape_configs" in b.text]
+    (job,) = yaml.safe_load(block.text)["scrape_configs"]
+    assert job["static_configs"][0]["targets"] == ["127.0.0.1:8000"]
+    assert served("GET", job.get("metrics_path", "/metrics"), runtime_lora=False)
