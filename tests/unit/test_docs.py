@@ -7,8 +7,9 @@ every repository path a command names exists; every curl names a method and
 path Sluice's own router serves (the admin routes only beside
 `--allow-runtime-lora`) and sends valid JSON; every JSON and TOML example
 parses, the callers file loads as Sluice loads one, Codex's provider and
-Prometheus's job reach routes Sluice serves; docs/operations.md lists exactly
-the metrics Sluice exports. So a renamed flag, route or metric, a moved
+Prometheus's job reach routes Sluice serves; each coding agent's setup in
+docs/coding-agents.md is the one test_coding_agents runs (tests/agents/turn.py);
+docs/operations.md lists exactly the metrics Sluice exports. So a renamed flag, route or metric, a moved
 script or a page split apart fails here, not in a reader's terminal. (The
 flags' own lines: test_readme_flags.py; the accepted-and-ignored lists:
 test_ignored_fields.py; the examples that run on the demo model run in
@@ -254,3 +255,35 @@ def test_the_prometheus_job_scrapes_sluice() -> None:
     (job,) = yaml.safe_load(block.text)["scrape_configs"]
     assert job["static_configs"][0]["targets"] == ["127.0.0.1:8000"]
     assert served("GET", job.get("metrics_path", "/metrics"), runtime_lora=False)
+
+
+_EXPORT = re.compile(r"^export (\w+)=(\S*)", re.M)
+_AGENTS = {"Claude Code": "claude", "Codex CLI": "codex", "Qwen Code": "qwen"}
+
+
+@pytest.mark.parametrize("heading", sorted(_AGENTS))
+def test_each_agent_is_set_up_as_the_suite_runs_it(heading: str, tmp_path: Path) -> None:
+    """docs/coding-agents.md's setup of each agent is what tests/agents/turn.py
+    gives it in test_coding_agents (same variables, base URL, model, Codex
+    config and arguments), so that test runs the page's setup for real."""
+    from tests.agents.install import CLAUDE_CODE, CODEX, QWEN_CODE
+    from tests.agents.turn import PROMPT, command
+
+    agent = {"Claude Code": CLAUDE_CODE, "Codex CLI": CODEX, "Qwen Code": QWEN_CODE}[heading]
+    text = section(page("docs/coding-agents.md"), heading)
+    home = tmp_path / "home"
+    args, env = command(agent, Path(_AGENTS[heading]), "http://127.0.0.1:8000", "sluice-demo", home)
+    (run,) = [b for b in all_blocks("bash") if f"\n{_AGENTS[heading]} " in "\n" + b.text]
+    (words,) = [c for c in commands(run) if c[0] == _AGENTS[heading]]
+    assert words[1:-1] == args[1:-1] and args[-1] == PROMPT, (words, args)
+    exports = dict(_EXPORT.findall(text))
+    ours = {
+        k: v for k, v in env.items() if k.startswith(("ANTHROPIC_", "OPENAI_", "CLAUDE_", "QWEN_"))
+    }
+    assert set(exports) == set(ours), (sorted(exports), sorted(ours))
+    for name, value in ours.items():
+        if name.endswith(("_BASE_URL", "_MODEL")):
+            assert exports[name] == value, name
+    if agent is CODEX:
+        (block,) = [b for b in all_blocks("toml") if "[model_providers." in b.text]
+        assert tomllib.loads(block.text) == tomllib.loads((home / ".codex/config.toml").read_text())
