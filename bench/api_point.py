@@ -46,16 +46,9 @@ APIS = {
 TRANSLATED = ("responses", "messages")
 
 
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of one process (its children, the engine core, excluded)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _run(server: Server, api: str, tokenizer: str, prompts: int, seed: int, out: Path) -> Any:
     backend, endpoint, body = APIS[api]
-    assert server.proc is not None
-    cpu0 = _cpu_seconds(server.proc.pid)
+    cpu0 = server.cpu_seconds()
     bench_serve(
         [
             "--backend",
@@ -97,7 +90,7 @@ def _run(server: Server, api: str, tokenizer: str, prompts: int, seed: int, out:
             out.name,
         ]
     )
-    cpu = _cpu_seconds(server.proc.pid) - cpu0
+    cpu = server.cpu_seconds() - cpu0
     result = json.loads(out.read_text())
     done = result["completed"]
     return {

@@ -56,6 +56,7 @@ METRIC_TITLES: dict[str, str] = {
     "itl_p99": "ITL p99 (ms)",
     "e2el_p99": "E2E latency p99 (ms)",
     "failed": "failed requests",
+    "front_cpu_ms": "front CPU per request (ms)",
     "running_peak": "engine running (peak)",
     "running_p50": "engine running (median)",
     "prefill_tokens": "prefill tokens computed",
@@ -530,6 +531,14 @@ def running_summary(samples: Sequence[float]) -> dict[str, float]:
     if not samples:
         return {}
     return {"running_peak": max(samples), "running_p50": statistics.median(samples)}
+
+
+def front_cpu(seconds: float, jobs: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """The server process's own CPU time over a point (`seconds`), in ms per request
+    its jobs completed (issue 27: what the front spends beside the engine). Empty
+    when nothing completed."""
+    done = sum(j.get("completed", 0.0) for j in jobs)
+    return {"front_cpu_ms": 1000 * seconds / done} if done > 0 else {}
 
 
 # ------------------------------------------------------------------ records

@@ -368,6 +368,7 @@ class Runner:
         before = rp.parse_prometheus(server.metrics()) if scrape else {}
         assert self.pool is not None
         t0 = time.monotonic()
+        cpu0 = server.cpu_seconds()
         with _running_sampler(server, system, point.running_metrics) as running:
             outcomes = self.pool.run(
                 [
@@ -375,6 +376,7 @@ class Runner:
                     for (a, _), j in zip(jobs, point.jobs, strict=True)
                 ]
             )
+        front_cpu = server.cpu_seconds() - cpu0
         elapsed = time.monotonic() - t0
         per_role: dict[str, dict[str, float]] = {}
         logs: dict[str, rp.RequestLog] = {}
@@ -408,7 +410,11 @@ class Runner:
             for key, name in point.counters:
                 if name in after:
                     metrics = {**metrics, key: after[name] - before.get(name, 0.0)}
-        metrics = {**metrics, **rp.running_summary(running)}
+        metrics = {
+            **metrics,
+            **rp.running_summary(running),
+            **rp.front_cpu(front_cpu, per_role.values()),
+        }
         if point.prefix_metrics:
             time.sleep(1.0)  # let the engine's last step stats reach /metrics
             metrics = {
@@ -686,7 +692,15 @@ CLASS_METRICS = (
 # Each scenario's table, in SCENARIOS order; WINDOW and RAW_CEILING have
 # sections of their own.
 SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
-    CONCURRENCY: ("req_s", "out_tok_s", "ttft_p50", "ttft_p99", "tpot_p50", "failed"),
+    CONCURRENCY: (
+        "req_s",
+        "out_tok_s",
+        "ttft_p50",
+        "ttft_p99",
+        "tpot_p50",
+        "front_cpu_ms",
+        "failed",
+    ),
     POISSON: ("req_s", "ttft_p50", "ttft_p99", "tpot_p50", "e2el_p99", "failed"),
     MIXED: CLASS_METRICS,
     PREFIX: BURST_METRICS,
@@ -749,9 +763,19 @@ SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
         "tpot_p50",
         "running_peak",
         "running_p50",
+        "front_cpu_ms",
         "failed",
     ),
 }
+# What the front-CPU column measures (every point records it; these tables show it).
+FRONT_CPU_NOTE = (
+    "Front CPU per request: the user + system CPU time of the server's own process "
+    "(/proc/PID/stat, all its threads) while the point ran, over the requests it "
+    "completed. On both servers that process holds the HTTP front and the engine "
+    "client's output processing (detokenization, vLLM's output handler); the engine "
+    "cores and vLLM's DP coordinator are child processes, not counted. The DP points' "
+    f"/metrics scrapes (every {RUNNING_POLL_S:g} s) are counted on both."
+)
 WINDOW_METRICS = ("req_s", "ttft_p50", "ttft_p99", "tpot_p50", "failed")
 
 # The plot: one panel per scenario view, each on the scenario's own x axis.
@@ -924,6 +948,8 @@ def render_markdown(
                 "TPOT without generating faster; compare TTFT, req/s and E2E latency.",
                 "",
             ]
+        if sc in (CONCURRENCY, DATA_PARALLEL):
+            out += [FRONT_CPU_NOTE, ""]
         if sc == MIXED:
             out += [
                 "Short = 1/128 of the context in (64 tokens at 8,192), 64 out; medium = "

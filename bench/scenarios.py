@@ -250,6 +250,12 @@ WIDE_POINT = f"c={WIDE_CONCURRENCY} ({WIDE_LEN[0]} in, {WIDE_LEN[1]} out)"
 DP_ENGINE = EngineProfile("DP=2", ("--data-parallel-size", "2"))
 DP_LEN = (64, 64)
 
+
+def dp_point(concurrency: int) -> str:
+    """The name of the data-parallel point at `concurrency`."""
+    return f"c={concurrency} ({DP_LEN[0]} in, {DP_LEN[1]} out)"
+
+
 # LoRA (issue 20): four demo adapters (`python -m server make-demo-adapter DIR
 # --seed N`, rank 8), both servers with --max-loras 2, four callers each on its own
 # adapter, 16 closed-loop streams each of 128 in / 64 out (64 in flight: the engine
@@ -698,11 +704,10 @@ def build_plan(
     if DATA_PARALLEL in sel:
         for c, n in sizes.data_parallel:
             job = _closed_loop(*DP_LEN, n, c)
-            name = f"c={c} ({DP_LEN[0]} in, {DP_LEN[1]} out)"
             points.append(
                 Point(
                     DATA_PARALLEL,
-                    name,
+                    dp_point(c),
                     (job,),
                     concurrency=c,
                     engine=DP_ENGINE,

@@ -180,6 +180,13 @@ class Server:
             raise RuntimeError(f"{self.system} /metrics answered {status}")
         return body
 
+    def cpu_seconds(self) -> float:
+        """The CPU time (user + system) of the server's own process so far: its
+        front end, with the engine client's output processing that runs in it
+        on both servers, but not its engine-core (or DP coordinator) children."""
+        assert self.proc is not None
+        return process_cpu_seconds(self.proc.pid)
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
@@ -213,6 +220,13 @@ class Server:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of one process, all its threads (its children excluded)."""
+    # Fields after the ")" of the command: state is field 3, utime 14, stime 15.
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def kill_group(pgid: int, sig: signal.Signals) -> None:

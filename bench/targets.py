@@ -33,6 +33,7 @@ from bench.scenarios import (
     THREE,
     THREE_POINT,
     WIDE_POINT,
+    dp_point,
 )
 
 Row = tuple[str, str, str]
@@ -474,7 +475,33 @@ def issue19(records: Sequence[rp.Record]) -> list[Row]:
     return rows
 
 
+# Issue 27, item 3: the front's own CPU per request, at most half of vLLM's server's.
+FRONT_CPU_BOUND = 0.5
+FRONT_CPU_POINTS = (
+    (CONCURRENCY, "c=128"),
+    (CONCURRENCY, WIDE_POINT),
+    (DATA_PARALLEL, dp_point(512)),
+)
+
+
+def issue27_cpu(records: Sequence[rp.Record]) -> list[Row]:
+    """Issue 27, item 3: on these 2 cores the front competes with the engine; its
+    own CPU per request (the server process, not the engine cores) against vLLM's
+    server's, at c=128, c=512 and data parallelism's c=512."""
+    rows: list[Row] = []
+    for sc, point in FRONT_CPU_POINTS:
+        rows += _row(
+            f"{point}{' (DP=2)' if sc == DATA_PARALLEL else ''}: front CPU per request "
+            f"<= {FRONT_CPU_BOUND}x vLLM's server's",
+            *_pair(rp.aggregate(records, sc), point, "front_cpu_ms"),
+            lambda r: r <= FRONT_CPU_BOUND,
+            "ms/req",
+        )
+    return rows
+
+
 TARGET_SETS: tuple[tuple[str, Callable[[Sequence[rp.Record]], list[Row]]], ...] = (
+    ("issue 27, item 3: the front's own CPU", issue27_cpu),
     ("issue 20: adapter-aware release (LoRA)", issue20),
     ("issue 19: data parallelism", issue19),
     ("issue 21: the release key and the engine step", issue21),

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from vllm import SamplingParams
 from vllm.config import VllmConfig
+from vllm.envs import enable_envs_cache
 from vllm.inputs.engine import tokens_input
 from vllm.lora.request import LoRARequest
 from vllm.renderers.params import ChatParams
@@ -47,7 +48,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
-from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
 
 from server.engines.interface import ModelInfo
 from server.engines.lora import Adapter, ModelShapes, check_shapes
@@ -244,6 +245,29 @@ def _build_engine(engine_args: Any, stat_logger: Callable[..., StatLoggerBase]) 
     )
 
 
+def lighten_output_path(llm: Any) -> None:
+    """Take out of vLLM's in-process output path what Sluice pays for per output
+    and never uses (issue 27: on 2 cores the front's CPU is taken from the engine).
+
+    * vLLM reads an environment variable for every output of every request
+      (`envs.VLLM_COMPUTE_NANS_IN_LOGITS` in IterationStats.update_from_output): 5 us
+      a read here, uncached. Its engine-core processes cache them once started
+      (`enable_envs_cache`, vllm/v1/engine/core.py); so does this process once the
+      engine is built. Nothing in Sluice sets a VLLM_ variable after start.
+    * vLLM adds its PrometheusStatLogger to every AsyncLLM: per step a histogram
+      observation per decoding request, per finished request a dozen more (1.6 us
+      per output, measured), into prometheus_client's global registry, which
+      Sluice never serves (`/metrics` is its own registry, server/operations/metrics.py).
+      Sluice's own stat logger and vLLM's others stay.
+    """
+    enable_envs_cache()
+    manager = getattr(llm, "logger_manager", None)
+    if manager is not None:
+        manager.stat_loggers = [
+            lg for lg in manager.stat_loggers if not isinstance(lg, PrometheusStatLogger)
+        ]
+
+
 class EngineAdapter:
     """One vLLM AsyncLLM, and what Sluice needs from it."""
 
@@ -299,6 +323,7 @@ class EngineAdapter:
         so the event loop keeps answering /health and /ready meanwhile."""
         factory = _stat_logger_factory(self._stats)
         llm = await asyncio.to_thread(_build_engine, self._engine_args, factory)
+        lighten_output_path(llm)
         self._llm = llm
         self._shapes = ModelShapes.from_config(llm.model_config.hf_config)
         for adapter in self._adapters:

@@ -1170,6 +1170,49 @@ def test_issue19_data_parallel_targets() -> None:
     assert tg.issue19([]) == []
 
 
+def test_front_cpu_is_the_server_process_cpu_per_completed_request() -> None:
+    jobs = [{"completed": 300.0, "failed": 1.0}, {"completed": 100.0}]
+    assert rp.front_cpu(2.0, jobs) == {"front_cpu_ms": 5.0}
+    assert rp.front_cpu(2.0, [{"completed": 0.0}]) == {}  # nothing done: no figure
+
+
+def test_process_cpu_seconds_reads_one_process_user_and_system_time() -> None:
+    import os
+
+    from bench.servers import process_cpu_seconds
+
+    t0 = time.process_time()
+    end = t0 + 0.3
+    while time.process_time() < end:  # burn 0.3 s of CPU in this process
+        pass
+    # /proc counts in clock ticks (10 ms): allow two of them either way.
+    assert process_cpu_seconds(os.getpid()) == pytest.approx(time.process_time(), abs=0.02)
+
+
+def test_issue27_front_cpu_targets() -> None:
+    from bench.scenarios import DATA_PARALLEL, dp_point
+
+    def recs(sluice_ms: float) -> list[rp.Record]:
+        out = []
+        for sc, point in ((CONCURRENCY, "c=128"), (DATA_PARALLEL, dp_point(512))):
+            for system, ms in ((rp.SLUICE, sluice_ms), (rp.VLLM, 8.0)):
+                out.append(rp.Record(sc, point, system, 1, {"front_cpu_ms": ms}))
+        return out
+
+    by = {t: (m, v) for t, m, v in tg.issue27_cpu(recs(4.0))}
+    assert by["c=128: front CPU per request <= 0.5x vLLM's server's"] == (
+        "4.00 ms/req vs 8.00 ms/req (0.50x)",
+        "met",
+    )
+    assert by[f"{dp_point(512)} (DP=2): front CPU per request <= 0.5x vLLM's server's"][1] == (
+        "met"
+    )
+    assert not any(WIDE_POINT in t for t in by)  # not run: no row
+    by = {t: (m, v) for t, m, v in tg.issue27_cpu(recs(4.8))}
+    assert by["c=128: front CPU per request <= 0.5x vLLM's server's"][1] == "MISSED"
+    assert tg.issue27_cpu([]) == []
+
+
 def test_plan_prefix_callers() -> None:
     """Issue 28's point: the prefix burst's prompts from four callers, each with
     its key and the same prompts (one seed), on a server of its own (its jobs
