@@ -9,11 +9,11 @@ path Sluice's own router serves (the admin routes only beside
 parses, the callers file loads as Sluice loads one, Codex's provider and
 Prometheus's job reach routes Sluice serves; each coding agent's setup in
 docs/coding-agents.md is the one test_coding_agents runs (tests/agents/turn.py);
-docs/operations.md lists exactly the metrics Sluice exports. So a renamed flag, route or metric, a moved
-script or a page split apart fails here, not in a reader's terminal. (The
-flags' own lines: test_readme_flags.py; the accepted-and-ignored lists:
-test_ignored_fields.py; the examples that run on the demo model run in
-tests/integration/test_docs_examples.py.)
+docs/operations.md lists exactly the metrics Sluice exports. So a renamed
+flag, route or metric, a moved script or a page split apart fails here, not
+in a reader's terminal. (The flag table: test_readme_flags.py; the
+accepted-and-ignored lists: test_ignored_fields.py; the examples that run on
+the demo model run in tests/integration/test_docs_examples.py.)
 """
 
 from __future__ import annotations
