@@ -9,7 +9,8 @@ path Sluice's own router serves (the admin routes only beside
 parses, the callers file loads as Sluice loads one, Codex's provider and
 Prometheus's job reach routes Sluice serves; each coding agent's setup in
 docs/coding-agents.md is the one test_coding_agents runs (tests/agents/turn.py);
-docs/operations.md lists exactly the metrics Sluice exports. So a renamed
+docs/operations.md lists exactly the metrics Sluice exports, and every
+metric any page names (PromQL included) is one of them. So a renamed
 flag, route or metric, a moved script or a page split apart fails here, not
 in a reader's terminal. (The flag table: test_readme_flags.py; the
 accepted-and-ignored lists: test_ignored_fields.py; the examples that run on
@@ -287,3 +288,24 @@ def test_each_agent_is_set_up_as_the_suite_runs_it(heading: str, tmp_path: Path)
     if agent is CODEX:
         (block,) = [b for b in all_blocks("toml") if "[model_providers." in b.text]
         assert tomllib.loads(block.text) == tomllib.loads((home / ".codex/config.toml").read_text())
+
+
+_METRIC = re.compile(r"\bsluice_[a-z_]+\*?")
+
+
+def is_exported(name: str, exported: set[str]) -> bool:
+    """A family, one of a histogram's series, or a `prefix*` that matches one."""
+    if name.endswith("*"):
+        return any(m.startswith(name[:-1]) for m in exported)
+    return any(name == m + s for m in exported for s in ("", "_bucket", "_count", "_sum"))
+
+
+@pytest.mark.parametrize("path", pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_metric_a_page_names_is_exported(path: Path) -> None:
+    """In prose, tables and queries alike (queue.md's PromQL): a renamed
+    metric fails here wherever a page still names it."""
+    exported = exported_metrics()
+    unknown = sorted(
+        n for n in set(_METRIC.findall(path.read_text())) if not is_exported(n, exported)
+    )
+    assert not unknown, f"{path.relative_to(ROOT)} names metrics Sluice does not export: {unknown}"
