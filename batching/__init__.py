@@ -16,15 +16,16 @@ from .callers import DEFAULT_CALLER, CallerPolicy, Callers, CallerStats
 from .coalescer import Coalescer
 from .config import CoalescerConfig
 from .drain import DrainRate
-from .events import Counters, DedupeHit, Ended, Event, Refusal, Released
+from .events import Counters, DedupeHit, Ended, Event, Refusal, Released, RoomCounters
 from .keys import GroupKey, group_key
 from .order import ReleaseOrder, engine_priority
-from .room import EngineCapacity
+from .room import EngineCapacity, Hold, underfed
 from .types import (
     AdmissionState,
     Admitted,
     Batch,
     EngineLoad,
+    EngineStep,
     Entry,
     Outcome,
     RefusalReason,
@@ -49,9 +50,11 @@ __all__ = [
     "Ended",
     "EngineCapacity",
     "EngineLoad",
+    "EngineStep",
     "Entry",
     "Event",
     "GroupKey",
+    "Hold",
     "Outcome",
     "Refusal",
     "RefusalReason",
@@ -61,6 +64,8 @@ __all__ = [
     "Released",
     "Request",
     "ResultCache",
+    "RoomCounters",
     "engine_priority",
     "group_key",
+    "underfed",
 ]

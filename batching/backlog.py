@@ -75,7 +75,7 @@ from heapq import heappop, heappush
 
 from ._records import BACKLOG, GONE, CallerState, Gen
 from .adapters import AdapterSlots
-from .room import Room
+from .room import Hold, Room
 
 __all__ = ["Backlog"]
 
@@ -87,7 +87,7 @@ _SCAN = 32
 
 
 class Backlog:
-    __slots__ = ("_bseq", "active", "max_delay", "n", "slots", "vt")
+    __slots__ = ("_bseq", "active", "held_by", "max_delay", "n", "slots", "vt")
 
     def __init__(self, max_delay: float, slots: AdapterSlots | None = None) -> None:
         self.max_delay = max_delay
@@ -96,6 +96,9 @@ class Backlog:
         self.active: dict[CallerState, None] = {}
         self.n = 0  # generations in the backlog
         self.vt = 0.0  # counter of the caller served last, before its charge (rule 1)
+        # Why the last round of `pick()` left work held (None: it held none): the rule
+        # that held the first caller it could not serve, in rule-1 order.
+        self.held_by: Hold | None = None
         self._bseq = 0
 
     # -- in and out ---------------------------------------------------------
@@ -160,6 +163,14 @@ class Backlog:
         """A released generation finished: its adapter's slot may free (rule 5)."""
         self.slots.done(gen.request.key.adapter)
 
+    def heads(self) -> Iterator[Gen]:
+        """Each backlogged caller's first generation in key order, but for callers at
+        their max_concurrency (stale heap tops on the way are dropped, as `pick()`
+        does)."""
+        for c in self.active:
+            if not c.capped():
+                yield self._head(c)
+
     # -- order --------------------------------------------------------------
 
     @staticmethod
@@ -202,8 +213,11 @@ class Backlog:
 
         Each yielded generation has left the backlog (state GONE); the consumer books
         it in `room` and calls `served()`. Stops at the first point where nothing more
-        may go.
+        may go, and leaves in `held_by` the rule that held work then.
         """
+        self.held_by = None
+        held: Hold | None = None  # the rule that held the first caller blocked
+        capped = False  # a caller was passed over at its max_concurrency (rule 4)
         active = self.active
         blocked: set[CallerState] = set()
         floor = math.inf  # rule 3: the counter others may not reach while one is blocked
@@ -217,13 +231,17 @@ class Backlog:
                 best = next(iter(active))
                 mc = best.policy.max_concurrency
                 if mc is not None and best.in_flight >= mc:
+                    self.held_by = Hold.CALLER
                     return
                 head = self._head(best)
             else:
                 key: tuple[float, int, tuple[int, float, int]] | None = None
                 new_slot = room.new_slot
                 for c in active:
-                    if c in blocked or c.capped():
+                    if c in blocked:
+                        continue
+                    if c.capped():
+                        capped = True
                         continue
                     g = self._head(c)
                     k = (c.counter, new_slot(g.request.key.adapter), g.key)
@@ -239,6 +257,7 @@ class Backlog:
                         slot_blocked.clear()
                         continue
                 if best is None or best.counter >= floor:
+                    self.held_by = held or (Hold.CALLER if capped else None)
                     return
             assert head is not None  # an active caller has a live entry
             adapter = head.request.key.adapter
@@ -249,7 +268,10 @@ class Backlog:
                 gen = self._fit(best, room)
             if gen is None:
                 blocked.add(best)
-                if room.fits(head.ptok):  # it waits for a LoRA slot: no floor (rule 5)
+                rule = room.blocks(head.ptok)
+                if held is None:
+                    held = rule or Hold.ADAPTER
+                if rule is None:  # it waits for a LoRA slot: no floor (rule 5)
                     slot_blocked.add(best)
                     if not waiter and adapter is not None and adapter not in room.resident:
                         # The first in rule-1 order that needs a new slot; work on the
@@ -270,3 +292,5 @@ class Backlog:
                 blocked -= slot_blocked
                 slot_blocked.clear()
             yield gen
+        if active:
+            self.held_by = Hold.FEED  # room.full

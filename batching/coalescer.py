@@ -4,6 +4,19 @@ Why this module exists: it is the one queue Sluice owns, and the only place wher
 policy happens. It is sans-IO (h11 style): the driver passes `now` in, calls `due()`
 when `next_deadline()` comes (or right after `add()`), and submits what comes back.
 
+Why it is one module of ~1,200 lines (issue 29 weighed a split into admission, the
+window and release, and kept it whole): its thirteen rules are one state machine
+over one set of records (`Gen`, `Group`, `CallerState`). Each public call (`add`,
+`due`, `cancel`, `started`, `finished`) moves a generation between the window, the
+backlog and the engine and keeps, as one step, the counts every rule reads
+(pending requests and tokens, a caller's queue, the unstarted prompts the room
+judges): split by rule, each module would write the others' counts, and the
+invariant "every admitted subscriber ends exactly once" would have no single
+home. What does stand alone has left it, each with its rules on top: the release
+order (order.py), the per-caller backlog (backlog.py), the engine's room
+(room.py), fair share (callers.py), the admission pressure (pressure.py), the
+drain rate (drain.py), LoRA slots (adapters.py), the records (_records.py).
+
 Rules:
 
 1. Admission is bounded by `max_pending_requests` (subscribers) and
@@ -25,11 +38,14 @@ Rules:
    group; a cap takes, in rule-6 order, batches while the rest still reaches a cap.
 4. A batch holds one GroupKey.
 5. Backlog (backlog.py, room.py): eligible generations wait in their caller's backlog
-   and `due()` releases them only while the engine has room: a running slot, about
-   one scheduler step of unstarted prefill, KV room. The driver reports a generation's
-   first output with `started()`, its end with `finished()`, and the engine's stats
-   with each `due(now, load)`; the backlog is not time-driven, so while
-   `backlog_generations` is non-zero the driver calls `due()` after each of those.
+   and `due()` releases them only while the engine's next steps will take them (its
+   queue fed for the steps room.py rule 2 says, KV room). The driver reports a
+   generation's first output with `started()`, its end with `finished()`, and the
+   engine's stats and the steps it ran with each `due(now, load, steps)`; the backlog
+   is not time-driven, so while `backlog_generations` is non-zero the driver calls
+   `due()` after each of those. Each step is judged against what the backlog held
+   beside it (room.underfed), and the time the backlog held work is integrated by the
+   rule that held it (`room_counters`).
    With nothing in flight the first backlogged generation always goes (the engine
    never idles while Sluice holds work). With the engine capacity unknown (all 0)
    and no caller's max_concurrency in the way, nothing is held: eligible means
@@ -93,7 +109,7 @@ the `Admitted`, the `Entry` and the `Ended` event. See bench/core_bench.py for n
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import replace
 from heapq import heappop, heappush
 
@@ -110,14 +126,16 @@ from .events import (
     Ended,
     Event,
     Refusal,
+    RoomCounters,
 )
 from .keys import GroupKey
-from .room import EngineCapacity, Room
+from .room import EngineCapacity, EngineView, Hold, Room, underfed
 from .types import (
     AdmissionState,
     Admitted,
     Batch,
     EngineLoad,
+    EngineStep,
     Outcome,
     RefusalReason,
     Refused,
@@ -128,6 +146,11 @@ from .types import (
 __all__ = ["Coalescer"]
 
 _KEEP_GROUPS = 64  # empty groups kept for reuse (see Coalescer.__init__)
+# room.py rule 2: the share of the feed's spare a step with waiting work left takes off.
+# Modelled at the c=384 spread (bench/room_sim.py): under-fed steps 10.8% of the held
+# ones at 1/16, 5.1% at 1/64, 2.7% at 1/256, 1.0% at 0, with the engine's waiting
+# queue at 1.8, 2.3, 2.7 and 3.4 requests on average (vLLM's server: 245).
+_SPARE_DECAY = 1.0 / 256.0
 
 _OK = AdmissionState.OK
 _CRITICAL = AdmissionState.CRITICAL
@@ -202,10 +225,19 @@ class Coalescer:
         self._known = config.engine.known  # any engine number known: room.py applies
         self._kv_usage = 0.0  # from the latest EngineLoad
         self._kv_usage_least: float | None = None  # its least-used DP rank's (room rule 6)
-        self._engine_queue = 0  # its waiting count
+        # Prompt tokens the engine's steps prefilled of the unstarted generations
+        # (room.py rule 3): in its KV use already.
+        self._prefilled = 0
+        # Each data-parallel rank's latest step (room.py rule 2; None: none yet), and
+        # the spare slots and step tokens the steps set.
+        self._last_steps: list[EngineStep | None] = [None] * config.engine.ranks
+        self._spare_slots = 0.0
+        self._spare_tokens = 0.0
+        self._slot_bound = False  # the last round's feed ran short of slots, not budget
         self._unstarted_n = 0  # released generations without a first output yet
         self._unstarted_tokens = 0  # their prompt tokens
-        self._unstarted_chunks = 0  # their next prefill chunks (room.py rule 3)
+        self._unstarted_feed = 0  # what the engine's next steps prefill of them (rule 2)
+        self._unstarted_long = 0  # of them, prompts that take more than a step's chunk (rule 5)
         self._n_admitted = 0
         self._n_refused = 0
         self._n_dispatched = 0
@@ -215,6 +247,13 @@ class Coalescer:
         self._n_batches = 0
         self._n_generations = 0
         self._n_dedupe = 0
+        # The engine's steps and what the backlog held beside them (RoomCounters).
+        self._n_steps = 0
+        self._n_steps_held = 0
+        self._n_underfed = 0
+        self._held_by: Hold | None = None  # the rule that held work since `_held_at`
+        self._held_at = 0.0
+        self._held_s: dict[Hold, float] = dict.fromkeys(Hold, 0.0)
 
     # -- state, gauges, callers ----------------------------------------------------
 
@@ -239,6 +278,7 @@ class Coalescer:
         self._known = value.engine.known
         self._backlog.max_delay = value.order.max_delay
         self._set_slots()
+        self._refeed()
         self._apply_callers()
 
     @property
@@ -251,10 +291,19 @@ class Coalescer:
         self._config = replace(self._config, engine=value)
         self._known = value.known
         self._set_slots()
-        chunk = value.next_chunk
-        self._unstarted_chunks = sum(
-            chunk(g.ptok) for g in self._in_flight.values() if not g.started
-        )
+        self._refeed()
+
+    def _refeed(self) -> None:
+        """The engine capacity or the feed steps changed: recount room.py rule 2's
+        unstarted tokens, and forget steps of ranks that are gone."""
+        cfg = self._config
+        size, steps = cfg.engine.feed_size, cfg.feed_steps
+        unstarted = [g.ptok for g in self._in_flight.values() if not g.started]
+        self._unstarted_feed = sum(size(p, steps) for p in unstarted)
+        multi, short = cfg.engine.multi_step, cfg.short_prompt_tokens
+        self._unstarted_long = sum(1 for p in unstarted if multi(p, short))
+        ranks = cfg.engine.ranks
+        self._last_steps = (self._last_steps + [None] * ranks)[:ranks]
 
     def _set_slots(self) -> None:
         """The engine's max_loras and the slot wait (rule 13); slots in flight stay."""
@@ -324,6 +373,20 @@ class Coalescer:
             batches=self._n_batches,
             generations=self._n_generations,
             dedupe_hits=self._n_dedupe,
+        )
+
+    @property
+    def feed_spare(self) -> tuple[float, float]:
+        """Room.py rule 2's spare (slots, step tokens) the engine's steps have set."""
+        return self._spare_slots, self._spare_tokens
+
+    @property
+    def room_counters(self) -> RoomCounters:
+        return RoomCounters(
+            steps=self._n_steps,
+            steps_held=self._n_steps_held,
+            underfed_steps=self._n_underfed,
+            held_seconds=tuple((h.value, s) for h, s in self._held_s.items()),
         )
 
     def callers(self) -> tuple[CallerStats, ...]:
@@ -706,19 +769,30 @@ class Coalescer:
         while wheap and wheap[0][2].state != QUEUED:
             heappop(wheap)
 
-    def due(self, now: float, load: EngineLoad | None = None) -> list[Batch]:
-        """Expire, make due work eligible, then release what the engine has room for."""
+    def due(
+        self, now: float, load: EngineLoad | None = None, steps: Sequence[EngineStep] = ()
+    ) -> list[Batch]:
+        """Expire, make due work eligible, then release what the engine has room for.
+
+        `steps` are the engine steps reported since the previous call: each is judged
+        against what the backlog held meanwhile (rule 5) before anything changes.
+        """
         out: list[Batch] = []
+        if steps:
+            self._judge(steps)
+        if self._held_by is not None and now > self._held_at:
+            self._held_s[self._held_by] += now - self._held_at
+        self._held_at = now
         xheap = self._xheap
         if xheap and xheap[0][0] <= now:
             self._expire(now)
         if self._state is _CRITICAL:
+            self._held_by = None  # held by the admission state, not by a room rule
             self._tidy()
             return out
         if load is not None:
             self._kv_usage = load.kv_usage
             self._kv_usage_least = load.kv_usage_least
-            self._engine_queue = load.waiting
         # Decided before this call releases anything (see rule 10).
         idle = (
             load is not None
@@ -768,10 +842,60 @@ class Coalescer:
                         push(g)
         if backlog.n:
             self._release(now, out)
+        self._held_by = backlog.held_by if backlog.n else None
         if out:
             self._drain.busy(now)
         self._tidy()
         return out
+
+    def _judge(self, steps: Sequence[EngineStep]) -> None:
+        """Count the engine's steps, and the under-fed ones (room.underfed) beside what
+        the backlog held since the previous `due()`; keep each rank's latest."""
+        last = self._last_steps
+        prefilled = self._prefilled
+        for s in steps:
+            if 0 <= s.rank < len(last):
+                last[s.rank] = s
+            prefilled += s.prefill_tokens
+        self._prefilled = min(prefilled, self._unstarted_tokens)
+        self._n_steps += len(steps)
+        if not self._backlog.n:
+            return
+        self._n_steps_held += len(steps)
+        held = self._held_prompt(self._room(self._held_at))
+        if not held:
+            return
+        cap = self._config.engine
+        fed = self._held_by is Hold.FEED
+        for s in steps:
+            if underfed(s, cap, held):
+                self._n_underfed += 1
+                if fed:
+                    self._respare(s, self._slot_bound)
+            elif s.waiting:
+                self._spare_slots -= self._spare_slots * _SPARE_DECAY
+                self._spare_tokens -= self._spare_tokens * _SPARE_DECAY
+
+    def _respare(self, step: EngineStep, slot_bound: bool) -> None:
+        """Room.py rule 2's spare: an under-fed step while the feed held work adds
+        what it left unused, of the dimension the feed ran short of."""
+        cap = self._config.engine
+        if slot_bound and cap.max_seqs:
+            unused = max(0, cap.max_seqs - step.requests)
+            self._spare_slots = min(cap.max_seqs * cap.ranks, self._spare_slots + unused)
+        elif cap.step_tokens:
+            unused = max(0, cap.step_tokens - step.tokens)
+            self._spare_tokens = min(cap.step_tokens * cap.ranks, self._spare_tokens + unused)
+
+    def _held_prompt(self, room: Room) -> int:
+        """The smallest prompt among the callers' first generations that wait for
+        engine room (not at their caller's max_concurrency, not for a LoRA slot); 0
+        if none."""
+        best = 0
+        for g in self._backlog.heads():
+            if room.admits(g.request.key.adapter) and (not best or g.ptok < best):
+                best = g.ptok
+        return best
 
     def _cut(self, group: Group, reason: ReleaseReason | None) -> None:
         """Make a group's queued generations eligible (rule 3), in rule-6 order.
@@ -821,26 +945,46 @@ class Coalescer:
             room.take(g.ptok, g.request.key.adapter)
             serve(g)
             released.append(g)
+        self._slot_bound = room.slot_bound
         self._round_done(released, now, out)
 
     def _room(self, now: float) -> Room:
         cfg = self._config
+        in_flight = len(self._in_flight)
         return Room(
             cfg.engine,
-            len(self._in_flight),
+            in_flight,
             self._unstarted_n,
             self._unstarted_tokens,
-            self._unstarted_chunks,
+            self._unstarted_feed,
+            EngineView.of(
+                cfg.engine,
+                self._last_steps,
+                in_flight - self._unstarted_n,
+                self._spare_slots,
+                self._spare_tokens,
+            ),
             self._kv_usage,
-            self._engine_queue,
+            self._prefilled,
             cfg.kv_reserve_short,
             cfg.short_prompt_tokens,
-            cfg.step_lookahead,
-            cfg.slot_spare,
+            cfg.feed_steps,
             self._kv_usage_least,
             self._backlog.slots,
             now,
+            self._unstarted_long,
+            cfg.long_prefills if self._callers_busy() > 1 else 0,
         )
+
+    def _callers_busy(self) -> int:
+        """Callers with work in flight or queued (room.py rule 5), counted up to two."""
+        n = 0
+        for c in self._callers.values():
+            if c.in_flight or c.queued:
+                n += 1
+                if n > 1:
+                    break
+        return n
 
     def _room_for(self, fresh: list[tuple[list[Gen], ReleaseReason]], now: float) -> bool:
         """Would the engine take all of `fresh` now (the backlog being empty)?"""
@@ -921,8 +1065,11 @@ class Coalescer:
         entries = []
         tokens = 0
         ptok = 0
-        chunks = 0
-        chunk = self._config.engine.next_chunk
+        feed = 0
+        longs = 0
+        cfg = self._config
+        size, steps = cfg.engine.feed_size, cfg.feed_steps
+        multi, short = cfg.engine.multi_step, cfg.short_prompt_tokens
         nsubs = 0
         for g in gens:
             g.state = GONE
@@ -950,7 +1097,8 @@ class Coalescer:
             nsubs += len(subs)
             tokens += g.tokens
             ptok += g.ptok
-            chunks += chunk(g.ptok)
+            feed += size(g.ptok, steps)
+            longs += multi(g.ptok, short)
             entries.append(_fast.entry(req, tuple(subs), g.key))
         self._q_reqs -= nsubs
         self._f_reqs += nsubs
@@ -958,7 +1106,8 @@ class Coalescer:
         self._f_tokens += tokens
         self._unstarted_n += len(gens)
         self._unstarted_tokens += ptok
-        self._unstarted_chunks += chunks
+        self._unstarted_feed += feed
+        self._unstarted_long += longs
         self._n_dispatched += nsubs
         self._n_generations += len(gens)
         self._n_batches += 1
@@ -969,23 +1118,29 @@ class Coalescer:
 
     # -- after release -------------------------------------------------------------
 
-    def started(self, request_id: str, now: float) -> bool:
+    def started(self, request_id: str, now: float, cached: int = 0) -> bool:
         """A released generation produced its first output: it left the engine's queue.
 
-        Returns False for an unknown, finished or already started id (a no-op).
+        `cached` is how many of its prompt tokens the engine's prefix cache held (vLLM's
+        num_cached_tokens): those it did not prefill. Returns False for an unknown,
+        finished or already started id (a no-op).
         """
         gen = self._in_flight.get(request_id)
         if gen is None or gen.started:
             return False
         gen.started = True
-        self._leaves_engine_queue(gen)
+        self._leaves_engine_queue(gen, gen.ptok - min(max(0, cached), gen.ptok))
         return True
 
-    def _leaves_engine_queue(self, gen: Gen) -> None:
-        """A released generation is no longer unstarted (room.py rules 3-4)."""
+    def _leaves_engine_queue(self, gen: Gen, prefilled: int) -> None:
+        """A released generation is no longer unstarted (room.py rules 2-3), after the
+        engine prefilled `prefilled` of its prompt tokens."""
+        cfg = self._config
         self._unstarted_n -= 1
         self._unstarted_tokens -= gen.ptok
-        self._unstarted_chunks -= self._config.engine.next_chunk(gen.ptok)
+        self._unstarted_feed -= cfg.engine.feed_size(gen.ptok, cfg.feed_steps)
+        self._unstarted_long -= cfg.engine.multi_step(gen.ptok, cfg.short_prompt_tokens)
+        self._prefilled = max(0, self._prefilled - prefilled) if self._unstarted_n else 0
 
     def finished(self, request_id: str, now: float, tokens: int | None = None) -> bool:
         """A released generation (by `Entry.request.id`) ended in the engine.
@@ -1008,7 +1163,9 @@ class Coalescer:
         self._f_reqs -= n
         self._f_tokens -= gen.tokens
         if not gen.started:
-            self._leaves_engine_queue(gen)
+            # Ended before its first output (an abort): how much of it the engine had
+            # prefilled is not known; all of it, so the KV estimate errs high.
+            self._leaves_engine_queue(gen, gen.ptok)
         req = gen.request
         generated = req.max_new_tokens if tokens is None else tokens
         c = gen.caller

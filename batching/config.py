@@ -20,21 +20,20 @@ Rules:
   prompt tokens per second of waiting, never more than `max_delay` seconds behind
   first-come-first-served within a caller and priority.
 * `kv_reserve_short` (0 <= x < 1) is the share of the KV cache that prompts longer
-  than `short_prompt_tokens` may not use (room.py rule 5); 0 turns it off. A tenth
+  than `short_prompt_tokens` may not use (room.py rule 4); 0 turns it off. A tenth
   by default: beside two KV-bound bulk callers a chat turn otherwise waits for a
   bulk request to end (issue 21: chat TTFT p95 534 ms at 0, 72 ms at 0.1, bulk
-  throughput unchanged; 0.2 cost a 2,000-token flood 8%). `short_prompt_tokens`
-  also splits room.py rule 3: a short prompt counts the unstarted prompts' next
-  prefill chunks, a long one their whole prompts.
-* `step_lookahead` (>= 1) and `slot_spare` (>= 0) size the engine's own queue
-  (room.py rules 2 and 3): unstarted prompts up to 1 step's token budget, and 1/16
-  more requests than the engine has slots (16 on 256 slots), so that the engine
-  never waits a step for the driver. 1, not 2: with two steps of long prompts
-  released and not started, a chat turn released after them waits behind them
-  (issue 21, three callers: chat TTFT p95 47 ms at 1 against 153-158 ms at 2).
-  Measured again with room.py rule 3's short/long split (one repetition): at 2,
-  chat TTFT p95 586 ms beside the flood and 460 ms beside the bulk callers,
-  against 70 and 58 ms at 1, and no gain in throughput at c=384 (40.2 req/s).
+  throughput unchanged; 0.2 cost a 2,000-token flood 8%).
+* `feed_steps` (>= 1) sizes the engine's own queue (room.py rule 2): what this many
+  of its steps take, as its last step showed, plus the spare its under-fed steps
+  set. 2 by default: a release reaches the engine one step late (the driver hears
+  of step N when step N+1 is scheduled). Issue 21's room (released slots up to
+  max_num_seqs + 1/16, unstarted prompt tokens up to one step's budget) left 89%
+  of the steps under-fed at the c=384 spread (issue 27).
+* `long_prefills` (>= 0; 0 turns it off) bounds, while more than one caller has work,
+  the unstarted prompts that take more than one step's prefill chunk (room.py rule 5,
+  which gives the numbers): one by default, so a chat turn finds budget in the next
+  step beside a flood of long prompts.
 * `adapter_wait` (seconds >= 0) is how long the fair-share head may wait for a LoRA
   slot before the adapter in flight longest is drained for it (adapters.py rule 4;
   only with `engine.max_loras` > 0). 0 by default: the drain starts as soon as the
@@ -82,8 +81,8 @@ class CoalescerConfig:
     order: ReleaseOrder = _ORDER  # the release key (order.py)
     kv_reserve_short: float = 0.1  # KV share long prompts leave free for short ones
     short_prompt_tokens: int = 256  # a prompt this long or shorter counts as short
-    step_lookahead: float = 1.0  # engine step budgets of unstarted prompts (issue 21)
-    slot_spare: float = 0.0625  # share of engine slots released beyond max_num_seqs
+    feed_steps: float = 2.0  # engine steps of work kept in the engine's queue (room.py rule 2)
+    long_prefills: int = 1  # multi-step prompts unstarted beside others' work (room.py rule 5)
     adapter_wait: float = 0.0  # seconds the head may wait for a LoRA slot (adapters.py)
 
     def __post_init__(self) -> None:
@@ -101,6 +100,8 @@ class CoalescerConfig:
             raise ValueError("kv_reserve_short must be in [0, 1)")
         if self.short_prompt_tokens < 0:
             raise ValueError("short_prompt_tokens must be >= 0")
-        if not self.step_lookahead >= 1.0 or not self.slot_spare >= 0.0:
-            raise ValueError("need step_lookahead >= 1 and slot_spare >= 0")
+        if not self.feed_steps >= 1.0:
+            raise ValueError("need feed_steps >= 1")
+        if self.long_prefills < 0:
+            raise ValueError("long_prefills must be >= 0 (0: no bound)")
         check_wait(self.adapter_wait)

@@ -24,7 +24,7 @@ from .callers import DEFAULT_CALLER
 from .keys import GroupKey
 from .types import Outcome, RefusalReason, ReleaseReason
 
-__all__ = ["Counters", "DedupeHit", "Ended", "Event", "Refusal", "Released"]
+__all__ = ["Counters", "DedupeHit", "Ended", "Event", "Refusal", "Released", "RoomCounters"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,3 +77,14 @@ class Counters:
     batches: int
     generations: int  # dispatched generations (entries)
     dedupe_hits: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoomCounters:
+    """Cumulative totals of the engine room since the coalescer was built: the engine
+    steps it was told of and what its backlog held meanwhile (room.py)."""
+
+    steps: int  # engine steps reported to the core (each DP rank's own)
+    steps_held: int  # of those, steps that ran while the backlog held work
+    underfed_steps: int  # of those, under-fed ones (room.underfed)
+    held_seconds: tuple[tuple[str, float], ...]  # (room.Hold value, seconds) per rule

@@ -126,6 +126,10 @@ class EngineStats:
     # Engine steps reported (each rank's stats count once): the denominator for
     # the adapter-wait share.
     steps_total: int = 0
+    # Tokens the engine's steps scheduled (vLLM's iteration details): prompt tokens
+    # (whole prompts and chunks) and decode tokens.
+    prefill_tokens_total: int = 0
+    decode_tokens_total: int = 0
 
     @property
     def kv_usage_least(self) -> float | None:

@@ -1,57 +1,94 @@
 """Engine room: may one more generation go to the engine now?
 
 Why this module exists: Sluice holds the backlog itself, so that ordering, dedupe,
-cancel and expiry still act on it, and gives the engine only what it can schedule
-soon. vLLM's scheduler takes waiting requests, in its own order, while it has a
-running slot (`max_num_seqs`), token budget in the step (`max_num_batched_tokens`)
-and KV blocks; whatever waits beyond that waits in vLLM's queue, where Sluice can no
-longer reorder it. This module is that test, on numbers the driver reports.
+cancel and expiry still act on it, and gives the engine only what its next steps
+will take. vLLM's scheduler takes waiting requests, in its own order, while a step
+has a running slot (`max_num_seqs`), token budget (`max_num_batched_tokens`) and KV
+blocks; whatever waits beyond that waits in vLLM's queue, where Sluice can no longer
+reorder it. Too little there and a step runs under-fed while Sluice holds work
+(`underfed`, below: the number the room is judged by). This module is that test, on
+what the engine reported of its last step and on what Sluice released since.
 
 Rules (a generation's size here is its prompt tokens; 0 means "unknown" for each
 engine number, and an unknown number never holds anything back):
 
 1. Work-conserving: with nothing of ours in flight, anything fits.
-2. Slots: in flight (released, not finished) < `max_seqs` plus `slot_spare` of it
-   (rounded down). The driver learns that a slot freed one engine step late (the
-   engine has scheduled its next step by then); a few spare requests in the
-   engine's own queue fill a freed slot at once instead of a step later.
-3. Step budget: prompt tokens released but not yet started (no first output yet)
-   plus this one <= `step_lookahead` x `step_tokens`, unless nothing is unstarted
-   (a prompt larger than that then goes alone: chunked prefill takes it in
-   pieces). One step by default (config.py says why: two let released long
-   prompts fill the step a chat turn needs). Together with rule 2 this keeps
-   the engine's own waiting queue at about one step of prefill; the number of
-   unstarted requests needs no bound of its own, since the engine admits them
-   in its next steps when both hold.
-   A short prompt (`short_prompt` tokens or fewer, as in rule 5) counts the
-   unstarted prompts' next chunks instead of their whole prompts: with vLLM's
-   per-prompt cap (`prefill_chunk`, its --long-prefill-token-threshold) an
-   unstarted 2,000-token prompt takes 512 tokens of the next step, so a chat
-   turn fits in that step beside it. Booking it whole held the chat turn in
-   Sluice's queue for the 4 steps of that prefill (issue 21: chat TTFT p95
-   189 ms beside the flood against 18 ms alone). Long prompts still count
-   whole prompts: counting chunks for them too let four flood prompts be
-   unstarted at once, which filled the step and the KV cache (chat p95
-   1,223 ms; bench/results/issue21-rule3-cpu.md).
-4. KV room: estimated KV tokens in use plus this prompt <= `kv_tokens`. The estimate
-   is `kv_usage` x `kv_tokens` from the engine's latest stats, plus the prompts the
-   engine has not allocated yet: of the unstarted prompts, the share the engine
-   reports waiting (`engine_waiting` of them; the others are in prefill, and their
-   blocks are in `kv_usage` already), and everything released in this round.
-   Decode growth of running requests is in `kv_usage` as it happens; vLLM
-   preempts when it runs out, as it would without Sluice.
-5. Headroom for short requests (`reserve` > 0; a tenth by default, config.py): a
+2. Feed, from the engine's steps. The engine's queue is Sluice's unstarted work
+   (released, no first output yet: waiting in vLLM, on its way there, or in its
+   first prefill chunks). It may hold what the engine's next `feed_steps` steps
+   can take, as its last step on each data-parallel rank showed: requests up to
+   `feed_steps` x the running slots the steps left free (`max_seqs` - running
+   after the step), prompt tokens up to `feed_steps` x the budget their decodes
+   left (`step_tokens` - decode tokens of the step); plus a spare of each that the
+   steps set (`EngineView.spare_*`, coalescer.py): a step under-fed while this rule
+   held work adds what it left unused, of the dimension the rule ran short of (at
+   most one engine's slots and budget), and a step after which the engine still
+   had waiting work of its own takes a 256th back. An unstarted prompt counts
+   what the engine prefills of it in those steps: at most `feed_steps` chunks of
+   vLLM's per-prompt cap (`prefill_chunk`, --long-prefill-token-threshold). With
+   nothing unstarted, a prompt of any size may go (a larger one then goes alone:
+   chunked prefill takes it in pieces), if a slot is free for it. Two steps,
+   because a release reaches the engine one step late: the driver hears of step N
+   once the engine has scheduled step N+1, so what it releases then feeds step
+   N+2; the spare covers what that misses (steps that finish more requests than
+   the one before). Measured at the
+   c=384 spread (one caller, 16-700-token prompts; one run on a loaded 2-core
+   machine): issue 21's prediction (released slots up to max_num_seqs + 1/16,
+   unstarted prompt tokens up to one step's budget) left 89% of the engine's
+   steps under-fed while the backlog held work (679 prefill tokens of 2,048 a
+   step, 61 of 128 slots running); two steps, 45% (107 running); with the spare,
+   12% (a spare decay of 1/16 then). Modelled (bench/room_sim.py): 10.8%
+   under-fed at a decay of 1/16, 2.7% at 1/256, with vLLM's waiting queue 1.8 and
+   2.7 requests deep on average (vLLM's server: 245). Before the engine has
+   reported a step, running is Sluice's own count of started and unfinished work
+   and a step's decodes are that many tokens.
+3. KV room: estimated KV tokens in use plus this prompt <= `kv_tokens`. The estimate
+   is `kv_usage` x `kv_tokens` from the engine's latest stats, plus what the engine
+   has still to allocate for the prompts released to it: the unstarted prompts'
+   tokens less the prompt tokens its steps have prefilled of them (`prefilled`,
+   from each step's scheduled prompt tokens, which are in `kv_usage` once
+   scheduled), and everything released in this round. The engine cannot tell
+   this ahead: vLLM starts a prompt on its first chunk's blocks, and a prompt
+   whose later chunks find none blocks the requests behind it in its
+   first-come-first-served queue, so it has to be held before it is released.
+   (Counted instead as the share of unstarted prompts the engine reported
+   waiting, as issue 21's room did, a release on its way to the engine counted
+   nothing until the engine's next report: at the flood, 2-4 flood prompts then
+   waited for KV in vLLM's queue in 74% of the steps, where a chat turn waits
+   behind them.) A short prompt (rule 4's) counts only the engine's use and this
+   round's releases: vLLM allocates it whole in its first step, beside whatever is
+   still to come of the long prompts in prefill, which then wait for blocks or are
+   preempted; that is the room rule 4 keeps for it. Counting their pending tokens
+   too held chat turns in Sluice's queue while a flood prompt was in prefill (chat
+   queue wait p95 10 s beside the flood, one run on a loaded machine). Decode growth
+   of running requests is in `kv_usage` as it happens; vLLM preempts when it runs
+   out, as it would without Sluice.
+4. Headroom for short requests (`reserve` > 0; a tenth by default, config.py): a
    prompt longer than `short_prompt` tokens may only use (1 - reserve) of the KV
    cache, so a short chat turn finds room at the next step instead of waiting for a
-   long request to end.
+   long request to end. A policy, not a fact the engine has: measured (issue 21)
+   beside two KV-bound bulk callers, chat TTFT p95 534 ms at 0 against 72 ms at 0.1.
+5. Room for another caller's short turn (`long_prefills` > 0; one by default,
+   config.py): while more than one caller has work in flight or queued, at most
+   `long_prefills` unstarted prompts longer than one prefill chunk (vLLM's
+   per-prompt cap, or `short_prompt` without one) per rank. vLLM schedules its
+   running prefills before any waiting request, each a chunk per step, so with
+   four 2,000-token prompts in prefill a step is all chunks (4 x 512 of 2,048) and a
+   chat turn released beside them waits for their four steps. Modelled (the
+   scheduler's rules, 2-core step times, Sluice's core; bench/room_sim.py): chat
+   TTFT p95 beside the flood 293 ms with no bound, 110 ms at 2, 67 ms at 1 (issue
+   21's room: 71 ms; measured 75 ms), flood throughput 4.17, 4.14, 4.06 req/s;
+   beside two bulk callers 272 against 70 ms. With one caller
+   there is no one else's turn to keep room for (its own short prompts go first
+   in its order), and the bound only starves the engine: at the c=384 spread,
+   35.3 req/s at 1 against 40.5 without.
 6. Data-parallel ranks (`ranks` > 1; vLLM's --data-parallel-size): each rank has
-   its own scheduler and KV cache, and the capacity numbers are one rank's. Slots
-   and step budgets add up (each rank runs its own steps), so rules 2 and 3 use
-   `ranks` x each. KV adds up for the total in use (rule 4 on `ranks` x
-   `kv_tokens`, `kv_usage` being the ranks' mean), but a prompt's blocks live
-   on one rank: it also needs `kv_tokens` x (1 - the least-used rank's usage)
-   free on that rank. vLLM's coordinator places each request (server/engines/vllm_adapter.py
-   says why Sluice leaves it to it), so pending prompts are not booked per rank.
+   its own scheduler and KV cache, and the capacity numbers are one rank's. Rule 2
+   adds up the ranks' own last steps (vLLM's coordinator places each request,
+   server/engines/vllm_adapter.py says why Sluice leaves it to it), and rule 5's bound is per
+   rank. KV adds up for the total in use (rule 3 on `ranks` x `kv_tokens`,
+   `kv_usage` being the ranks' mean), but a prompt's blocks live on one rank: it
+   also needs `kv_tokens` x (1 - the least-used rank's usage) free on that rank.
 7. LoRA slots (`max_loras` > 0; vLLM's --max-loras with --enable-lora): work on an
    adapter goes only while the distinct adapters in flight stay within `max_loras`
    (adapters.py rules 1-2 and 4: a slot, and the victim closed to new work).
@@ -61,15 +98,33 @@ engine number, and an unknown number never holds anything back):
    counts the adapters of its running requests; Sluice's in flight (released, not
    finished) is a superset, so a released request never waits in vLLM's queue for a
    slot, at the price of counting a slot until the last of its work has ended.
+
+A caller's own limits (max_concurrency, backlog.py rule 4) are the backlog's, not
+the room's: the engine cannot tell them either.
 """
 
 from __future__ import annotations
 
+import enum
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .adapters import AdapterSlots
+from .types import EngineStep
 
-__all__ = ["EngineCapacity", "Room"]
+__all__ = ["EngineCapacity", "EngineView", "Hold", "Room", "underfed"]
+
+
+class Hold(enum.Enum):
+    """Which rule held the backlog (sluice_backlog_held_seconds_total{rule})."""
+
+    FEED = "feed"  # rule 2: the engine's queue holds its next steps' work
+    LONG = "long_prefill"  # rule 5: a long prompt in prefill beside another caller's work
+    KV = "kv"  # rules 3 and 6
+    RESERVE = "reserve"  # rule 4
+    ADAPTER = "adapter_slot"  # rule 7
+    CALLER = "caller_limit"  # a caller's max_concurrency (backlog.py rule 4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +136,7 @@ class EngineCapacity:
     kv_tokens: int = 0  # KV cache size in tokens: num_gpu_blocks x block_size
     ranks: int = 1  # data-parallel ranks, each with the numbers above (rule 6)
     max_loras: int = 0  # vLLM lora_config.max_loras; 0 = LoRA off (rule 7)
-    prefill_chunk: int = 0  # vLLM long_prefill_token_threshold; 0 = no cap (rule 3)
+    prefill_chunk: int = 0  # vLLM long_prefill_token_threshold; 0 = no cap (rule 2)
 
     def __post_init__(self) -> None:
         if (
@@ -92,38 +147,84 @@ class EngineCapacity:
         if self.ranks < 1:
             raise ValueError("data-parallel ranks must be >= 1")
 
-    def next_chunk(self, ptok: int) -> int:
-        """Rule 3: the tokens an unstarted prompt of `ptok` takes in one engine step."""
+    def multi_step(self, ptok: int, short_prompt: int) -> bool:
+        """Rule 5: does a prompt of `ptok` take more than one step's chunk to prefill
+        (more than vLLM's per-prompt cap, or than `short_prompt` without one)?"""
+        return ptok > (self.prefill_chunk or short_prompt)
+
+    def feed_size(self, ptok: int, steps: float) -> int:
+        """Rule 2: the prompt tokens of `ptok` the engine prefills in `steps` steps."""
         chunk = self.prefill_chunk
-        return ptok if not chunk or ptok <= chunk else chunk
+        if not chunk:
+            return ptok
+        return min(ptok, math.ceil(steps * chunk))
 
     @property
     def known(self) -> bool:
         return bool(self.max_seqs or self.step_tokens or self.kv_tokens or self.max_loras)
 
 
+@dataclass(frozen=True, slots=True)
+class EngineView:
+    """Rule 2's numbers from the engine's last step on every rank: running slots and
+    step tokens left free for waiting work, summed over ranks (0 where unknown), and
+    the spare the steps set on top of them."""
+
+    free_slots: int
+    free_tokens: int
+    spare_slots: float = 0.0
+    spare_tokens: float = 0.0
+
+    @classmethod
+    def of(
+        cls,
+        capacity: EngineCapacity,
+        last: Iterable[EngineStep | None],
+        running: int,
+        spare_slots: float = 0.0,
+        spare_tokens: float = 0.0,
+    ) -> EngineView:
+        """From each rank's latest step (None: none reported yet). A rank that has not
+        reported gets its share of `running`, Sluice's own count of started and
+        unfinished work, with one decode token each."""
+        seqs, budget = capacity.max_seqs, capacity.step_tokens
+        slots = tokens = 0
+        steps = list(last)
+        share = running // max(1, len(steps))
+        for step in steps:
+            run = step.running if step is not None else share
+            dec = step.decode_tokens if step is not None else share
+            slots += max(0, seqs - run)
+            tokens += max(0, budget - dec)
+        return cls(slots if seqs else 0, tokens if budget else 0, spare_slots, spare_tokens)
+
+
 class Room:
     """One release round's view of the engine; `take()` books each release."""
 
     __slots__ = (
+        "feed_size",
+        "feed_slots",
+        "feed_tokens",
         "in_flight",
         "kv_long",
         "kv_pending",
         "kv_rank_free",
+        "kv_round",
         "kv_tokens",
         "kv_used",
         "limited",
+        "long_bound",
+        "long_n",
         "loras",
-        "next_chunk",
+        "multi_step",
         "now",
         "resident",
-        "seq_limit",
         "short_prompt",
         "slots",
-        "step_tokens",
-        "unstarted_chunks",
+        "steps",
+        "unstarted_feed",
         "unstarted_n",
-        "unstarted_tokens",
     )
 
     def __init__(
@@ -132,34 +233,40 @@ class Room:
         in_flight: int,
         unstarted_n: int,
         unstarted_tokens: int,
-        unstarted_chunks: int,
+        unstarted_feed: int,
+        view: EngineView,
         kv_usage: float,
-        engine_waiting: int,
+        prefilled: int,
         reserve: float,
         short_prompt: int,
-        step_lookahead: float,
-        slot_spare: float,
+        feed_steps: float,
         kv_usage_least: float | None = None,
         slots: AdapterSlots | None = None,
         now: float = 0.0,
+        long_n: int = 0,
+        long_bound: int = 0,
     ) -> None:
         self.limited = capacity.known
-        ranks = capacity.ranks
-        seqs = capacity.max_seqs * ranks
-        self.seq_limit = seqs + int(seqs * slot_spare) if seqs else 0
-        self.step_tokens = capacity.step_tokens * ranks * step_lookahead
-        self.kv_tokens = kv = capacity.kv_tokens * ranks
+        # Rule 5: unstarted multi-step prompts, and how many may be (0: no bound).
+        self.long_n = long_n
+        self.long_bound = long_bound * capacity.ranks
+        self.multi_step = capacity.multi_step
+        self.steps = feed_steps
+        self.feed_size = capacity.feed_size
+        # Rule 2: what the engine's next `feed_steps` steps take, and the spare.
+        seqs, budget = capacity.max_seqs, capacity.step_tokens
+        self.feed_slots = feed_steps * view.free_slots + view.spare_slots if seqs else math.inf
+        self.feed_tokens = feed_steps * view.free_tokens + view.spare_tokens if budget else math.inf
+        self.kv_tokens = kv = capacity.kv_tokens * capacity.ranks
         self.kv_rank_free = _rank_free(capacity, kv_usage, kv_usage_least)
         self.kv_long = kv * (1.0 - reserve)
         self.kv_used = kv_usage * kv
-        waiting = min(1.0, engine_waiting / unstarted_n) if unstarted_n else 0.0
-        self.kv_pending = unstarted_tokens * waiting
+        self.kv_pending = max(0, unstarted_tokens - prefilled)
+        self.kv_round = 0  # prompt tokens released in this round (rule 3, short prompts)
         self.short_prompt = short_prompt
         self.in_flight = in_flight
         self.unstarted_n = unstarted_n
-        self.unstarted_tokens = unstarted_tokens
-        self.unstarted_chunks = unstarted_chunks
-        self.next_chunk = capacity.next_chunk
+        self.unstarted_feed = unstarted_feed
         # Rule 7: only with LoRA on; the set copies the adapters in flight, and grows
         # with this round's releases.
         self.loras = bool(slots is not None and slots.max_loras)
@@ -169,28 +276,44 @@ class Room:
 
     @property
     def full(self) -> bool:
-        """No slot left: nothing fits, whatever its size."""
-        return 0 < self.seq_limit <= self.in_flight
+        """The engine's queue holds all the requests its next steps take: nothing
+        fits, whatever its size (rule 2)."""
+        return self.limited and self.in_flight > 0 and self.unstarted_n >= self.feed_slots
+
+    @property
+    def slot_bound(self) -> bool:
+        """Rule 2 holds work for want of slots, not of budget."""
+        return self.unstarted_n >= self.feed_slots
 
     def fits(self, ptok: int) -> bool:
+        return self.blocks(ptok) is None
+
+    def blocks(self, ptok: int) -> Hold | None:
+        """The rule that holds a prompt of `ptok` tokens now, None if it fits."""
         if not self.limited or not self.in_flight:
-            return True
-        if self.seq_limit and self.in_flight >= self.seq_limit:
-            return False
-        step = self.step_tokens
-        if step and self.unstarted_n:
-            short = ptok <= self.short_prompt
-            ahead = self.unstarted_chunks if short else self.unstarted_tokens
-            if ahead + ptok > step:
-                return False
+            return None
+        if self.unstarted_n >= self.feed_slots or (
+            self.unstarted_n
+            and self.unstarted_feed + self.feed_size(ptok, self.steps) > self.feed_tokens
+        ):
+            return Hold.FEED
+        if (
+            self.long_bound
+            and self.long_n >= self.long_bound
+            and self.multi_step(ptok, self.short_prompt)
+        ):
+            return Hold.LONG
         kv = self.kv_tokens
         if kv:
-            limit = kv if ptok <= self.short_prompt else self.kv_long
-            if self.kv_used + self.kv_pending + ptok > limit:
-                return False
+            short = ptok <= self.short_prompt
+            ahead = self.kv_round if short else self.kv_pending
+            if self.kv_used + ahead + ptok > kv:
+                return Hold.KV
+            if not short and self.kv_used + self.kv_pending + ptok > self.kv_long:
+                return Hold.RESERVE
             if ptok > self.kv_rank_free:
-                return False
-        return True
+                return Hold.KV
+        return None
 
     def admits(self, adapter: str | None) -> bool:
         """Rule 7: may work on `adapter` go now (a LoRA slot)?"""
@@ -211,9 +334,11 @@ class Room:
             self.resident.add(adapter)
         self.in_flight += 1
         self.unstarted_n += 1
-        self.unstarted_tokens += ptok
-        self.unstarted_chunks += self.next_chunk(ptok)
+        self.unstarted_feed += self.feed_size(ptok, self.steps)
         self.kv_pending += ptok
+        self.kv_round += ptok
+        if self.multi_step(ptok, self.short_prompt):
+            self.long_n += 1
 
 
 def _rank_free(capacity: EngineCapacity, kv_usage: float, least: float | None) -> float:
@@ -222,3 +347,33 @@ def _rank_free(capacity: EngineCapacity, kv_usage: float, least: float | None) -
         return float("inf")
     usage = kv_usage if least is None else least
     return capacity.kv_tokens * (1.0 - usage)
+
+
+def underfed(step: EngineStep, capacity: EngineCapacity, held: int) -> bool:
+    """Was `step` under-fed: did it leave token budget and a running slot unused
+    while Sluice held work that would have fit?
+
+    `held` is the prompt size of the smallest generation Sluice held for engine
+    room, 0 if it held none: work that waits for its caller's limit or for a LoRA
+    slot is held on purpose, and a step beside it is not under-fed. "Would have
+    fit" is the engine's own test for a waiting request, on the step's rank, with
+    the whole prompt's KV: a running slot free (requests scheduled < max_seqs), its
+    first prefill chunk (the prompt, or vLLM's per-prompt cap if smaller) within
+    the token budget the step left, and KV for the whole prompt free after the step
+    (vLLM would start a prompt on its first chunk's blocks alone, and preempt when
+    a later chunk finds none: holding that prompt is not under-feeding). Work the
+    short-prompt reserve or the long-prefill bound holds (rules 4-5) counts: they
+    are Sluice's policy for a short turn's room, and their cost shows here and in
+    the held time by rule. A step after which the engine
+    itself still had waiting work is never under-fed: the engine held something it
+    could not schedule (KV, an adapter, its own order), so it was not short of work
+    from Sluice. Capacity numbers that are unknown (0) never make a step look full.
+    """
+    if held <= 0 or step.waiting:
+        return False
+    if capacity.max_seqs and step.requests >= capacity.max_seqs:
+        return False
+    chunk = capacity.feed_size(held, 1.0)
+    if capacity.step_tokens and step.tokens + chunk > capacity.step_tokens:
+        return False
+    return not (capacity.kv_tokens and held > capacity.kv_tokens * (1.0 - step.kv_usage))

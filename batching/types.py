@@ -40,6 +40,7 @@ __all__ = [
     "Admitted",
     "Batch",
     "EngineLoad",
+    "EngineStep",
     "Entry",
     "Outcome",
     "RefusalReason",
@@ -156,3 +157,25 @@ class EngineLoad:
     # Data-parallel ranks: the least-used rank's KV use (None: one rank, or
     # unknown; batching/room.py rule 6).
     kv_usage_least: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStep:
+    """One engine step of one data-parallel rank, as the engine reported it.
+
+    vLLM's per-step scheduler stats with its iteration details (server/engines/vllm_adapter.py):
+    the tokens it scheduled (prompt chunks and decodes), the requests they belong to,
+    and its queue and KV cache once the step was done.
+    """
+
+    rank: int  # the data-parallel rank (0 with one)
+    prefill_tokens: int  # prompt tokens scheduled: whole prompts and chunks of prompts
+    decode_tokens: int
+    requests: int  # requests scheduled in the step (each holds a running slot)
+    running: int  # the rank's running requests after the step
+    waiting: int  # its own waiting queue after the step (what it could not schedule)
+    kv_usage: float  # 0..1, its KV-cache use after the step
+
+    @property
+    def tokens(self) -> int:
+        return self.prefill_tokens + self.decode_tokens

@@ -157,7 +157,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         "--systems",
         default=f"{rp.SLUICE},{rp.VLLM}",
         help="servers to run, comma-separated (default: sluice,vllm; `sluice` alone "
-        "for an A/B of Sluice flags under --name)",
+        "for an A/B of Sluice flags under --name; `nohold` adds Sluice with "
+        "--no-hold-backlog)",
     )
     ap.add_argument(
         "--sluice-args",
@@ -195,8 +196,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"unknown scenarios: {', '.join(sorted(unknown))}", file=sys.stderr)
         return 2
     systems = tuple(s.strip() for s in ns.systems.split(",") if s.strip())
-    if not systems or set(systems) - {rp.SLUICE, rp.VLLM}:
-        print(f"--systems takes {rp.SLUICE} and/or {rp.VLLM}", file=sys.stderr)
+    if not systems or set(systems) - {rp.SLUICE, rp.VLLM, rp.NOHOLD}:
+        print(
+            f"--systems takes {rp.SLUICE}, {rp.VLLM} and/or {rp.NOHOLD} (Sluice with "
+            "--no-hold-backlog)",
+            file=sys.stderr,
+        )
         return 2
     demo = ns.model is None
     name = ns.name or ("demo-cpu" if demo else Path(ns.model.rstrip("/")).name.lower())

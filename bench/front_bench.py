@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,7 @@ TOKEN_TEXT = " ab"  # every generated token's text (a short word, as the demo mo
 class _Running:
     collector: Any
     left: int  # tokens still to generate
+    prompt: int  # prompt tokens, prefilled in the step that admits it
     first: bool = True
 
 
@@ -62,6 +63,9 @@ class StepEngine:
     step_cpu: float = 0.0  # thread CPU seconds spent in step bodies (subtracted)
     _running: dict[str, _Running] = field(default_factory=dict)
     _waiting: deque[tuple[str, _Running]] = field(default_factory=deque)
+    # The steps reported to the driver (the room releases from them, issue 27).
+    _steps: list[Any] = field(default_factory=list)
+    _on_step: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         from server.engines.interface import ModelInfo
@@ -88,7 +92,7 @@ class StepEngine:
         pass
 
     def stats(self) -> Any:
-        from server.operations.watchdog import EngineStats
+        from batching.pressure import EngineStats
 
         return EngineStats(
             kv_cache_usage=0.1,
@@ -108,9 +112,12 @@ class StepEngine:
             next_at += self.step
             await asyncio.sleep(max(0.0, next_at - loop.time()))
             t0 = time.thread_time()
+            prefill = 0
             while self._waiting and len(self._running) < self.slots:
                 rid, run = self._waiting.popleft()
                 self._running[rid] = run
+                prefill += run.prompt
+            scheduled = len(self._running)
             for rid, run in list(self._running.items()):
                 run.left -= 1
                 done = run.left <= 0
@@ -127,7 +134,33 @@ class StepEngine:
                     del self._running[rid]
                 run.collector.put(ro)
             self.steps += 1
+            self._report_step(prefill, scheduled)
             self.step_cpu += time.thread_time() - t0
+
+    def _report_step(self, prefill: int, scheduled: int) -> None:
+        """The step as vLLM's stat logger reports it to Sluice's driver."""
+        from batching import EngineStep
+
+        self._steps.append(
+            EngineStep(
+                rank=0,
+                prefill_tokens=prefill,
+                decode_tokens=scheduled,
+                requests=scheduled,
+                running=len(self._running),
+                waiting=len(self._waiting),
+                kv_usage=0.1,
+            )
+        )
+        if self._on_step is not None:
+            self._on_step()
+
+    def take_steps(self) -> list[Any]:
+        steps, self._steps = self._steps, []
+        return steps
+
+    def watch_steps(self, callback: Callable[[], None] | None) -> None:
+        self._on_step = callback
 
     # -- requests --------------------------------------------------------------
 
@@ -167,7 +200,9 @@ class StepEngine:
         from vllm.v1.engine.output_processor import RequestOutputCollector
 
         collector = RequestOutputCollector(params.output_kind, request_id)
-        self._waiting.append((request_id, _Running(collector, int(params.max_tokens))))
+        self._waiting.append(
+            (request_id, _Running(collector, int(params.max_tokens), len(prompt_tokens)))
+        )
         return collector
 
     async def abort(self, request_ids: Sequence[str]) -> None:

@@ -23,8 +23,16 @@ from typing import Any
 SLUICE = "sluice"
 VLLM = "vllm"
 RAW = "raw"
-SYSTEMS: tuple[str, ...] = (SLUICE, VLLM, RAW)
-SYSTEM_TITLES: dict[str, str] = {SLUICE: "Sluice", VLLM: "vLLM server", RAW: "raw engine"}
+# Issue 27: Sluice with --no-hold-backlog, every eligible request straight to vLLM's
+# queue (`--systems sluice,vllm,nohold`): what holding the backlog costs.
+NOHOLD = "nohold"
+SYSTEMS: tuple[str, ...] = (SLUICE, VLLM, RAW, NOHOLD)
+SYSTEM_TITLES: dict[str, str] = {
+    SLUICE: "Sluice",
+    VLLM: "vLLM server",
+    RAW: "raw engine",
+    NOHOLD: "Sluice, no held backlog",
+}
 
 # Metrics taken from the client's --save-result JSON (vllm bench serve), renamed
 # to the short keys used in the tables. Percentile keys exist because the client
@@ -59,6 +67,10 @@ METRIC_TITLES: dict[str, str] = {
     "front_cpu_ms": "front CPU per request (ms)",
     "running_peak": "engine running (peak)",
     "running_p50": "engine running (median)",
+    "running_mean": "engine running (mean)",
+    "held_steps": "engine steps beside a held backlog (Sluice)",
+    "underfed_steps": "of those, under-fed (Sluice)",
+    "underfed_share": "under-fed share of those steps (Sluice)",
     "prefill_tokens": "prefill tokens computed",
     "prefix_queries": "prompt tokens looked up",
     "prefix_hits": "prefix-cache hit tokens",
@@ -504,6 +516,7 @@ PREFIX_METRICS: dict[str, tuple[str, str]] = {
     ),
     VLLM: ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"),
 }
+PREFIX_METRICS[NOHOLD] = PREFIX_METRICS[SLUICE]
 
 
 def prefill_delta(
@@ -524,13 +537,27 @@ RUNNING_METRICS: dict[str, str] = {
     SLUICE: "sluice_engine_requests_running",
     VLLM: "vllm:num_requests_running",
 }
+RUNNING_METRICS[NOHOLD] = RUNNING_METRICS[SLUICE]
 
 
 def running_summary(samples: Sequence[float]) -> dict[str, float]:
     """Peak and median of the running counts sampled while a point ran."""
     if not samples:
         return {}
-    return {"running_peak": max(samples), "running_p50": statistics.median(samples)}
+    return {
+        "running_peak": max(samples),
+        "running_p50": statistics.median(samples),
+        "running_mean": statistics.fmean(samples),
+    }
+
+
+def underfed_share(metrics: Mapping[str, float]) -> dict[str, float]:
+    """Issue 27: the share of Sluice's engine steps beside a held backlog that were
+    under-fed (none when no step ran beside one)."""
+    held = metrics.get("held_steps")
+    if not held:
+        return {}
+    return {"underfed_share": metrics.get("underfed_steps", 0.0) / held}
 
 
 def front_cpu(seconds: float, jobs: Iterable[Mapping[str, float]]) -> dict[str, float]:
@@ -689,7 +716,12 @@ def render_single(table: Table, system: str, metrics: Sequence[str], point_title
 # --------------------------------------------------------------------- plot
 
 # One colour per system in every panel (matplotlib's tab10 blue, red and grey).
-SYSTEM_COLOURS: dict[str, str] = {SLUICE: "#1f77b4", VLLM: "#d62728", RAW: "#7f7f7f"}
+SYSTEM_COLOURS: dict[str, str] = {
+    SLUICE: "#1f77b4",
+    VLLM: "#d62728",
+    RAW: "#7f7f7f",
+    NOHOLD: "#2ca02c",
+}
 
 
 @dataclass(frozen=True, slots=True)

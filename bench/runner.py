@@ -410,6 +410,7 @@ class Runner:
             for key, name in point.counters:
                 if name in after:
                     metrics = {**metrics, key: after[name] - before.get(name, 0.0)}
+            metrics = {**metrics, **rp.underfed_share(metrics)}
         metrics = {
             **metrics,
             **rp.running_summary(running),
@@ -437,7 +438,7 @@ class Runner:
     def _callers_flags(self, system: str, callers: Sequence[str]) -> list[str]:
         """`--callers FILE` for Sluice when the block's jobs name callers and this
         Sluice has the flag (issue 11); the file goes to the run's raw dir, 0600."""
-        if system != rp.SLUICE or not callers:
+        if system not in (rp.SLUICE, rp.NOHOLD) or not callers:
             return []
         if self._sluice_callers is None:
             self._sluice_callers = sluice_has_flag("--callers", ROOT)
@@ -601,7 +602,8 @@ class Runner:
         try:
             groups = by_engine(plan.points)
             for rep in range(1, cfg.repeat + 1):
-                order = [rp.SLUICE, rp.VLLM] if rep % 2 else [rp.VLLM, rp.SLUICE]
+                order = [rp.SLUICE, rp.VLLM, rp.NOHOLD]
+                order = order if rep % 2 else order[::-1]
                 order = [system for system in order if system in cfg.systems]
                 for engine, points in groups:
                     for system in order:
@@ -691,6 +693,9 @@ CLASS_METRICS = (
 )
 # Each scenario's table, in SCENARIOS order; WINDOW and RAW_CEILING have
 # sections of their own.
+# Issue 27, on every saturated point: the engine's mean running count, and Sluice's
+# engine steps beside a held backlog, the under-fed ones and their share.
+UNDERFED_METRICS = ("held_steps", "underfed_steps", "underfed_share")
 SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
     CONCURRENCY: (
         "req_s",
@@ -698,6 +703,8 @@ SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
         "ttft_p50",
         "ttft_p99",
         "tpot_p50",
+        "running_mean",
+        *UNDERFED_METRICS,
         "front_cpu_ms",
         "failed",
     ),
@@ -719,6 +726,7 @@ SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
         "flood_completed",
         "flood_failed",
         "chat_beside_flood",
+        *UNDERFED_METRICS,
     ),
     PAST_CAPACITY: (*CLASS_METRICS[:-1], "short_failed", "failed"),
     SPREAD: (
@@ -729,6 +737,8 @@ SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
         "long_third_ttft_p99",
         "req_s",
         "completed",
+        "running_mean",
+        *UNDERFED_METRICS,
         "failed",
     ),
     LORA: (
@@ -739,6 +749,7 @@ SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
         "share_dev",
         "adapter_wait_steps",
         "engine_steps",
+        *UNDERFED_METRICS,
         "span_s",
     ),
     THREE: (
@@ -753,6 +764,7 @@ SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
         "bulk_b_span_completed",
         "bulk_b_per_a",
         "chat_beside_bulk",
+        *UNDERFED_METRICS,
     ),
     CHAT_MIX: CLASS_METRICS,
     DATA_PARALLEL: (
@@ -763,6 +775,8 @@ SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
         "tpot_p50",
         "running_peak",
         "running_p50",
+        "running_mean",
+        *UNDERFED_METRICS,
         "front_cpu_ms",
         "failed",
     ),

@@ -284,6 +284,15 @@ LORA_ENGINE = EngineProfile(
 ADAPTER_WAIT_COUNTER = "sluice_engine_adapter_wait_steps_total"
 ENGINE_STEPS_COUNTER = "sluice_engine_steps_total"  # the share's denominator
 
+# Issue 27: Sluice's engine steps beside a held backlog, and the under-fed ones
+# (batching/room.py, underfed), scraped around every saturated point; the report
+# gives their share (runner.py, underfed_share).
+UNDERFED_COUNTERS: tuple[tuple[str, str], ...] = (
+    ("held_steps", "sluice_engine_steps_held_total"),
+    ("underfed_steps", "sluice_engine_underfed_steps_total"),
+)
+
+
 # The shared-prefix burst from four callers (issue 28): the prefix point's
 # prompts, split over four callers with a key each, every caller sending the
 # same prompts (one seed). With the prefix cache isolated per caller (Sluice's
@@ -470,7 +479,7 @@ def _noisy_points(sizes: Sizes, engine: EngineProfile) -> list[Point]:
     )
     return [
         Point(NOISY, ALONE_POINT, (chat,), engine=engine),
-        Point(NOISY, FLOOD_POINT, (chat, flood), engine=engine),
+        Point(NOISY, FLOOD_POINT, (chat, flood), engine=engine, counters=UNDERFED_COUNTERS),
     ]
 
 
@@ -491,7 +500,7 @@ def _three_caller_points(sizes: Sizes, engine: EngineProfile, chat: Job) -> list
         )
         for name in BULK_CALLERS
     )
-    return [Point(THREE, THREE_POINT, (chat, *bulk), engine=engine)]
+    return [Point(THREE, THREE_POINT, (chat, *bulk), engine=engine, counters=UNDERFED_COUNTERS)]
 
 
 def _prefix_args(max_model_len: int, prompts: int) -> tuple[str, ...]:
@@ -552,6 +561,7 @@ def _lora_point(sizes: Sizes) -> Point:
         counters=(
             ("adapter_wait_steps", ADAPTER_WAIT_COUNTER),
             ("engine_steps", ENGINE_STEPS_COUNTER),
+            *UNDERFED_COUNTERS,
         ),
     )
 
@@ -600,7 +610,16 @@ def build_plan(
         if CONCURRENCY in sel:
             points.extend(conc_points)
             job = _closed_loop(*WIDE_LEN, sizes.wide_prompts, WIDE_CONCURRENCY)
-            points.append(Point(CONCURRENCY, WIDE_POINT, (job,), concurrency=WIDE_CONCURRENCY))
+            points.append(
+                Point(
+                    CONCURRENCY,
+                    WIDE_POINT,
+                    (job,),
+                    concurrency=WIDE_CONCURRENCY,
+                    counters=UNDERFED_COUNTERS,
+                    running_metrics=True,
+                )
+            )
     if SPREAD in sel:
         job = _closed_loop(*SPREAD_LEN, sizes.spread_prompts, SPREAD_CONCURRENCY)
         # Per-request detail: the report splits the requests by prompt length.
@@ -608,7 +627,14 @@ def build_plan(
         ratio = json.dumps({"input": SPREAD_RANGE, "output": 0})
         args = (*job.args, "--random-range-ratio", ratio, "--save-detailed")
         points.append(
-            Point(SPREAD, SPREAD_POINT, (Job(ALL, args),), concurrency=SPREAD_CONCURRENCY)
+            Point(
+                SPREAD,
+                SPREAD_POINT,
+                (Job(ALL, args),),
+                concurrency=SPREAD_CONCURRENCY,
+                counters=UNDERFED_COUNTERS,
+                running_metrics=True,
+            )
         )
     if CHAT_MIX in sel:
         jobs = _chat_mix_jobs(sizes.chat_mix_rounds)
@@ -712,6 +738,7 @@ def build_plan(
                     concurrency=c,
                     engine=DP_ENGINE,
                     running_metrics=True,
+                    counters=UNDERFED_COUNTERS,
                 )
             )
     check_callers(points)

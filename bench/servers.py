@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from bench.report import SLUICE, VLLM
+from bench.report import NOHOLD, SLUICE, VLLM
 
 HOST = "127.0.0.1"
 
@@ -46,8 +46,10 @@ def free_port() -> int:
 def server_command(
     system: str, port: int, engine_flags: Sequence[str], sluice_flags: Sequence[str] = ()
 ) -> list[str]:
-    """The command line of one server; engine flags are passed unchanged to both."""
-    if system == SLUICE:
+    """The command line of one server; engine flags are passed unchanged to both.
+    NOHOLD is Sluice with --no-hold-backlog."""
+    if system in (SLUICE, NOHOLD):
+        hold = ["--no-hold-backlog"] if system == NOHOLD else []
         return [
             sys.executable,
             "-m",
@@ -59,6 +61,7 @@ def server_command(
             str(port),
             "--log-format",
             "plain",
+            *hold,
             *sluice_flags,
             *engine_flags,
         ]
@@ -115,7 +118,7 @@ def sluice_has_flag(flag: str, cwd: Path) -> bool:
 
 
 def ready_path(system: str) -> str:
-    return "/ready" if system == SLUICE else "/health"
+    return "/ready" if system in (SLUICE, NOHOLD) else "/health"
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:

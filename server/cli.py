@@ -120,11 +120,20 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
         help="a prompt this long or shorter counts as short (default: %(default)s)",
     )
     g.add_argument(
-        "--backlog-step-lookahead",
+        "--backlog-feed-steps",
         type=float,
-        default=c.step_lookahead,
-        help="released prompts without a first token may add up to this many engine "
-        "steps' token budget (default: %(default)s)",
+        default=c.feed_steps,
+        help="the engine's own queue holds what this many of its steps take, as its last "
+        "step showed: free running slots and the token budget its decodes left "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--backlog-long-prefills",
+        type=int,
+        default=c.long_prefills,
+        help="while more than one caller has work: how many released prompts longer than "
+        "one prefill chunk may be unstarted at once, so a short turn finds room in the "
+        "engine's next step; 0 = no bound (default: %(default)s)",
     )
     g.add_argument(
         "--backlog-adapter-wait",
@@ -133,13 +142,6 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
         help="with --enable-lora: seconds the least-served caller may wait for a LoRA "
         "slot (--max-loras) before the adapter held longest is drained for it "
         "(default: %(default)s)",
-    )
-    g.add_argument(
-        "--backlog-slot-spare",
-        type=float,
-        default=c.slot_spare,
-        help="share of the engine's max_num_seqs released beyond it, so a freed slot "
-        "is filled at once (default: %(default)s)",
     )
     g.add_argument(
         "--short-first-rate",
@@ -466,6 +468,7 @@ def build_serve_parser() -> argparse.ArgumentParser:
         gpu_memory_utilization=None,
         long_prefill_token_threshold=None,
         long_prefill_token_threshold_adaptive=None,
+        enable_logging_iteration_details=None,
     )
     result: argparse.ArgumentParser = parser
     return result
@@ -520,6 +523,10 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
         # The watchdog and /metrics read KV-cache use through a stat logger.
         log.warning("--disable-log-stats ignored: Sluice needs the engine's stats")
         ns.disable_log_stats = False
+    if ns.enable_logging_iteration_details is False:
+        # The room (batching/room.py) reads each step's scheduled tokens.
+        log.warning("--no-enable-logging-iteration-details ignored: Sluice reads each engine step")
+    ns.enable_logging_iteration_details = True
     if ns.engine_priority == "order" and ns.scheduling_policy != "priority":
         parser.error(
             "--engine-priority order needs the engine's --scheduling-policy priority: "
@@ -596,8 +603,8 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
             order=ReleaseOrder(ns.short_first_rate, ns.short_first_max_delay),
             kv_reserve_short=ns.kv_reserve_short,
             short_prompt_tokens=ns.short_prompt_tokens,
-            step_lookahead=ns.backlog_step_lookahead,
-            slot_spare=ns.backlog_slot_spare,
+            feed_steps=ns.backlog_feed_steps,
+            long_prefills=ns.backlog_long_prefills,
             adapter_wait=ns.backlog_adapter_wait,
         )
         pressure = PressureConfig(**pressure_kwargs)

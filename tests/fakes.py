@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from batching import EngineStep
+from batching.pressure import ENGINE_IDLE, EngineStats
 from server.engines.interface import ModelInfo
 from server.engines.lora import Adapter
 from server.errors import SluiceError
-from server.operations.watchdog import ENGINE_IDLE, EngineStats
 from server.wire.request import ChatRequest, Constraint, Message, Sampling
 
 if TYPE_CHECKING:
@@ -125,6 +126,10 @@ class FakeEngine:
     # has not finished); `held` names the requests waiting on it.
     first_output: asyncio.Event | None = None
     held: set[str] = field(default_factory=set)
+    # Engine steps reported and not yet taken (`report_steps`), and the
+    # callback the driver watches them with.
+    steps: list[EngineStep] = field(default_factory=list)
+    on_step: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         self.info = ModelInfo(
@@ -161,6 +166,19 @@ class FakeEngine:
 
     def stats(self) -> EngineStats:
         return self.stats_value
+
+    def take_steps(self) -> list[EngineStep]:
+        steps, self.steps = self.steps, []
+        return steps
+
+    def watch_steps(self, callback: Callable[[], None] | None) -> None:
+        self.on_step = callback
+
+    def report_steps(self, *steps: EngineStep) -> None:
+        """Report engine steps, as vLLM's stat logger would after each."""
+        self.steps.extend(steps)
+        if self.on_step is not None:
+            self.on_step()
 
     @property
     def unfinished(self) -> set[str]:

@@ -57,6 +57,11 @@ class SluiceProcess:
             "HF_HUB_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "PYTHONUNBUFFERED": "1",
+            # vLLM's CPU backend pins each engine's OpenMP threads to core 0 by
+            # default: a test's engine started beside another (the suite's shared
+            # server, a balancer's twin) queued there for minutes using no CPU
+            # (shared/DESIGN.md). Unbound, the kernel places them.
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             **(env or {}),
         }
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()

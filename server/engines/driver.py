@@ -8,14 +8,16 @@ wake-ups and the engine. Its one task, started in the app's task group:
            to every subscriber  ->  sleep until core.next_deadline() or a
            new request wakes it.
 
-The core holds its backlog until the engine has room (batching/room.py), so
-the driver reports what frees room: a generation's first output
-(`core.started`, the engine has taken it out of its waiting queue) and its end
-(`core.finished`), each followed by a wake-up, and it passes the engine's
-latest per-step stats (running, waiting, KV-cache use) to every `due()`.
-Those stats change every engine step without an event of their own, so while
-the backlog holds work the driver also looks again every `BACKLOG_RECHECK`
-seconds.
+The core holds its backlog until the engine's next steps will take it
+(batching/room.py), so the driver reports what the engine did: a generation's
+first output (`core.started`, the engine has taken it out of its waiting
+queue), its end (`core.finished`), and each engine step the engine adapter
+read (`Engine.take_steps`: its scheduled tokens, running and waiting
+requests, per data-parallel rank), each followed by a wake-up while the
+backlog holds work, and it passes the engine's latest stats (running,
+waiting, KV-cache use) and the steps since the last look to every `due()`.
+An engine that reports no steps still gets a look every `BACKLOG_RECHECK`
+seconds while the backlog holds work.
 
 A caller's life: `submit()` admits it to the core (or raises the refusal as a
 SluiceError with Retry-After), the caller awaits its `Ticket`, streams from
@@ -76,20 +78,14 @@ def order_priority(entry: Entry) -> int:
     return engine_priority(entry.order)
 
 
-# While the backlog holds work: how often to re-read the engine's stats. An
-# engine step takes 10-50 ms on a GPU (tens of ms on the CPU demo), so 20 ms
-# sees each step's KV use about once. The events that free room (a first
-# output, a finish, an abort, a new request, a deadline) wake the driver at
-# once; only room freed by a stats change alone (KV use falling as sequences
-# shrink, preemptions resolving) waits for this recheck, at most 20 ms, under
-# one engine step. It runs only while the backlog holds work, that is while
-# the engine is full; an idle server has no timer armed. Measured on the
-# 2-core test machine (load average 17), the driver holding 132 generations
-# behind a full fake engine: 45-48 wakes/s costing 0.5-0.7 % of one core,
-# 0.00 % with the recheck off; core.due() itself takes 2-8 us per recheck
-# (10 to 1000 held). Waking on each engine step instead would need a callback
-# from vLLM's stat logger through the Engine protocol, for about the same
-# number of wakes.
+# While the backlog holds work: how often to look again without an event. The
+# events that free room (a first output, a finish, an engine step, an abort,
+# a new request, a deadline) wake the driver at once; vLLM reports every step
+# (server/engines/vllm_adapter.py), so with it this timer finds nothing new. It stays for an
+# engine that reports no steps (the tests' fake). Measured on the 2-core test
+# machine (load average 17), the driver holding 132 generations behind a full
+# fake engine: 45-48 wakes/s costing 0.5-0.7 % of one core, 0.00 % with the
+# recheck off; core.due() itself takes 2-8 us per recheck (10 to 1000 held).
 BACKLOG_RECHECK = 0.02
 
 
@@ -189,7 +185,7 @@ class Generation:
     def _count(self, out: EngineOutput) -> None:
         if self._first:
             self._first = False
-            self.driver.generation_started(self)
+            self.driver.generation_started(self, out.num_cached_tokens or 0)
         for c in out.outputs:
             self.completion_tokens += len(c.token_ids)
 
@@ -357,9 +353,10 @@ class Driver:
         self._check_idle()
         self._wake()
 
-    def generation_started(self, gen: Generation) -> None:
-        """Its first output: it left the engine's waiting queue (room for more)."""
-        if self.core.started(gen.engine_id, self.now()) and self.core.backlog_generations:
+    def generation_started(self, gen: Generation, cached: int = 0) -> None:
+        """Its first output: it left the engine's waiting queue (room for more);
+        `cached` of its prompt tokens were in the prefix cache."""
+        if self.core.started(gen.engine_id, self.now(), cached) and self.core.backlog_generations:
             self._wake()
 
     def load(self) -> EngineLoad:
@@ -474,8 +471,14 @@ class Driver:
         self._fired = max(self._fired, deadline)
         self._wakeup.set()
 
+    def _on_step(self) -> None:
+        """The engine ran a step: while work is held, the room it left is released now."""
+        if self.core.backlog_generations:
+            self._wake()
+
     async def run(self) -> None:
         """The driver task: runs until cancelled at shutdown."""
+        self.engine.watch_steps(self._on_step)
         try:
             while True:
                 await self._wakeup.wait()
@@ -486,12 +489,15 @@ class Driver:
                         await self.engine.abort(ids)
                     except Exception:
                         log.exception("engine abort failed")
-                batches = self.core.due(max(self.now(), self._fired), self.load())
+                batches = self.core.due(
+                    max(self.now(), self._fired), self.load(), self.engine.take_steps()
+                )
                 self._flush_events()
                 for batch in batches:
                     await self._dispatch(batch)
                 self._arm_timer()
         finally:
+            self.engine.watch_steps(None)
             if self._timer is not None:
                 self._timer.cancel()
 

@@ -12,10 +12,11 @@ Sluice reads (structurally: vLLM's own classes satisfy them unchanged).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from batching import EngineStep
 from batching.pressure import EngineStats
 from server.engines.lora import Adapter
 from server.wire.output import FinishReason, Parsed, ParsedDelta
@@ -147,6 +148,10 @@ class Engine(Protocol):
     def shutdown(self) -> None: ...
     async def check_health(self) -> None: ...
     def stats(self) -> EngineStats: ...
+    # The engine steps reported since the previous call, oldest first, and the
+    # callback called after each (server/engines/driver.py: the release follows the steps).
+    def take_steps(self) -> list[EngineStep]: ...
+    def watch_steps(self, callback: Callable[[], None] | None) -> None: ...
 
     async def tokenize_chat(
         self, conversations: Sequence[tuple[Sequence[Message], dict[str, Any]]]

@@ -18,10 +18,12 @@ small surface:
   input type vLLM's renderer produces; raw prompts are deprecated in vLLM
   0.32). The driver calls it back to back for the entries of a batch, in
   the core's order, with their priorities;
-* `abort`, `stats`, `errored`, `check_health`, `shutdown`.
+* `abort`, `stats`, `take_steps`, `watch_steps`, `errored`, `check_health`,
+  `shutdown`.
 
 Engine statistics (KV-cache use, running/waiting, prefix-cache hits,
-preemptions) arrive through a vLLM stat logger registered at construction.
+preemptions, and each step's scheduled tokens) arrive through a vLLM stat
+logger registered at construction.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import functools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -50,6 +53,8 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
 
+from batching import EngineStep
+from batching.pressure import ENGINE_IDLE, EngineStats, RankStats
 from server.engines.interface import ModelInfo
 from server.engines.lora import Adapter, ModelShapes, check_shapes
 from server.engines.thread_batcher import Batcher
@@ -60,7 +65,6 @@ from server.engines.vllm_parsers import (
     to_structured_outputs,
 )
 from server.errors import SluiceError
-from server.operations.watchdog import ENGINE_IDLE, EngineStats, RankStats
 from server.wire.request import ChatRequest, Constraint, Message, Sampling, merge_system
 
 if TYPE_CHECKING:
@@ -92,16 +96,29 @@ INLINE_TOKENIZE_CHARS = 1024
 _FROM_START = "sluice_constraint_from_start"
 
 
+# Engine steps kept for the driver between two of its looks (it looks after
+# each step while the backlog holds work; otherwise at the next request or
+# finish). An idle engine runs no steps; the bound only matters if nobody looks.
+_STEPS_KEPT = 4096
+
+
 class _StatsBox:
     """Latest engine statistics, written by vLLM's stat logger, read by anyone.
 
     vLLM calls the logger from its output handler on the event loop; a lock
     keeps the reading consistent should that ever move to a thread.
+
+    Each step that carries vLLM's iteration details (the tokens it scheduled:
+    --enable-logging-iteration-details, which Sluice turns on, server/cli.py)
+    becomes an `EngineStep` for the core (batching/room.py), kept until the
+    driver takes them, and `on_step` is called after it.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._stats = ENGINE_IDLE
+        self._steps: deque[EngineStep] = deque(maxlen=_STEPS_KEPT)
+        self.on_step: Callable[[], None] | None = None
         # Data-parallel ranks' latest scheduler numbers, by engine index: each
         # rank's logger reports only its own (vLLM's PerEngineStatLoggerAdapter).
         self._ranks: dict[int, RankStats] = {}
@@ -113,7 +130,19 @@ class _StatsBox:
         with self._lock:
             return self._stats
 
+    def take_steps(self) -> list[EngineStep]:
+        """The steps recorded since the previous call, oldest first."""
+        with self._lock:
+            steps = list(self._steps)
+            self._steps.clear()
+        return steps
+
     def record(self, scheduler_stats: Any, iteration_stats: Any, rank: int = 0) -> None:
+        stepped = self._record(scheduler_stats, iteration_stats, rank)
+        if stepped and self.on_step is not None:
+            self.on_step()
+
+    def _record(self, scheduler_stats: Any, iteration_stats: Any, rank: int) -> bool:
         with self._lock:
             s = self._stats
             preempted = getattr(iteration_stats, "num_preempted_reqs", 0) if iteration_stats else 0
@@ -123,14 +152,17 @@ class _StatsBox:
                     self._stats = dataclasses.replace(
                         s, preemptions_total=s.preemptions_total + preempted
                     )
-                return
+                return False
             pc = scheduler_stats.prefix_cache_stats
-            self._ranks[rank] = RankStats(
+            rank_stats = self._ranks[rank] = RankStats(
                 kv_cache_usage=float(scheduler_stats.kv_cache_usage),
                 running=int(scheduler_stats.num_running_reqs),
                 waiting=int(scheduler_stats.num_waiting_reqs),
                 preemptions_total=self._preempted[rank],
             )
+            step = engine_step(scheduler_stats, rank_stats, rank)
+            if step is not None:
+                self._steps.append(step)
             ranks = tuple(self._ranks[i] for i in sorted(self._ranks))
             waited = s.adapter_wait_steps_total + adapter_waited(scheduler_stats)
             self._stats = EngineStats(
@@ -143,7 +175,36 @@ class _StatsBox:
                 ranks=ranks if len(ranks) > 1 else (),
                 adapter_wait_steps_total=waited,
                 steps_total=s.steps_total + 1,
+                prefill_tokens_total=s.prefill_tokens_total + (step.prefill_tokens if step else 0),
+                decode_tokens_total=s.decode_tokens_total + (step.decode_tokens if step else 0),
             )
+            return step is not None
+
+
+def engine_step(scheduler_stats: Any, rank_stats: RankStats, rank: int) -> EngineStep | None:
+    """One rank's step as the core reads it, from vLLM 0.32's SchedulerStats; None
+    without iteration details (the flag off, a step that scheduled nothing, or a
+    data-parallel rank's dummy step that keeps it in step with the others).
+
+    `iteration_details` (vllm/v1/metrics/stats.py, SchedulerIterationDetails)
+    counts a request as "context" while it has no output token yet (a whole
+    prompt or a chunk of one) and as "generation" after. Waiting counts the
+    requests the scheduler deferred too (num_skipped_waiting_reqs): they are work
+    the engine holds and could not schedule.
+    """
+    d = getattr(scheduler_stats, "iteration_details", None)
+    if d is None or d.is_dummy:
+        return None
+    skipped = int(getattr(scheduler_stats, "num_skipped_waiting_reqs", 0) or 0)
+    return EngineStep(
+        rank=rank,
+        prefill_tokens=int(d.num_ctx_tokens),
+        decode_tokens=int(d.num_generation_tokens),
+        requests=int(d.num_ctx_requests) + int(d.num_generation_requests),
+        running=rank_stats.running,
+        waiting=rank_stats.waiting + skipped,
+        kv_usage=rank_stats.kv_cache_usage,
+    )
 
 
 def adapter_waited(scheduler_stats: Any) -> bool:
@@ -233,8 +294,26 @@ def max_loras(config: VllmConfig) -> int:
     return int(lora.max_loras) if lora is not None else 0
 
 
+class _NoIterationLines(logging.Filter):
+    """Drops vLLM's own log line per engine step.
+
+    With --enable-logging-iteration-details (which Sluice turns on to read each
+    step's tokens) vLLM's logging stat logger writes one INFO line per step and
+    rank (LoggingStatLogger._log_iteration_details, vLLM 0.32): tens to hundreds
+    a second into the journal. Its summary every 10 s stays.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith("%sIteration("))
+
+
+_VLLM_STAT_LOG = logging.getLogger("vllm.v1.metrics.loggers")
+
+
 def _build_engine(engine_args: Any, stat_logger: Callable[..., StatLoggerBase]) -> AsyncLLM:
     """Construct the engine as `vllm serve` does (blocking: seconds to minutes)."""
+    if not any(isinstance(f, _NoIterationLines) for f in _VLLM_STAT_LOG.filters):
+        _VLLM_STAT_LOG.addFilter(_NoIterationLines())
     return AsyncLLM.from_vllm_config(
         engine_config(engine_args),
         usage_context=USAGE_CONTEXT,
@@ -429,6 +508,12 @@ class EngineAdapter:
 
     def stats(self) -> EngineStats:
         return self._stats.get()
+
+    def take_steps(self) -> list[EngineStep]:
+        return self._stats.take_steps()
+
+    def watch_steps(self, callback: Callable[[], None] | None) -> None:
+        self._stats.on_step = callback
 
     # -- tokenization -------------------------------------------------------
 

@@ -111,6 +111,37 @@ class _LiveCollector(Collector):
             "Engine steps whose scheduler stats reached Sluice (once per step per DP rank)",
             value=v.get("engine_steps", 0),
         )
+        tokens = CounterMetricFamily(
+            "sluice_engine_step_tokens",
+            "Tokens the engine's steps scheduled, by kind: prefill (prompt tokens, whole "
+            "prompts and chunks) and decode (vLLM's iteration details)",
+            labels=["kind"],
+        )
+        tokens.add_metric(["prefill"], v.get("prefill_tokens", 0))
+        tokens.add_metric(["decode"], v.get("decode_tokens", 0))
+        yield tokens
+        room = v.get("room")
+        yield CounterMetricFamily(
+            "sluice_engine_steps_held",
+            "Engine steps that ran while Sluice's backlog held work (the under-fed "
+            "share's denominator)",
+            value=room.steps_held if room is not None else 0,
+        )
+        yield CounterMetricFamily(
+            "sluice_engine_underfed_steps",
+            "Engine steps that left token budget and a running slot unused while "
+            "Sluice's backlog held work that would have fit (batching/room.py, underfed); "
+            "judged per DP rank",
+            value=room.underfed_steps if room is not None else 0,
+        )
+        held = CounterMetricFamily(
+            "sluice_backlog_held_seconds",
+            "Time Sluice's backlog held work, by the rule that held it (batching/room.py)",
+            labels=["rule"],
+        )
+        for rule, seconds in room.held_seconds if room is not None else ():
+            held.add_metric([rule], seconds)
+        yield held
         yield CounterMetricFamily(
             "sluice_engine_prefix_cache_queries",
             "Prompt tokens looked up in the engine's prefix cache",

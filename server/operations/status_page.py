@@ -119,6 +119,7 @@ def snapshot(app: web.Application) -> Snapshot:
     ttft, sizes = metrics.drain_recent()
     state, reason = _state(app)
     core = app[DRIVER].core
+    room = core.room_counters
     return Snapshot(
         state,
         reason,
@@ -144,6 +145,9 @@ def snapshot(app: web.Application) -> Snapshot:
         host_available_bytes=host.available if isinstance(host, HostMemory) else None,
         ttft=ttft,
         batch_sizes=sizes,
+        steps_held=room.steps_held,
+        underfed_steps=room.underfed_steps,
+        held_seconds=dict(room.held_seconds),
     )
 
 

@@ -13,6 +13,10 @@ How it stays cheap:
 * TTFT and batch-size observations since the previous snapshot come in as a
   short sequence (the server drains a list it appends to); p50/p95 are exact
   over that second, not interpolated from histogram buckets.
+* The engine's steps beside a held backlog and the under-fed ones (a step that
+  left budget and a slot unused while Sluice held work that would have fit,
+  batching/room.py) are rates; the time the backlog held work is a share of
+  each second per rule, keyed like the ranks below.
 * With data-parallel ranks (vLLM's --data-parallel-size), each rank's running,
   waiting and KV use are keyed columns ("rank 0 running", ...), so the page
   draws them only when the engine has more than one rank: one rank's numbers
@@ -77,6 +81,11 @@ class Snapshot:
     host_available_bytes: float | None = None
     ttft: Sequence[float] = ()  # seconds, observed since the previous snapshot
     batch_sizes: Sequence[int] = ()  # released since the previous snapshot
+    # The engine's steps beside a held backlog and the under-fed ones, and the
+    # seconds the backlog held work by rule, cumulative (batching/room.py).
+    steps_held: float = 0.0
+    underfed_steps: float = 0.0
+    held_seconds: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,11 +108,14 @@ class Sample:
     ttft_p95_ms: float | None
     batch_mean: float | None
     batch_max: float | None
+    steps_held_s: float | None  # engine steps a second beside a held backlog
+    underfed_s: float | None  # of those, under-fed ones
     refusals_by_reason: Mapping[str, float]
     callers: Mapping[str, float]
     adapters: Mapping[str, float]  # req/s by LoRA adapter
     rank_queue: Mapping[str, float]  # "rank N running" / "rank N waiting"
     rank_kv_pct: Mapping[str, float]  # "rank N"
+    held_pct: Mapping[str, float]  # share of the second the backlog held work, by rule
 
 
 # The keyed columns that total what a caller's view may not show by name.
@@ -130,7 +142,14 @@ class Mark:
 
 
 # Sample fields sent as plain columns, and the keyed ones (a column per key).
-_KEYED: tuple[str, ...] = ("refusals_by_reason", "callers", "adapters", "rank_queue", "rank_kv_pct")
+_KEYED: tuple[str, ...] = (
+    "refusals_by_reason",
+    "callers",
+    "adapters",
+    "rank_queue",
+    "rank_kv_pct",
+    "held_pct",
+)
 _COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(Sample) if f.name not in ("t", *_KEYED))
 
 
@@ -247,10 +266,11 @@ class StatusSampler:
         return s
 
     def _make(self, snap: Snapshot, now: float, t: float) -> Sample:
-        req = prompt = gen = refused = None
+        req = prompt = gen = refused = held_steps = underfed = None
         by_reason: dict[str, float] = {}
         callers: dict[str, float] = {}
         adapters: dict[str, float] = {}
+        held: dict[str, float] = {}
         if self._prev is not None and now > self._prev[0]:
             old, dt = self._prev[1], now - self._prev[0]
             req = _rate(snap.requests, old.requests, dt)
@@ -260,6 +280,15 @@ class StatusSampler:
             refused = sum(by_reason.values())
             callers = _rates(snap.callers, old.callers, dt)
             adapters = _rates(snap.adapters, old.adapters, dt)
+            held_steps = _rate(snap.steps_held, old.steps_held, dt)
+            underfed = _rate(snap.underfed_steps, old.underfed_steps, dt)
+            # Only the rules that held work in this second: a series per rule shows up
+            # when it first holds, and leaves a window after it last did.
+            held = {
+                k: 100.0 * v
+                for k, v in _rates(snap.held_seconds, old.held_seconds, dt).items()
+                if v
+            }
         ttft = sorted(snap.ttft)
         sizes = snap.batch_sizes
         rank_queue, rank_kv = _rank_columns(snap.ranks)
@@ -282,11 +311,14 @@ class StatusSampler:
             ttft_p95_ms=1000.0 * quantile(ttft, 0.95) if ttft else None,
             batch_mean=sum(sizes) / len(sizes) if sizes else None,
             batch_max=float(max(sizes)) if sizes else None,
+            steps_held_s=held_steps,
+            underfed_s=underfed,
             refusals_by_reason=by_reason,
             callers=callers,
             adapters=adapters,
             rank_queue=rank_queue,
             rank_kv_pct=rank_kv,
+            held_pct=held,
         )
 
     def _append(self, s: Sample) -> None:

@@ -35,7 +35,6 @@ import psutil
 from prometheus_client import CollectorRegistry, Gauge
 
 from batching.pressure import (
-    ENGINE_IDLE,
     Decision,
     EngineReading,
     EngineStats,
@@ -45,7 +44,6 @@ from batching.pressure import (
     HostReading,
     PressureConfig,
     PressurePolicy,
-    RankStats,
     Readings,
     State,
     Transition,
@@ -55,12 +53,9 @@ from batching.pressure import (
 log = logging.getLogger("sluice.watchdog")
 
 __all__ = [
-    "ENGINE_IDLE",
     "EngineReader",
-    "EngineStats",
     "HostMemoryReader",
     "NvmlReader",
-    "RankStats",
     "Reader",
     "Watchdog",
     "WatchdogMetrics",

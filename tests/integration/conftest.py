@@ -10,11 +10,13 @@ import pytest
 from tests.support import SluiceProcess
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def sluice_server(
     demo_cache_root: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SluiceProcess]:
-    """One Sluice with the real engine on the demo model, for the whole session."""
+    """One Sluice with the real engine on the demo model, for tests/integration: it
+    stops when the package's tests end, so tests/system's own servers do not
+    start and run beside an idle one."""
     log = tmp_path_factory.mktemp("logs") / "sluice.log"
     with SluiceProcess(
         ["--log-format", "plain"], cache_dir=demo_cache_root, log_path=log

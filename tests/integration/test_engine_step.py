@@ -1,11 +1,12 @@
-"""Room rule 3 on the real engine: a chat turn goes into the step beside an unstarted long prompt.
+"""Room rule 2 on the real engine: a chat turn goes into the step beside an unstarted long prompt.
 
 The demo engine batches 256 tokens a step (`--max-num-batched-tokens 256`), so
 Sluice caps each prompt's prefill chunk at 64 (server/engines/step_flags.py) and a
 7,000-token prompt needs over 27 steps before its first token. A 32-token chat
-turn sent while that prompt is released and unstarted counts its next chunk
-(64 + 32 <= 256), not its whole prompt (7,000 + 32 > 256, which held the chat
-turn until the long prompt's first token): so the chat turn's first token comes
+turn sent while that prompt is released and unstarted finds the engine's queue
+holding what its next two steps prefill of it (2 x 64 + 32 <= 2 x 256), not its
+whole prompt (7,000 + 32 > 256, which held the chat turn until the long
+prompt's first token in issue 11's room): so the chat turn's first token comes
 first. The check is on order only, not on time.
 """
 

@@ -39,6 +39,8 @@ def test_plan_four_callers_each_on_its_own_adapter() -> None:
     assert point.counters == (
         ("adapter_wait_steps", "sluice_engine_adapter_wait_steps_total"),
         ("engine_steps", "sluice_engine_steps_total"),
+        ("held_steps", "sluice_engine_steps_held_total"),
+        ("underfed_steps", "sluice_engine_underfed_steps_total"),
     )
     quick = build_plan((LORA,), QUICK, max_model_len=8192).points[0]
     assert quick.jobs[0].args[quick.jobs[0].args.index("--num-prompts") + 1] == "32"

@@ -21,6 +21,7 @@ from bench.scenarios import (
     PAST_CAPACITY,
     QUICK,
     SCENARIOS,
+    SPREAD_POINT,
     STRUCTURED,
     STRUCTURED_SCHEMA,
     WIDE_POINT,
@@ -261,7 +262,8 @@ def test_plan_data_parallel() -> None:
         assert p.running_metrics  # the engine's running count is sampled (issue 19)
     assert DATA_PARALLEL in SCENARIOS and DATA_PARALLEL not in DEFAULT_SCENARIOS
     others = build_plan(DEFAULT_SCENARIOS, FULL, max_model_len=8192, kv_bytes_per_token=1024)
-    assert not any(p.running_metrics for p in others.points)
+    # Elsewhere only the saturated one-caller points (issue 27: requests in the engine).
+    assert {p.name for p in others.points if p.running_metrics} == {SPREAD_POINT, WIDE_POINT}
 
 
 def test_plan_structured_pair() -> None:
@@ -1122,7 +1124,11 @@ def test_running_summary_and_the_sampler_read_each_servers_gauge() -> None:
         while len(samples) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)  # polling for the sampler thread's third scrape
     assert samples[:2] == [120.0, 248.0]
-    assert rp.running_summary(samples[:2]) == {"running_peak": 248.0, "running_p50": 184.0}
+    assert rp.running_summary(samples[:2]) == {
+        "running_peak": 248.0,
+        "running_p50": 184.0,
+        "running_mean": 184.0,
+    }
     sluice = Scraped(["sluice_engine_requests_running 17.0"])
     with _running_sampler(sluice, rp.SLUICE, on=False) as none:  # type: ignore[arg-type]
         pass
@@ -1168,6 +1174,104 @@ def test_issue19_data_parallel_targets() -> None:
     missed = {t: v for t, _, v in tg.issue19(_dp_records(93.0, 30.0, 9000.0))}
     assert set(missed.values()) == {"MISSED"} and len(missed) == 3
     assert tg.issue19([]) == []
+
+
+def _issue27_records(underfed: float, s_req: float, n_req: float, chat: float) -> list[rp.Record]:
+    """One repetition: the spread point on the three systems, c=512, DP, LoRA and the
+    two chat points, Sluice's under-fed counts on each saturated point."""
+    from bench.scenarios import DATA_PARALLEL, LORA, LORA_POINT, SPREAD, SPREAD_POINT, THREE
+    from bench.scenarios import THREE_POINT as TP
+
+    fed = {"held_steps": 1000.0, "underfed_steps": underfed, "underfed_share": underfed / 1000}
+    dp = tg.DP_WIDE_POINT
+    return [
+        rp.Record(
+            SPREAD,
+            SPREAD_POINT,
+            rp.SLUICE,
+            1,
+            {"req_s": s_req, "ttft_p99": 8000.0, "running_mean": 120.0, **fed},
+        ),
+        rp.Record(
+            SPREAD,
+            SPREAD_POINT,
+            rp.VLLM,
+            1,
+            {"req_s": 43.0, "ttft_p99": 8200.0, "running_mean": 122.0},
+        ),
+        rp.Record(SPREAD, SPREAD_POINT, rp.NOHOLD, 1, {"req_s": n_req}),
+        rp.Record(CONCURRENCY, WIDE_POINT, rp.SLUICE, 1, {"ttft_p99": 5300.0, **fed}),
+        rp.Record(CONCURRENCY, WIDE_POINT, rp.VLLM, 1, {"ttft_p99": 5000.0}),
+        rp.Record(DATA_PARALLEL, dp, rp.SLUICE, 1, {"req_s": 40.0, "ttft_p99": 8000.0, **fed}),
+        rp.Record(DATA_PARALLEL, dp, rp.VLLM, 1, {"req_s": 40.5, "ttft_p99": 7500.0}),
+        rp.Record(LORA, LORA_POINT, rp.SLUICE, 1, {"worst_ttft_p95": 2800.0, "share_dev": 0.06}),
+        rp.Record(LORA, LORA_POINT, rp.VLLM, 1, {"worst_ttft_p95": 2817.0}),
+        rp.Record(NOISY, FLOOD_POINT, rp.SLUICE, 1, {"chat_ttft_p95": chat, **fed}),
+        rp.Record(THREE, TP, rp.SLUICE, 1, {"chat_ttft_p95": chat, "bulk_b_per_a": 3.1}),
+    ]
+
+
+def test_issue27_targets() -> None:
+    from bench.scenarios import SPREAD_POINT
+
+    by = {t: (m, v) for t, m, v in tg.issue27(_issue27_records(15.0, 43.5, 44.0, 60.0))}
+    assert by[
+        f"{SPREAD_POINT}: under-fed steps <= 2% of the steps beside a held backlog (Sluice)"
+    ] == (
+        "1.5% (15 of 1,000)",
+        "met",
+    )
+    assert (
+        by[f"{WIDE_POINT}: under-fed steps <= 2% of the steps beside a held backlog (Sluice)"][1]
+        == "met"
+    )
+    assert by[f"{SPREAD_POINT}: req/s >= 1.0x vLLM's"] == (
+        "43.50 req/s vs 43.00 req/s (1.01x)",
+        "met",
+    )
+    assert by[f"{SPREAD_POINT}: req/s >= 0.98x Sluice's own --no-hold-backlog"][1] == "met"
+    assert by[f"{SPREAD_POINT}: TTFT p99 <= 1.0x vLLM's"][1] == "met"
+    assert (
+        by[f"{SPREAD_POINT}: requests in the engine (its running count, mean) >= 0.95x vLLM's"][1]
+        == "met"
+    )
+    assert by[f"{WIDE_POINT}: TTFT p99 <= 1.07x vLLM's"] == ("5,300 ms vs 5,000 ms (1.06x)", "met")
+    assert by[f"data parallel ({tg.DP_WIDE_POINT}): req/s >= 0.98x vLLM's"][1] == "met"
+    assert by[f"data parallel ({tg.DP_WIDE_POINT}): TTFT p99 <= 1.1x vLLM's"][1] == "met"
+    assert by["LoRA: worst caller's TTFT p95 <= vLLM's worst"][1] == "met"
+    assert by["LoRA: every caller's share of service within 10% of a quarter (Sluice)"][1] == "met"
+    assert by["noisy neighbour: chat TTFT p95 <= 75 ms (Sluice)"] == ("60 ms", "met")
+    assert by["three callers: chat TTFT p95 <= 68 ms (Sluice)"][1] == "met"
+    # Four under-fed rows: the spread, c=512, DP and the flood; not the three callers
+    # (no counts there) nor LoRA.
+    assert sum("under-fed" in t for t in by) == 4
+
+    by = {t: (m, v) for t, m, v in tg.issue27(_issue27_records(25.0, 42.0, 44.0, 80.0))}
+    assert (
+        by[f"{SPREAD_POINT}: under-fed steps <= 2% of the steps beside a held backlog (Sluice)"][1]
+        == "MISSED"
+    )
+    assert by[f"{SPREAD_POINT}: req/s >= 1.0x vLLM's"][1] == "MISSED"
+    assert by[f"{SPREAD_POINT}: req/s >= 0.98x Sluice's own --no-hold-backlog"] == (
+        "42.00 req/s vs 44.00 req/s (0.95x)",
+        "MISSED",
+    )
+    assert by["noisy neighbour: chat TTFT p95 <= 75 ms (Sluice)"][1] == "MISSED"
+    assert by["three callers: chat TTFT p95 <= 68 ms (Sluice)"][1] == "MISSED"
+    assert tg.issue27([]) == []
+
+
+def test_nohold_is_sluice_without_its_held_backlog() -> None:
+    from bench.servers import ready_path, server_command
+
+    cmd = server_command(rp.NOHOLD, 8000, ["--model", "m"], ["--window-ms", "5"])
+    assert cmd == [
+        *server_command(
+            rp.SLUICE, 8000, ["--model", "m"], ["--no-hold-backlog", "--window-ms", "5"]
+        )
+    ]
+    assert ready_path(rp.NOHOLD) == "/ready"
+    assert rp.RUNNING_METRICS[rp.NOHOLD] == rp.RUNNING_METRICS[rp.SLUICE]
 
 
 def test_front_cpu_is_the_server_process_cpu_per_completed_request() -> None:

@@ -139,7 +139,9 @@ async def test_sighup_reload_swaps_keys_and_limits_and_a_bad_file_keeps_them(
 
 
 async def test_the_backlog_reaches_the_engine_only_as_it_has_room(make_client: Any) -> None:
-    # Two engine slots: twelve requests all complete, never more than two at once.
+    # Two engine slots: twelve requests all complete, and the engine is given at
+    # most what its next `feed_steps` steps can take (room.py rule 2: its slots
+    # and its own queue; this fake runs whatever it holds, so it counts both).
     engine = FakeEngine(step=0.005, max_num_seqs=2)
     client, app, _ = await make_client(engine=engine, warmup=False)
     held = []
@@ -157,7 +159,8 @@ async def test_the_backlog_reaches_the_engine_only_as_it_has_room(make_client: A
     finally:
         watcher.cancel()
     assert [r.status for r in results] == [200] * 12
-    assert engine.peak_running == 2
+    feed = app[DRIVER].core.config.feed_steps
+    assert 2 <= engine.peak_running <= feed * 2
     assert max(held) >= 5  # most of the burst waited in Sluice, not in the engine
     assert app[DRIVER].core.backlog_generations == 0
 

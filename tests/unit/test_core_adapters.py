@@ -32,7 +32,7 @@ def co_(max_loras: int = 2, seqs: int = 0, wait: float = 1.0) -> Coalescer:
             release_lone=False,
             dedupe=False,
             engine=EngineCapacity(max_seqs=seqs, max_loras=max_loras),
-            slot_spare=0.0,
+            feed_steps=1.0,
             adapter_wait=wait,
             callers=Callers(tuple(CallerPolicy(n) for n in names)),
         )

@@ -54,7 +54,7 @@ class Slots(RuleBasedStateMachine):
                 adaptive=False,
                 release_lone=False,
                 dedupe=False,
-                slot_spare=0.0,
+                feed_steps=1.0,
                 adapter_wait=WAIT,
                 engine=EngineCapacity(max_seqs=self.seqs, max_loras=MAX_LORAS),
                 callers=Callers(tuple(CallerPolicy(n) for n in ADAPTER)),

@@ -18,6 +18,7 @@ from batching import (
     Ended,
     EngineCapacity,
     EngineLoad,
+    EngineStep,
     Outcome,
     Refused,
     Released,
@@ -63,6 +64,10 @@ def co_(
 ) -> Coalescer:
     kw.setdefault("window", 0.0)
     kw.setdefault("release_lone", False)
+    # One step's work in the engine's queue (room.py rule 2): with `seqs` slots and
+    # no step reported, `seqs` unstarted generations, so one slot means one at a
+    # time, the order the backlog releases in.
+    kw.setdefault("feed_steps", 1.0)
     cfg = CoalescerConfig(
         engine=EngineCapacity(max_seqs=seqs, step_tokens=step, kv_tokens=kv, prefill_chunk=chunk),
         callers=Callers(callers),
@@ -117,7 +122,7 @@ def test_slots_hold_the_backlog_until_a_generation_finishes() -> None:
 
 
 def test_step_budget_counts_unstarted_prompts_until_their_first_output() -> None:
-    co = co_(step=100, step_lookahead=1.0)
+    co = co_(step=100)
     co.add(req("a", prompt=60), 0.0)
     co.add(req("b", prompt=60), 0.0)
     assert ids(co.due(0.0)) == ["a"]
@@ -136,31 +141,6 @@ def test_step_budget_counts_unstarted_prompts_until_their_first_output() -> None
     assert co.engine_waiting == 0
 
 
-def test_a_short_prompt_counts_the_next_chunk_of_an_unstarted_long_one() -> None:
-    # Room rule 3: the engine caps a prompt's prefill at 512 tokens a step, so an
-    # unstarted 2,000-token prompt leaves room for a chat turn in the next step;
-    # a long prompt still books it whole.
-    co = co_(step=2048, chunk=512, short_prompt_tokens=256)
-    co.add(req("flood", prompt=2000), 0.0)
-    assert ids(co.due(0.0)) == ["flood"]
-    co.add(req("long", prompt=300), 0.1)
-    co.add(req("chat", prompt=64), 0.1)
-    assert ids(co.due(0.1)) == ["chat"]  # 512 + 64 <= 2048; 2000 + 300 > 2048
-    co.started("flood", 0.2)
-    assert ids(co.due(0.2)) == ["long"]  # 64 + 300 <= 2048
-    co.started("chat", 0.3)
-    co.started("long", 0.3)
-    assert co.engine_waiting == 0
-    # Without a cap the engine may give the whole step to the long prompt.
-    co.capacity = EngineCapacity(step_tokens=2048)
-    co.add(req("flood2", prompt=2000), 0.4)
-    assert ids(co.due(0.4)) == ["flood2"]
-    co.add(req("chat2", prompt=64), 0.5)
-    assert co.due(0.5) == []
-    co.started("flood2", 0.6)
-    assert ids(co.due(0.6)) == ["chat2"]
-
-
 def test_changing_the_chunk_rebooks_the_unstarted_prompts() -> None:
     co = co_(step=2048, short_prompt_tokens=256)
     co.add(req("flood", prompt=2000), 0.0)
@@ -176,38 +156,65 @@ def test_changing_the_chunk_rebooks_the_unstarted_prompts() -> None:
     assert ids(co.due(0.3)) == ["chat2"]  # the two finished ones left no booking
 
 
-def test_the_engine_gets_one_step_of_prompts_and_a_few_spare_requests() -> None:
-    # By default: unstarted prompts up to one step budget (issue 21: two let
-    # long prompts fill the step a chat turn needs), and 1/16 more requests
-    # than the engine has slots.
-    co = co_(step=100)
-    for r in "abcd":
+def test_by_default_the_engine_queue_holds_two_steps_of_work() -> None:
+    # Room rule 2: a release reaches the engine a step late, so by default its
+    # queue holds what two steps take: of an idle engine (no step reported yet),
+    # two step budgets of prompts and twice its slots.
+    assert CoalescerConfig().feed_steps == 2.0
+    co = co_(step=100, feed_steps=2.0)
+    for r in "abcdef":
         co.add(req(r, prompt=40), 0.0)
-    assert ids(co.due(0.0)) == ["a", "b"]  # 80 <= 100; 120 is not
-    co = co_(seqs=32)
-    for i in range(40):
+    assert ids(co.due(0.0)) == ["a", "b", "c", "d", "e"]  # 200 <= 200; 240 is not
+    co = co_(seqs=32, feed_steps=2.0)
+    for i in range(80):
         co.add(req(f"r{i}"), 0.0)
-    assert len(ids(co.due(0.0))) == 34
-    co = co_(seqs=32, slot_spare=0.0)
-    for i in range(40):
-        co.add(req(f"r{i}"), 0.0)
-    assert len(ids(co.due(0.0))) == 32
+    assert len(ids(co.due(0.0))) == 64
 
 
-def test_kv_room_counts_engine_usage_and_unstarted_prompts() -> None:
-    co = co_(kv=1000, kv_reserve_short=0.0)  # rule 4 alone
+def test_kv_room_counts_engine_usage_and_what_it_has_not_prefilled() -> None:
+    co = co_(kv=1000, kv_reserve_short=0.0, short_prompt_tokens=50)  # rule 3 alone
     co.add(req("x", prompt=10), 0.0)
     assert release_all(co, 0.0) == ["x"]
     co.add(req("a", prompt=200), 0.1)
     co.add(req("b", prompt=400), 0.1)
     half = EngineLoad(running=1, waiting=0, kv_usage=0.5)
-    # 500 in use + 200 = 700 fits; then + 200 unstarted + 400 does not.
+    # 500 in use + 200 = 700 fits; then + 200 not prefilled + 400 does not.
     assert ids(co.due(0.1, half)) == ["a"]
-    # The engine reports a waiting: its prompt is not in the usage yet.
-    assert co.due(0.2, EngineLoad(1, 1, 0.5)) == []
-    # In prefill (nothing waiting): its blocks are in the usage, counted once.
-    assert co.due(0.3, EngineLoad(2, 0, 0.7)) == []
-    assert ids(co.due(0.4, EngineLoad(2, 0, 0.6))) == ["b"]  # 600 + 400 <= 1000
+    # On its way to the engine, or in its queue: counted whatever the engine reports
+    # waiting (issue 21's room counted the waiting share: nothing here).
+    assert co.due(0.2, EngineLoad(1, 0, 0.5)) == []
+    # A step prefilled 100 of its tokens, in the usage now: 100 left to count.
+    step = EngineStep(0, 100, 1, 2, 2, 0, 0.6)
+    assert co.due(0.3, EngineLoad(2, 0, 0.6), [step]) == []  # 600 + 100 + 400 > 1000
+    assert ids(co.due(0.4, EngineLoad(2, 0, 0.5))) == ["b"]  # 500 + 100 + 400 <= 1000
+    # The rest of "a" (50 tokens: its prefix cache held the other 50), and it starts.
+    co.due(0.5, EngineLoad(2, 0, 0.55), [EngineStep(0, 50, 1, 2, 2, 0, 0.55)])
+    assert co.started("a", 0.5, cached=50)
+    co.add(req("c", prompt=100), 0.6)
+    # "b" is unstarted and none of it prefilled: 550 + 400 + 100 > 1000.
+    assert co.due(0.6, EngineLoad(2, 0, 0.55)) == []
+    # A step prefills "b" whole: nothing left to allocate, 800 + 100 <= 1000.
+    got = co.due(0.7, EngineLoad(3, 0, 0.8), [EngineStep(0, 400, 1, 3, 3, 0, 0.8)])
+    assert ids(got) == ["c"]
+
+
+def test_a_short_prompt_counts_the_engines_use_not_what_long_prompts_have_to_come() -> None:
+    """Room rule 3: vLLM allocates a short prompt whole in its first step; a long
+    prompt in prefill waits for its later chunks' blocks (rule 4's room)."""
+    co = co_(kv=1000, kv_reserve_short=0.0, short_prompt_tokens=50)
+    co.add(req("x", prompt=10), 0.0)
+    assert release_all(co, 0.0) == ["x"]
+    co.add(req("long", prompt=600), 0.1)
+    assert ids(co.due(0.1, EngineLoad(1, 0, 0.3))) == ["long"]  # 300 + 600
+    co.due(0.2, EngineLoad(2, 0, 0.5), [EngineStep(0, 200, 1, 2, 2, 0, 0.5)])  # 400 to come
+    for i, rid in enumerate(("chat1", "chat2", "chat3")):
+        co.add(req(rid, prompt=40, now=0.3 + i / 1000), 0.3)
+    co.add(req("long2", prompt=60, now=0.3), 0.3)
+    # 500 in use: each chat turn counts that and the turns before it in the round
+    # (not the 400 to come of "long"); "long2" counts them all: 500 + 400 + 120 + 60.
+    assert ids(co.due(0.3, EngineLoad(2, 0, 0.5))) == ["chat1", "chat2", "chat3"]
+    co.add(req("chat4", prompt=40), 0.4)
+    assert ids(co.due(0.4, EngineLoad(2, 0, 0.97))) == []  # 970 + 40 > 1000
 
 
 def test_work_conserving_a_too_large_head_goes_when_nothing_is_in_flight() -> None:

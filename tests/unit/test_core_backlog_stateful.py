@@ -27,7 +27,8 @@ after every step:
 
 A second machine keeps two equal-weight callers backlogged the whole time and checks
 the fairness bound of backlog.py: their counters never differ by more than
-(2 + S) x U, S the engine's slots (a bound on either caller's generations in flight)
+(2 + 3S) x U, S the engine's slots (3S bounds either caller's generations in flight:
+the running ones and the engine's queue of two steps and a spare, room.py rule 2)
 and U the largest request's cost, prompt + 2 x max_new. Some requests are open-ended
 (charged an estimate): the bound is unchanged (backlog.py, "Open-ended requests").
 """
@@ -52,6 +53,7 @@ from batching import (
     Ended,
     EngineCapacity,
     EngineLoad,
+    EngineStep,
     Outcome,
     RefusalReason,
     Refused,
@@ -60,7 +62,7 @@ from batching import (
     Request,
     group_key,
 )
-from batching.room import Room
+from batching.room import EngineView, Room
 
 M = group_key("m")
 NAMES = ("a", "b", "c")
@@ -129,8 +131,7 @@ class BacklogMachine(RuleBasedStateMachine):
         lclass=st.sampled_from([1, 16]),
         policies=st.lists(POLICY, min_size=3, max_size=3),
         dedupe=st.booleans(),
-        lookahead=st.sampled_from([1.0, 2.0]),
-        spare=st.sampled_from([0.0, 0.5]),
+        feed=st.sampled_from([1.0, 2.0]),
         chunk=st.sampled_from([0, 0, 4, 16]),
     )
     def setup(
@@ -144,8 +145,7 @@ class BacklogMachine(RuleBasedStateMachine):
         lclass: int,
         policies: list[CallerPolicy],
         dedupe: bool,
-        lookahead: float,
-        spare: float,
+        feed: float,
         chunk: int,
     ) -> None:
         self.callers = table(policies)
@@ -160,13 +160,14 @@ class BacklogMachine(RuleBasedStateMachine):
             order=ReleaseOrder(rate, delay, lclass),
             kv_reserve_short=reserve,
             short_prompt_tokens=8,
-            step_lookahead=lookahead,
-            slot_spare=spare,
+            feed_steps=feed,
         )
         self.co = Coalescer(self.cfg)
         self.now = 0.0
         self.kv_usage = 0.0
-        self.engine_queue = 0
+        self.prefilled = 0  # prompt tokens the engine's steps prefilled of unstarted work
+        self.last_step: EngineStep | None = None  # the engine's latest step reported
+        self.queued_callers: set[str] = set()
         self.n = 0
         self.seq = 0
         self.queued: dict[str, Gen] = {}  # generation id -> Gen (queued or backlogged)
@@ -196,28 +197,40 @@ class BacklogMachine(RuleBasedStateMachine):
         mc = self._policy(name).max_concurrency
         return mc is not None and self._flying_of(name) >= mc
 
-    def _room(self, released: list[Gen]) -> Room:
+    def _room(self, released: list[Gen], book: bool = True) -> Room:
         """The room as the core saw it at the start of the last due(), with that
         call's releases booked (the engine's waiting share applies to the older)."""
         now_released = {g.request.id for g in released}
         unstarted = [
             f for gid, f in self.flying.items() if not f.started and gid not in now_released
         ]
+        cap, feed = self.cfg.engine, self.cfg.feed_steps
+        running = sum(1 for f in self.flying.values() if f.started)
+        short = self.cfg.short_prompt_tokens
+        flew = {f.caller for gid, f in self.flying.items() if gid not in now_released}
+        busy = len(flew | self.queued_callers)  # room.py rule 5: callers with work
         room = Room(
-            self.cfg.engine,
+            cap,
             len(self.flying) - len(now_released),
             len(unstarted),
             sum(f.ptok for f in unstarted),
-            sum(self.cfg.engine.next_chunk(f.ptok) for f in unstarted),
+            sum(cap.feed_size(f.ptok, feed) for f in unstarted),
+            # The spare is the core's own (set by the steps it judged under-fed).
+            EngineView.of(cap, [self.last_step], running, *self.co.feed_spare),
             self.kv_usage,
-            self.engine_queue,
+            self.prefilled,
             self.cfg.kv_reserve_short,
             self.cfg.short_prompt_tokens,
-            self.cfg.step_lookahead,
-            self.cfg.slot_spare,
+            feed,
+            None,
+            None,
+            0.0,
+            sum(1 for f in unstarted if cap.multi_step(f.ptok, short)),
+            self.cfg.long_prefills if busy > 1 else 0,
         )
-        for g in released:
-            room.take(g.ptok)
+        if book:
+            for g in released:
+                room.take(g.ptok)
         return room
 
     def _counter(self, name: str) -> float:
@@ -326,17 +339,41 @@ class BacklogMachine(RuleBasedStateMachine):
         dt=st.sampled_from([0.0, 0.005, 0.01, 0.03]),
         kv=st.sampled_from([0.0, 0.3, 0.6, 0.9, 1.0]),
         waiting=st.sampled_from([0, 0, 1, 3]),
+        report=st.booleans(),
+        decode=st.sampled_from([0, 1, 5]),
+        prefill=st.sampled_from([0, 0, 5, 40]),
     )
-    def due(self, dt: float, kv: float, waiting: int = 0) -> None:
+    def due(
+        self,
+        dt: float,
+        kv: float,
+        waiting: int = 0,
+        report: bool = False,
+        decode: int = 0,
+        prefill: int = 0,
+    ) -> None:
+        """One release round; with `report`, after an engine step that ran the
+        started work (at most its slots), `decode` tokens per request, and
+        `prefill` prompt tokens of the unstarted work (room.py rule 3)."""
         self.now += dt
         self.kv_usage = kv
-        self.engine_queue = waiting
         before = {n: self._flying_of(n) for n in NAMES}
-        batches = self.co.due(self.now, EngineLoad(len(self.flying), waiting, kv))
+        queued_subs = dict(self.sub_req)  # callers queued at the round's start, less expiries
+        steps: list[EngineStep] = []
+        if report:
+            seqs = self.cfg.engine.max_seqs
+            running = sum(1 for f in self.flying.values() if f.started)
+            running = min(running, seqs) if seqs else running
+            self.last_step = EngineStep(0, prefill, running * decode, running, running, waiting, kv)
+            steps.append(self.last_step)
+            unstarted = sum(f.ptok for f in self.flying.values() if not f.started)
+            self.prefilled = min(self.prefilled + prefill, unstarted)
+        batches = self.co.due(self.now, EngineLoad(len(self.flying), waiting, kv), steps)
         events = self.co.pop_events()
         expired = {
             e.request_id for e in events if isinstance(e, Ended) and e.outcome is Outcome.EXPIRED
         }
+        self.queued_callers = {r.caller for sid, r in queued_subs.items() if sid not in expired}
         if self.co.state is AdmissionState.CRITICAL:
             assert batches == []
             self._absorb(events)
@@ -382,7 +419,17 @@ class BacklogMachine(RuleBasedStateMachine):
             held = [release_key(self.cfg.order, h.request, h.seq) for h in self._backlog_of(name)]
             if keys != sorted(keys) or (held and keys and max(keys) > min(held)):
                 event("key order bent by the room")
+        self._check_released_fit(released)
         self._check_work_conserving(released)
+
+    def _check_released_fit(self, released: list[Gen]) -> None:
+        """Safety: each release of the round fitted the room as the model sees it,
+        with the round's earlier releases booked (the first may go to an idle engine,
+        room.py rule 1)."""
+        room = self._room(released, book=False)
+        for g in released:
+            assert room.fits(g.ptok), (g.request.id, g.ptok)
+            room.take(g.ptok)
 
     def _check_work_conserving(self, released: list[Gen]) -> None:
         if not self.queued:
@@ -423,12 +470,22 @@ class BacklogMachine(RuleBasedStateMachine):
             barrier = min(barrier, g.request.arrival + self.cfg.order.max_delay)
         return False
 
+    def _leaves_engine_queue(self, f: Flying, prefilled: int) -> None:
+        """room.py rule 3, modelled: an unstarted generation leaves the engine's queue
+        after `prefilled` of its tokens were prefilled."""
+        f.started = True
+        if any(not g.started for g in self.flying.values()):
+            self.prefilled = max(0, self.prefilled - prefilled)
+        else:
+            self.prefilled = 0
+
     @precondition(lambda self: any(not f.started for f in self.flying.values()))
-    @rule(data=st.data())
-    def started(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), cached=st.sampled_from([0, 0, 3, 50]))
+    def started(self, data: st.DataObject, cached: int) -> None:
         gid = data.draw(st.sampled_from(sorted(g for g, f in self.flying.items() if not f.started)))
-        assert self.co.started(gid, self.now) is True
-        self.flying[gid].started = True
+        assert self.co.started(gid, self.now, cached) is True
+        f = self.flying[gid]
+        self._leaves_engine_queue(f, f.ptok - min(cached, f.ptok))
 
     @precondition(lambda self: bool(self.flying))
     @rule(data=st.data(), every=st.booleans(), tokens=st.integers(0, 300))
@@ -436,7 +493,10 @@ class BacklogMachine(RuleBasedStateMachine):
         done = sorted(self.flying) if every else [data.draw(st.sampled_from(sorted(self.flying)))]
         for gid in done:
             assert self.co.finished(gid, self.now, tokens) is True
-            f = self.flying.pop(gid)
+            f = self.flying[gid]
+            if not f.started:  # an abort: counted as all prefilled
+                self._leaves_engine_queue(f, f.ptok)
+            del self.flying[gid]
             if f.open_ended:
                 est = self.estimate[f.caller]
                 self.estimate[f.caller] = est + (tokens - est) / 16
@@ -457,7 +517,9 @@ class BacklogMachine(RuleBasedStateMachine):
         self.co.state = AdmissionState.OK
         for _ in range(len(self.queued) + 2):
             for gid, f in list(self.flying.items()):
-                self.co.started(gid, self.now)
+                if not f.started:
+                    self.co.started(gid, self.now)
+                    self._leaves_engine_queue(f, f.ptok)
                 self.co.finished(gid, self.now, 1)
                 if f.open_ended:
                     est = self.estimate[f.caller]
@@ -519,7 +581,11 @@ class FairnessMachine(RuleBasedStateMachine):
         delay=st.sampled_from([0.0, 0.05, 10.0]),
     )
     def setup(self, seqs: int, step: int, kv: int, delay: float) -> None:
-        self.slots = seqs
+        # The most generations in flight: the engine's queue holds two steps'
+        # worth of its free slots and a spare of at most its slots (room.py rule 2),
+        # so running plus queued stays within 3 x seqs.
+        self.slots = 3 * seqs
+        self.seqs = seqs
         self.co = Coalescer(
             CoalescerConfig(
                 window=0.0,
@@ -541,8 +607,9 @@ class FairnessMachine(RuleBasedStateMachine):
         sizes=st.lists(
             st.tuples(st.integers(0, MAX_PROMPT), st.integers(0, MAX_NEW)), min_size=10, max_size=10
         ),
+        report=st.booleans(),
     )
-    def due(self, dt: float, kv: float, sizes: list[tuple[int, int]]) -> None:
+    def due(self, dt: float, kv: float, sizes: list[tuple[int, int]], report: bool) -> None:
         # Top up: at most `slots` generations leave per due(), so 5 + slots waiting
         # means neither caller's backlog ever empties (no return from idle).
         sizes_left = iter(sizes * 4)
@@ -562,7 +629,11 @@ class FairnessMachine(RuleBasedStateMachine):
                 self.backlog[name] += 1
         self.now += dt
         largest_prompt = {"a": -1, "b": -1}  # per caller, among this round's releases
-        for b in self.co.due(self.now, EngineLoad(len(self.flying), 0, kv)):
+        steps = []
+        if report:  # an engine step that ran the started work, within its slots
+            running = min(len(self.flying) - len(self.unstarted), self.seqs)
+            steps.append(EngineStep(0, 0, running, running, running, 0, kv))
+        for b in self.co.due(self.now, EngineLoad(len(self.flying), 0, kv), steps):
             for e in b.entries:
                 rid = e.request.id
                 name = self.owner[rid]
@@ -638,7 +709,7 @@ class AgingMachine(BacklogMachine):
         self, seqs: int, step: int, kv: int, delay: float, rate: float, lclass: int, chunk: int
     ) -> None:
         plain = CallerPolicy("x")
-        super().setup(seqs, step, kv, 0.0, delay, rate, lclass, [plain] * 3, False, 1.0, 0.0, chunk)
+        super().setup(seqs, step, kv, 0.0, delay, rate, lclass, [plain] * 3, False, 1.0, chunk)
 
     @rule(
         caller=st.sampled_from(["a", "a", "a", "b"]),

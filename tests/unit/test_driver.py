@@ -15,7 +15,15 @@ from typing import Any
 
 import pytest
 
-from batching import AdmissionState, Coalescer, CoalescerConfig, Request, group_key
+from batching import (
+    AdmissionState,
+    Coalescer,
+    CoalescerConfig,
+    EngineCapacity,
+    EngineStep,
+    Request,
+    group_key,
+)
 from server.engines.driver import Driver, Ticket
 from server.errors import SluiceError
 from server.wire.request import Sampling
@@ -33,10 +41,13 @@ class _Stop(Exception):
 
 @contextlib.asynccontextmanager
 async def running(
-    engine: FakeEngine | None = None, **config: Any
+    engine: FakeEngine | None = None, capacity: EngineCapacity | None = None, **config: Any
 ) -> AsyncIterator[tuple[Driver, FakeEngine]]:
-    """A Driver running in its own task group; every task is cancelled on exit."""
+    """A Driver running in its own task group; every task is cancelled on exit.
+    `capacity` is the core's engine room (none by default: nothing held)."""
     engine = engine or FakeEngine()
+    if capacity is not None:
+        config["engine"] = capacity
     # As the server wires them: one switch for both adaptive rules.
     config.setdefault("release_lone", config.get("adaptive", True))
     driver = Driver(Coalescer(CoalescerConfig(**config)), engine)
@@ -359,3 +370,31 @@ async def test_window_deadline_releases_even_when_the_timer_fires_early() -> Non
     except* _Stop:
         pass
     engine.shutdown()
+
+
+async def test_an_engine_step_reaches_the_core_and_releases_the_room_it_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The driver hands each reported engine step to the core and looks again at
+    once: the room follows the step (batching/room.py rule 2), not a timer."""
+    monkeypatch.setattr("server.engines.driver.BACKLOG_RECHECK", 60.0)  # no second look
+    engine = FakeEngine(step=0.05)
+    cap = EngineCapacity(max_seqs=2, step_tokens=1000)
+    async with running(engine, cap, window=0.0, feed_steps=1.0) as (driver, _):
+        tickets = [submit(driver, max_tokens=500) for _ in range(5)]
+        await until(lambda: len(engine.added) == 2)
+        for t in tickets[:2]:  # their first outputs: both run (started, 25 s to go)
+            outputs = (await t.wait()).outputs(t.id)
+            await anext(outputs)
+            await outputs.aclose()
+        assert driver.core.engine_waiting == 0
+        await asyncio.sleep(0.1)  # no step reported: nothing more goes
+        assert len(engine.added) == 2 and driver.core.backlog_generations == 3
+        # The engine says its step ran both and neither runs now: two slots free.
+        engine.report_steps(EngineStep(0, 0, 2, 2, 0, 0, 0.0))
+        await until(lambda: len(engine.added) == 4, timeout=2.0)
+        c = driver.core.room_counters
+        assert (c.steps, c.steps_held, c.underfed_steps) == (1, 1, 0)
+        for t in tickets:
+            t.leave()
+        await settled(driver, engine)

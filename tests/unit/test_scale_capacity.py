@@ -27,7 +27,7 @@ from vllm.v1.metrics.stats import IterationStats, PrefixCacheStats, SchedulerSta
 
 from batching import EngineCapacity
 from batching.pressure import RankStats
-from batching.room import Room
+from batching.room import EngineView, Room
 from server.cli import parse_serve_args
 from server.engines.interface import ModelInfo
 from server.engines.vllm_adapter import _stat_logger_factory, _StatsBox, dp_ranks, engine_config
@@ -55,17 +55,18 @@ LAYOUTS = {
 
 
 def _room(cap: EngineCapacity, in_flight: int = 1, **kw: Any) -> Room:
+    """A room beside an idle engine (no step reported, nothing running)."""
     args: dict[str, Any] = {
         "in_flight": in_flight,
         "unstarted_n": 0,
         "unstarted_tokens": 0,
-        "unstarted_chunks": 0,
+        "unstarted_feed": 0,
+        "view": EngineView.of(cap, [None] * cap.ranks, 0),
         "kv_usage": 0.0,
-        "engine_waiting": 0,
+        "prefilled": 0,
         "reserve": 0.0,
         "short_prompt": 0,
-        "step_lookahead": 2.0,
-        "slot_spare": 0.0,
+        "feed_steps": 2.0,
         **kw,
     }
     return Room(cap, **args)
@@ -96,22 +97,26 @@ def test_replayed_layouts(layout: str, demo_model_dir: Path) -> None:
     assert cap.ranks == ranks
     assert cap.kv_tokens == blocks_per_rank * 16
     room = _room(cap)
-    assert room.seq_limit == ranks * sched.max_num_seqs
-    assert room.step_tokens == 2.0 * ranks * sched.max_num_batched_tokens
+    # Room rule 2: two steps of every rank's free slots and budget (an idle engine).
+    assert room.feed_slots == 2.0 * ranks * sched.max_num_seqs
+    assert room.feed_tokens == 2.0 * ranks * sched.max_num_batched_tokens
     assert room.kv_tokens == ranks * blocks_per_rank * 16
 
 
-def test_slots_and_step_budget_add_up_over_ranks() -> None:
+def test_the_feed_adds_up_over_ranks() -> None:
+    """Room rule 2 on an idle engine, one step fed: each rank takes its own slots
+    and budget."""
     one = EngineCapacity(max_seqs=128, step_tokens=2048, kv_tokens=100_000)
     two = EngineCapacity(max_seqs=128, step_tokens=2048, kv_tokens=100_000, ranks=2)
-    assert not _room(one, in_flight=127).full and _room(one, in_flight=128).full
-    assert _room(two, in_flight=200).fits(64)  # past one rank's 128
-    assert not _room(two, in_flight=256).fits(64)
-    # Step budget: 2 steps x 2 ranks x 2,048 of unstarted prompt tokens.
-    kw = {"unstarted_n": 10, "unstarted_tokens": 6000, "unstarted_chunks": 6000}
+    kw: dict[str, Any] = {"in_flight": 200, "feed_steps": 1.0}
+    assert not _room(one, unstarted_n=127, **kw).full and _room(one, unstarted_n=128, **kw).full
+    assert _room(two, unstarted_n=200, **kw).fits(64)  # past one rank's 128
+    assert not _room(two, unstarted_n=256, **kw).fits(64)
+    # Budget: 2 ranks x 2,048 of unstarted prompt tokens.
+    kw = {**kw, "unstarted_n": 10, "unstarted_tokens": 3000, "unstarted_feed": 3000}
     assert not _room(one, **kw).fits(64)
     assert _room(two, **kw).fits(64)
-    assert not _room(two, **kw).fits(2200)
+    assert not _room(two, **kw).fits(1200)
 
 
 def test_a_prompt_needs_room_on_one_rank() -> None:

@@ -286,3 +286,28 @@ def test_data_parallel_ranks_get_columns_of_their_own_and_one_rank_none() -> Non
     one.sample()
     series = orjson.loads(one.body())["series"]
     assert series["rank_queue"] == {} and series["rank_kv_pct"] == {}
+
+
+def test_steps_beside_a_held_backlog_are_rates_and_held_time_a_share_per_rule() -> None:
+    clock = Clock()
+    snaps = [Snapshot("ok", steps_held=100, underfed_steps=10, held_seconds={"feed": 5.0})]
+    s = sampler(snaps, clock)
+    first = s.sample()
+    assert first is not None and first.steps_held_s is None and first.held_pct == {}
+    clock.tick(2.0)
+    snaps.append(
+        Snapshot(
+            "ok",
+            steps_held=160,
+            underfed_steps=12,
+            held_seconds={"feed": 6.5, "kv": 0.0, "caller_limit": 0.5},
+        )
+    )
+    got = s.sample()
+    assert got is not None
+    assert (got.steps_held_s, got.underfed_s) == (30.0, 1.0)
+    # The feed held work for 1.5 of the 2 s, a caller's limit for 0.5 s; KV never.
+    assert got.held_pct == {"feed": 75.0, "caller_limit": 25.0}
+    body = orjson.loads(s.body())
+    assert body["series"]["held_pct"] == {"caller_limit": [None, 25.0], "feed": [None, 75.0]}
+    assert body["series"]["underfed_s"] == [None, 1.0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -360,10 +361,19 @@ JSON = st.recursive(
 
 def _raw(value: Any) -> str:
     """JSON text with control characters left raw in strings, as xgrammar may emit."""
-    text = json.dumps(value)
-    for code in range(0x20):
-        text = text.replace(f"\\u{code:04x}", chr(code))
-    return text.replace("\\n", "\n").replace("\\t", "\t").replace("\\r", "\r")
+    raw = {"n": "\n", "t": "\t", "r": "\r"}
+
+    def unescape(m: re.Match[str]) -> str:
+        # One escape at a time, left to right, so an escaped backslash before
+        # an `n` (the key `\\n`) stays what it is.
+        esc = m.group(1)
+        if esc in raw:
+            return raw[esc]
+        if esc.startswith("u") and int(esc[1:], 16) < 0x20:
+            return chr(int(esc[1:], 16))
+        return m.group(0)
+
+    return re.sub(r"\\(u[0-9a-f]{4}|.)", unescape, json.dumps(value))
 
 
 @settings(max_examples=300, deadline=None)

@@ -28,6 +28,13 @@
     { id: "batches", title: "Released batch size", unit: "generations",
       series: [["batch_mean", "mean"], ["batch_max", "max"]] },
     { id: "kv", title: "KV-cache use", unit: "%", series: [["kv_pct", "KV cache"]], max: 100 },
+    // The held backlog's cost (batching/room.py): engine steps that left budget and
+    // a slot unused while Sluice held work that would have fit, and which rule
+    // held work for how much of each second.
+    { id: "steps", title: "Engine steps beside a held backlog", unit: "steps/s",
+      series: [["steps_held_s", "steps"], ["underfed_s", "under-fed"]] },
+    { id: "held", title: "Why the backlog waits", unit: "% of the time", series: [],
+      keyed: "held_pct", onlyWithData: true, max: 100 },
     // Data-parallel ranks only (vLLM's --data-parallel-size): with one rank the
     // plots above are that rank's, and these stay hidden.
     { id: "rank-queue", title: "Engine queue per rank", unit: "requests", series: [],

@@ -1,0 +1,34 @@
+"""bench/room_sim.py, the model the room's constants were chosen on: its engine
+keeps vLLM's rules, and it tells a held backlog from none (short runs)."""
+
+from __future__ import annotations
+
+import batching
+from bench.room_sim import Engine, Req, run
+
+
+def test_the_engine_runs_prefills_first_then_its_queue_in_order_within_kv() -> None:
+    eng = Engine(seqs=4, budget=1024, kv_tokens=1024)
+    long, chat, other = (
+        Req("l", 2000, 4, "b", 0.0),
+        Req("c", 64, 4, "c", 0.0),
+        Req("o", 64, 4, "c", 0.0),
+    )
+    eng.waiting += [long, chat]
+    first = eng.schedule()
+    assert [(r.rid, n) for r, n, _ in first] == [("l", 512), ("c", 64)]  # the capped chunk
+    eng.finish(first, 0.01)
+    eng.waiting.append(other)
+    second = eng.schedule()
+    # The long prompt's next chunk comes first; its KV (1,024 tokens) is full, so it
+    # preempts the newest running request (the chat turn) to get blocks.
+    assert (second[0][0].rid, second[0][1]) == ("l", 512)
+    assert chat in eng.waiting and chat.computed == 0
+
+
+def test_a_held_backlog_keeps_vllms_queue_short_and_nothing_held_keeps_it_long() -> None:
+    held = run(batching, "spread", {}, span=3.0)
+    none = run(batching, "spread", {}, nohold=True, span=3.0)
+    assert held["engine_waiting"] < 20 < none["engine_waiting"]
+    assert none["underfed_share"] == 0.0 and held["held_s"]["feed"] > 0
+    assert held["req_s"] > 0 and none["req_s"] > 0

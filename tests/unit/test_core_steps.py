@@ -1,0 +1,287 @@
+"""The engine's steps in the core (issue 27): the under-fed definition
+(room.underfed), the counters, the time the backlog held work by rule, and the
+feed rule that releases from the reported steps (room.py rule 2)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from batching import (
+    Batch,
+    CallerPolicy,
+    Callers,
+    Coalescer,
+    CoalescerConfig,
+    EngineCapacity,
+    EngineLoad,
+    EngineStep,
+    Hold,
+    Request,
+    group_key,
+    underfed,
+)
+
+M = group_key("m")
+CAP = EngineCapacity(max_seqs=8, step_tokens=1000, kv_tokens=10_000, prefill_chunk=250)
+
+
+def step(
+    prefill: int = 0,
+    decode: int = 4,
+    requests: int = 4,
+    running: int = 4,
+    waiting: int = 0,
+    kv: float = 0.1,
+    rank: int = 0,
+) -> EngineStep:
+    return EngineStep(rank, prefill, decode, requests, running, waiting, kv)
+
+
+def req(rid: str, prompt: int = 100, caller: str = "a", now: float = 0.0) -> Request:
+    return Request(rid, M, tuple(range(prompt)), 8, now, caller=caller)
+
+
+def co_(cap: EngineCapacity = CAP, **kw: object) -> Coalescer:
+    kw.setdefault("window", 0.0)
+    kw.setdefault("release_lone", False)
+    kw.setdefault("kv_reserve_short", 0.0)
+    return Coalescer(CoalescerConfig(engine=cap, **kw))  # type: ignore[arg-type]
+
+
+def ids(batches: list[Batch]) -> list[str]:
+    return [e.request.id for b in batches for e in b.entries]
+
+
+# -- the definition --------------------------------------------------------------
+
+
+def test_a_step_with_budget_slot_and_kv_left_beside_held_work_is_underfed() -> None:
+    assert underfed(step(prefill=300), CAP, held=100)
+
+
+@pytest.mark.parametrize(
+    ("why", "s", "held"),
+    [
+        ("nothing held", step(), 0),
+        ("the engine kept waiting work of its own", step(waiting=1), 100),
+        ("every running slot scheduled", step(requests=8, decode=8), 100),
+        ("the budget left is below the first chunk", step(prefill=760, decode=4), 250),
+        ("the whole prompt's KV is not free", step(kv=0.95), 600),
+    ],
+)
+def test_a_step_is_not_underfed_when(why: str, s: EngineStep, held: int) -> None:
+    assert not underfed(s, CAP, held), why
+
+
+def test_a_long_prompt_needs_its_first_chunk_of_budget_and_all_its_kv() -> None:
+    # 2,000 tokens: the first chunk is vLLM's cap (250) ...
+    assert underfed(step(prefill=700, decode=40), CAP, held=2000)  # 740 + 250 <= 1000
+    assert not underfed(step(prefill=720, decode=40), CAP, held=2000)
+    # ... but its KV is the whole prompt's: 2,000 of the 2,000 free at 80% use.
+    assert underfed(step(kv=0.79), CAP, held=2000)
+    assert not underfed(step(kv=0.81), CAP, held=2000)
+
+
+def test_unknown_capacity_numbers_never_make_a_step_look_full() -> None:
+    assert underfed(step(requests=500, prefill=10**6, kv=1.0), EngineCapacity(), held=100)
+
+
+# -- counted by the core ------------------------------------------------------------
+
+
+def test_the_core_counts_steps_beside_a_held_backlog_and_the_underfed_ones() -> None:
+    co = co_(dataclasses.replace(CAP, prefill_chunk=0), feed_steps=1.0)
+    co.add(req("a", 900), 0.0)
+    co.add(req("b", 900), 0.0)
+    assert ids(co.due(0.0)) == ["a"]  # the engine's next step takes one of them
+    c = co.room_counters
+    assert (c.steps, c.steps_held, c.underfed_steps) == (0, 0, 0)
+    # A step with budget left, but not "b"'s 900 tokens: fed. Then one with room
+    # for "b" in its budget, its KV and a slot: under-fed, and the feed's spare
+    # grows by the 900 tokens it left, so "b" goes (room.py rule 2).
+    assert co.due(0.1, steps=[step(prefill=850, decode=0, requests=1, running=1)]) == []
+    assert ids(co.due(0.2, steps=[step(prefill=100, decode=0, requests=1, running=1)])) == ["b"]
+    c = co.room_counters
+    assert (c.steps, c.steps_held, c.underfed_steps) == (2, 2, 1)
+    # With nothing held, steps count but none is beside a held backlog.
+    co.due(0.4, steps=[step(prefill=900, decode=1, requests=2, running=2)])
+    c = co.room_counters
+    assert (c.steps, c.steps_held, c.underfed_steps) == (3, 2, 1)
+
+
+def test_work_held_by_its_callers_limit_leaves_no_step_underfed() -> None:
+    callers = Callers((CallerPolicy("a", max_concurrency=1),))
+    co = co_(callers=callers)
+    co.add(req("a1"), 0.0)
+    co.add(req("a2"), 0.0)
+    assert ids(co.due(0.0)) == ["a1"]
+    co.due(0.1, steps=[step(decode=1, requests=1, running=1)])
+    assert co.room_counters.steps_held == 1
+    assert co.room_counters.underfed_steps == 0
+    held = dict(co.room_counters.held_seconds)
+    assert held[Hold.CALLER.value] == pytest.approx(0.1)
+
+
+def test_held_time_is_integrated_by_the_rule_that_held_work() -> None:
+    co = co_(
+        EngineCapacity(max_seqs=8, step_tokens=400, kv_tokens=1000),
+        feed_steps=1.0,
+        kv_reserve_short=0.5,
+        short_prompt_tokens=100,
+    )
+    co.add(req("a", 300), 0.0)
+    co.add(req("b", 300), 0.0)
+    assert ids(co.due(0.0)) == ["a"]
+    co.due(1.0)  # held by the feed rule for 1 s: "a" is unstarted, 300 of 400
+    co.started("a", 1.0)
+    # "b" would pass the long prompts' half of the KV cache: the reserve holds it
+    # (each round names the rule that holds work until the next round).
+    load = EngineLoad(running=1, waiting=0, kv_usage=0.3)
+    assert ids(co.due(1.0, load)) == []
+    co.due(3.5, load)
+    held = dict(co.room_counters.held_seconds)
+    assert held[Hold.FEED.value] == pytest.approx(1.0)
+    assert held[Hold.RESERVE.value] == pytest.approx(2.5)
+    assert sum(held.values()) == pytest.approx(3.5)
+    co.finished("a", 4.0)
+    assert ids(co.due(4.0, EngineLoad(running=0, waiting=0))) == ["b"]
+    co.due(9.0)  # nothing held since 4 s
+    assert sum(dict(co.room_counters.held_seconds).values()) == pytest.approx(4.0)
+
+
+# -- the feed rule (room.py rule 2) ---------------------------------------------------
+
+
+def test_the_engine_queue_holds_two_steps_of_the_budget_its_last_step_left() -> None:
+    co = co_(EngineCapacity(max_seqs=64, step_tokens=1000))
+    for i in range(40):
+        co.add(req(f"r{i}", 100), 0.0)
+    # No step reported yet: an idle engine, two steps of its 1,000-token budget.
+    assert len(ids(co.due(0.0))) == 20
+    # The engine took them (their first outputs); its last step decoded 20
+    # tokens, so two more steps take 2 x 980 tokens of prompts.
+    for i in range(20):
+        co.started(f"r{i}", 0.1)
+    got = ids(co.due(0.1, steps=[step(prefill=900, decode=20, requests=29, running=20)]))
+    assert len(got) == 19 and got[0] == "r20"
+
+
+def test_the_engine_queue_holds_two_steps_of_the_slots_its_last_step_left() -> None:
+    co = co_(EngineCapacity(max_seqs=8, step_tokens=10_000))
+    for i in range(20):
+        co.add(req(f"r{i}", 10), 0.0)
+    assert len(ids(co.due(0.0))) == 16  # 2 x 8 free slots
+    for i in range(8):
+        co.started(f"r{i}", 0.1)
+    # The step ran 8, and 3 of them finished in it: 3 slots free for each of two
+    # steps, and 8 requests queued already.
+    assert ids(co.due(0.1, steps=[step(decode=8, requests=8, running=5)])) == []
+    for i in range(3):
+        co.finished(f"r{i}", 0.2)
+    got = ids(co.due(0.2, steps=[step(decode=5, requests=5, running=2)]))
+    assert got == ["r16", "r17", "r18", "r19"]  # 2 x 6 free, of which 8 queued
+
+
+def test_a_long_prompt_counts_what_the_next_steps_prefill_of_it() -> None:
+    """With vLLM's per-prompt cap, an unstarted 2,000-token prompt takes 250 tokens
+    of each step: over the two steps fed, 500 of the 2 x 1,000, so others join it."""
+    co = co_(EngineCapacity(max_seqs=64, step_tokens=1000, prefill_chunk=250))
+    co.add(req("long", 2000), 0.0)
+    for i in range(14):
+        co.add(req(f"s{i}", 100), 0.0)
+    got = ids(co.due(0.0))
+    assert got[-1] == "long" and len(got) == 15  # 14 x 100 + 2 x 250 <= 2 x 1,000
+    assert co.backlog_generations == 0
+
+
+def test_the_feed_follows_each_ranks_own_step() -> None:
+    two = EngineCapacity(max_seqs=4, step_tokens=1000, ranks=2)
+    co = co_(two)
+    for i in range(30):
+        co.add(req(f"r{i}", 10), 0.0)
+    assert len(ids(co.due(0.0))) == 16  # 2 steps x 2 ranks x 4 slots
+    for i in range(16):
+        co.started(f"r{i}", 0.1)
+    # Rank 0 full (4 running), rank 1 ran 4 and 3 of them finished: 3 free.
+    steps = [step(decode=4, requests=4, running=4), step(decode=4, requests=4, running=1, rank=1)]
+    got = ids(co.due(0.1, steps=steps))
+    assert len(got) == 6  # 2 x (0 + 3)
+
+
+def test_replacing_the_engine_capacity_keeps_the_feed_count_exact() -> None:
+    co = co_(EngineCapacity(max_seqs=64, step_tokens=1000, prefill_chunk=250))
+    co.add(req("long", 2000), 0.0)
+    assert ids(co.due(0.0)) == ["long"]
+    co.capacity = dataclasses.replace(co.capacity, prefill_chunk=0, ranks=2)
+    for i in range(30):
+        co.add(req(f"s{i}", 100), 1.0)
+    # Now it counts whole: 2,000 of 2 steps x 2 ranks x 1,000 tokens.
+    assert len(ids(co.due(1.0))) == 20
+
+
+def test_an_underfed_step_adds_what_it_left_to_the_feed_and_waiting_work_takes_it_back() -> None:
+    """Room.py rule 2's spare: the engine's queue grows by what an under-fed step
+    left unused of the dimension the feed ran short of (slots here), and shrinks by
+    a 256th after each step that left the engine waiting work of its own."""
+    co = co_(EngineCapacity(max_seqs=8, step_tokens=10_000), feed_steps=1.0)
+    for i in range(30):
+        co.add(req(f"r{i}", 10), 0.0)
+    assert len(ids(co.due(0.0))) == 8
+    for i in range(8):
+        co.started(f"r{i}", 0.1)
+    # 8 running, and the step finished 6 of them in it: 6 free, 2 requests scheduled.
+    for i in range(6):
+        co.finished(f"r{i}", 0.1)
+    full = step(decode=8, requests=8, running=8)
+    assert ids(co.due(0.1, steps=[full])) == []  # no slot free after that step
+    short = step(decode=2, requests=2, running=2)
+    got = ids(co.due(0.2, steps=[short]))  # under-fed by 6 slots: 6 free + 6 spare
+    assert len(got) == 12
+    assert co.room_counters.underfed_steps == 1
+    for rid in got:
+        co.started(rid, 0.3)
+    waiting = step(decode=8, requests=8, running=8, waiting=2)
+    for k in range(16):
+        co.due(0.3 + k / 100, steps=[waiting])
+    assert co.feed_spare[0] == pytest.approx(6 * (255 / 256) ** 16)
+
+
+def test_the_spare_stays_within_one_engine_of_slots() -> None:
+    co = co_(EngineCapacity(max_seqs=4, step_tokens=10_000), feed_steps=1.0)
+    for i in range(200):
+        co.add(req(f"r{i}", 10), 0.0)
+    co.due(0.0)
+    for k in range(50):  # every step under-fed by all its slots, nothing taken
+        co.due(0.01 * k, steps=[step(decode=0, requests=0, running=4)])
+    assert co.feed_spare == (4, 0)
+
+
+def test_beside_another_callers_work_one_long_prompt_is_in_prefill_at_a_time() -> None:
+    """Room.py rule 5: vLLM schedules running prefills first, a chunk each; with
+    several long prompts in prefill a step is all chunks and a chat turn waits."""
+    cap = EngineCapacity(max_seqs=64, step_tokens=2048, prefill_chunk=512)
+    callers = Callers((CallerPolicy("chat"), CallerPolicy("batch")))
+    alone = co_(cap, callers=callers)
+    for i in range(4):
+        alone.add(req(f"f{i}", 2000, caller="batch"), 0.0)
+    # One caller: nobody else's turn to keep room for; the feed alone bounds it
+    # (two steps of 2,048, each long prompt counting two 512-token chunks).
+    assert ids(alone.due(0.0)) == ["f0", "f1", "f2", "f3"]
+    co = co_(cap, callers=callers)
+    co.add(req("c0", 64, caller="chat"), 0.0)
+    for i in range(4):
+        co.add(req(f"f{i}", 2000, caller="batch"), 0.0)
+    assert ids(co.due(0.0)) == ["c0", "f0"]
+    co.add(req("c1", 64, caller="chat"), 0.1)
+    assert ids(co.due(0.1)) == ["c1"]  # short prompts are not bound
+    assert dict(co.room_counters.held_seconds)[Hold.LONG.value] == pytest.approx(0.1)
+    co.started("f0", 0.2)
+    assert ids(co.due(0.2)) == ["f1"]
+    # The other caller's work has ended: the bound is off.
+    for rid in ("c0", "c1"):
+        co.started(rid, 0.3)
+        co.finished(rid, 0.3)
+    assert ids(co.due(0.3)) == ["f2", "f3"]
+    assert co.config.long_prefills == 1  # the default
