@@ -1,8 +1,8 @@
 """The docs' examples run as written, but for the server's address, on the demo model.
 
 Every Python block of the README and docs/*.md, and every shell block made
-only of curl commands to the plain server, runs against the session's one
-Sluice (no engine of its own: the whole suite shares it). A page's Python
+only of curl commands to the plain server, runs against tests/integration's
+one Sluice (no engine of its own: the package shares it). A page's Python
 blocks run in order in one namespace, as a reader pastes them into one
 session (docs/tools.md's structured-output example reuses the tool example's
 client). A curl block followed by a JSON block (the README's first request
@@ -112,7 +112,7 @@ GREP_BLOCKS = [b for b in all_blocks("sh") if b.text.startswith('grep \'"request
 def test_the_log_line_shown_is_the_one_written(sluice_server: SluiceProcess, grep: Block) -> None:
     """A `grep` for the README curl's request id (README, docs/operations.md)
     shows the access line Sluice writes for it: the same fields in the same
-    order, the same values but for the timings and the batch. (The session's
+    order, the same values but for the timings and the batch. (The shared
     server logs `key=value` pairs, --log-format plain; the docs show the
     default JSON of the same record, so a value is compared as Python's str()
     of the JSON one.)"""
