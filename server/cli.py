@@ -201,7 +201,7 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="TOML file of callers: [callers.NAME] key, weight, max_concurrency, "
-        "max_queued, tokens_per_minute (see README); reloaded on SIGHUP",
+        "max_queued, tokens_per_minute (see docs/queue.md); reloaded on SIGHUP",
     )
     g.add_argument(
         "--shared-prefix-cache",

@@ -16,8 +16,8 @@ follows one rule:
 3. Input this server cannot honour and whose loss would change the answer
    (a forced hosted tool, an image on a text-only model) stays a 400.
 
-The ``field`` label is bounded: a name listed in ``KNOWN`` for that API (the
-README's "Coding agents" section lists the same names, docs/ollama.md
+The ``field`` label is bounded: a name listed in ``KNOWN`` for that API
+(docs/apis.md, "What the APIs accept", lists the same names, docs/ollama.md
 Ollama's, checked by tests/unit/test_ignored_fields.py), else ``other``; never a string the client
 chose. Paths are written without indices: ``tools[].defer_loading``, a tool
 of a type this server does not offer as ``tools[type=web_search]``.

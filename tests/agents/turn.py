@@ -1,7 +1,7 @@
 """One non-interactive turn of a coding agent against a server, with its default settings.
 
-Why this exists: each agent is pointed at a server its own way (README,
-"Coding agents"); this module is that list, as code, for the tests. Each runs
+Why this exists: each agent is pointed at a server its own way
+(docs/coding-agents.md); this module is that list, as code, for the tests. Each runs
 in a fresh home folder (no user settings, no login, no history), in an empty
 working folder, with what its documentation says a user sets to use another
 server, plus the setting of its own that caps its answers' length where it

@@ -18,7 +18,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.support import ROOT, SluiceProcess
+from tests.support import SluiceProcess
 
 pytestmark = pytest.mark.engine
 
@@ -259,16 +259,3 @@ def test_raw_completion_is_constrained_from_the_first_token(client: openai.OpenA
         extra_body={"guided_json": TIME},
     )
     jsonschema.validate(json.loads(r.choices[0].text), TIME)
-
-
-@pytest.mark.parametrize("section", ["### Tool calls", "### Structured output"])
-def test_readme_example_runs(sluice_server: SluiceProcess, section: str) -> None:
-    """The README's examples, verbatim but for the server's address, on the demo model."""
-    text = (ROOT / "README.md").read_text()
-    start = text.index(section)
-    block = text[text.index("```python\n", start) + 10 : text.index("\n```", start)]
-    if "OpenAI(" not in block:  # the second example reuses the first one's client
-        block = "from openai import OpenAI\nclient = OpenAI(base_url=BASE, api_key='x')\n" + block
-    code = block.replace('"http://127.0.0.1:8000/v1"', "BASE")
-    scope: dict[str, Any] = {"BASE": sluice_server.base + "/v1", "print": lambda *a: None}
-    exec(compile(code, f"README {section}", "exec"), scope)

@@ -1,8 +1,8 @@
 """The coding agents' own requests, as recorded, through the whole HTTP pipeline.
 
 Each file of tests/agents/recorded/ is one request an agent sent to Sluice,
-recorded by the loopback proxy of tests/agents/proxy.py (tests/agents/README
-below the README's "Coding agents" section says how to record another): the
+recorded by the loopback proxy of tests/agents/proxy.py (docs/coding-agents.md,
+"The agents in the test suite", says how to record another): the
 method, path, the headers that say which API and betas it speaks, and the body
 as sent, untrimmed. Each was refused by Sluice before issue 26 (the refusal is
 in each test's docstring); here each must stream to its end on a FakeEngine

@@ -3,14 +3,13 @@
 The counter's `field` label holds only names the code lists (or `other`),
 each (api, field) is logged once, a client inventing names cannot grow the
 log set without bound, and the docs list, per API, every name the code does
-(the README's "Coding agents" section; Ollama's in docs/ollama.md).
+(docs/apis.md, "What the APIs accept"; Ollama's in docs/ollama.md).
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter
@@ -18,11 +17,11 @@ from prometheus_client import CollectorRegistry, Counter
 from server.operations import ignored_log as ignored_fields
 from server.operations.ignored_log import IgnoredFields
 from server.wire.ignored import KNOWN, OTHER, Ignored, Notes
+from tests.docpages import page, section
 
-ROOT = Path(__file__).resolve().parents[2]
-# Where each API's "accepts and ignores" list is: the page and its section.
-LISTS = {"ollama": (ROOT / "docs/ollama.md", "## What is accepted and ignored")}
-README = (ROOT / "README.md", "## Coding agents")
+PAGE, SECTION = "docs/apis.md", "What the APIs accept"
+# An API whose list is on its own page: the page and its section.
+OWN_PAGE = {"ollama": ("docs/ollama.md", "What is accepted and ignored")}
 
 
 def recorder() -> tuple[IgnoredFields, Counter]:
@@ -67,23 +66,21 @@ def test_a_client_inventing_names_does_not_grow_what_is_logged(
     assert count(counter, "chat", OTHER) == 10
 
 
-def _doc_lists() -> dict[str, set[str]]:
-    """Per API, the names in backticks of its page's "accepted and ignored" list."""
+def _documented_lists() -> dict[str, set[str]]:
+    """Per API, the names in backticks of the docs' "accepts and ignores" list."""
     out: dict[str, set[str]] = {}
     for api in KNOWN:
-        page, heading = LISTS.get(api, README)
-        text = page.read_text()
-        section = text[text.index(heading) :] + "\n## "
-        section = section[: section.index("\n## ", 1)]
+        where, heading = OWN_PAGE.get(api, (PAGE, SECTION))
+        text = section(page(where), heading)
         m = re.search(
-            rf"^\* \*\*{api}\*\* accepts and ignores: (.*?)(?=^\* |\Z)", section, re.M | re.S
+            rf"^\* \*\*{api}\*\* accepts and ignores: (.*?)(?=^\* |\Z)", text, re.M | re.S
         )
-        assert m, f"{page.name}'s {heading!r} section has no list for {api}"
+        assert m, f'{where}, "{heading}", has no list for {api}'
         out[api] = set(re.findall(r"`([^`]+)`", m.group(1)))
     return out
 
 
 def test_the_docs_list_what_each_api_accepts_and_ignores() -> None:
-    listed = _doc_lists()
+    listed = _documented_lists()
     for api, fields in KNOWN.items():
         assert set(fields) - listed[api] == set(), api

@@ -7,8 +7,8 @@ so they are tested on their own (tests/unit/test_protocol_anthropic.py).
 Request (shapes as the `anthropic` client's types and vLLM 0.32's
 entrypoints/anthropic/serving.py read them, so a prompt renders to the same
 tokens as through vLLM's server). What is accepted and ignored follows
-server/wire/ignored.py's rule (listed there, and in the README's "Coding
-agents" section):
+server/wire/ignored.py's rule (listed there, and in docs/apis.md's "What
+the APIs accept"):
 
 1. ``system``: a string or text blocks, joined with "" as vLLM does; a block
    that is Claude Code's ``x-anthropic-billing-header`` is dropped, as vLLM

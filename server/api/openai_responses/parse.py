@@ -21,7 +21,7 @@ honouring them is impossible here and dropping them changes the answer:
 templates), ``top_logprobs``, a ``tool_choice`` that forces a tool this
 server does not offer, non-text input parts, ``item_reference`` items.
 Accepted and ignored under server/wire/ignored.py's rule (listed there
-with why; the README's "Coding agents" lists them): ``include``,
+with why; docs/apis.md's "What the APIs accept" lists them): ``include``,
 ``prompt_cache_key``, ``text.verbosity``, ``reasoning.summary``, Codex's
 ``client_metadata``, the content of input ``reasoning`` items, and others.
 
