@@ -139,6 +139,8 @@ class FakeEngine:
         )
         self.started = False
         self.shut_down = False
+        self.sleeps = 0  # sleep() calls (vLLM's sleep mode, on a GPU)
+        self.asleep = False
 
     async def start(self) -> None:
         await asyncio.sleep(self.start_delay)
@@ -278,6 +280,13 @@ class FakeEngine:
                 code="adapter_load_failed",
             )
         self.loaded.append(adapter)
+
+    async def sleep(self) -> None:
+        self.sleeps += 1
+        self.asleep = True
+
+    async def wake_up(self) -> None:
+        self.asleep = False
 
     def kill(self) -> None:
         """Fault injection: the engine dies; every collector gets an error."""

@@ -20,7 +20,7 @@ from server.engines.demo.lora_adapter import write_demo_adapter
 from server.engines.demo.model import ARCHITECTURE, write_safetensors
 from server.engines.lora import Adapter, ModelShapes, check_shapes
 from server.http.callers import parse_callers
-from server.state import DRIVER
+from server.state import MODELS
 from tests.fakes import FakeEngine
 from tests.support import until
 
@@ -345,7 +345,10 @@ async def test_unloading_finishes_queued_and_running_work(make_client: Any, tmp_
     first = asyncio.ensure_future(client.post(CHAT, json=chat("alpha")))
     await until(lambda: len(engine.held) == 1, what="the first request in the engine")
     second = asyncio.ensure_future(client.post(CHAT, json=chat("alpha")))
-    await until(lambda: app[DRIVER].core.queued_requests == 1, what="the second in the backlog")
+    await until(
+        lambda: app[MODELS].default.driver.core.queued_requests == 1,
+        what="the second in the backlog",
+    )
     resp = await client.post(UNLOAD, json={"lora_name": "alpha"}, headers=ADMIN)
     assert resp.status == 200
     await refused(await client.post(CHAT, json=chat("alpha")), 404)
