@@ -933,6 +933,7 @@ _RANGES: tuple[tuple[str, str, float, bool], ...] = (
     # (dest, flag, bound, the bound itself allowed)
     ("port", "--port", 0, True),
     ("queue_timeout", "--queue-timeout", 0, False),
+    ("load_timeout", "--load-timeout", 0, False),
     ("result_cache_ttl", "--result-cache-ttl", 0, True),
     ("max_body_bytes", "--max-body-bytes", 1, True),
     ("max_n", "--max-n", 1, True),
