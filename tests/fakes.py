@@ -94,6 +94,8 @@ class FakeEngine:
     step: float = 0.002  # seconds per generated token
     start_delay: float = 0.0
     fail_start: bool = False
+    # Set: start() waits for this event (an engine start a test lets finish).
+    start_gate: asyncio.Event | None = None
     max_num_seqs: int = 64  # reported in ModelInfo: the core's engine slots
     default_max_tokens: int | None = None  # reported in ModelInfo: the generation config's
     added: list[str] = field(default_factory=list)
@@ -144,6 +146,8 @@ class FakeEngine:
 
     async def start(self) -> None:
         await asyncio.sleep(self.start_delay)
+        if self.start_gate is not None:
+            await self.start_gate.wait()
         if self.fail_start:
             raise RuntimeError("fake engine failed to start")
         self.started = True
