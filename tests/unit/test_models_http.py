@@ -282,3 +282,23 @@ async def test_a_callers_models_list_hides_the_others(serve_models: Make) -> Non
     )
     assert s.state("spare") is State.UNLOADED  # a hidden model is not loaded for it
     assert (await s.client.post(CHAT, json=ask("chat"), headers=team)).status == 200
+
+
+async def test_the_status_page_has_a_row_per_model(serve_models: Make) -> None:
+    s = await serve_models((spec("chat"), spec("spare", Load.ON_DEMAND)))
+    assert (await s.client.post(CHAT, json=ask("spare"))).status == 200
+
+    async def rows() -> dict[str, dict[str, Any]]:
+        body = await (await s.client.get("/status.json")).json()
+        return {m["name"]: m for m in body["models"]}
+
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 5
+    while (await rows()).get("spare", {}).get("loads") != 1:
+        assert loop.time() < end, await rows()
+        await asyncio.sleep(0.05)
+    got = await rows()
+    assert (got["chat"]["state"], got["spare"]["state"]) == ("loaded", "loaded")
+    assert got["spare"]["load"] == "on-demand" and got["spare"]["load_s"] is not None
+    page = await (await s.client.get("/")).text()
+    assert 'id="models"' in page
