@@ -5,7 +5,8 @@ engine fails as it loads them). One Sluice for the module.
 
 The `openai` client talks to both models through one base URL; the on-demand
 model's engine core process appears with its first request and goes when it
-has been idle for its `unload-after`."""
+has been idle for its `unload-after`, or when the other on-demand model needs
+its room (the budget holds chat and one of them)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ pytestmark = pytest.mark.engine
 # torch.compile: a start in about 12 s, not 18-40): three engines share this
 # machine's memory and two cores.
 MODELS = """
+memory-budget = {budget}
+
 [models.chat]                     # no `model`: the offline demo model
 kv-cache-memory-bytes = 67108864
 max-model-len = 4096
@@ -48,6 +51,9 @@ enforce-eager = true
 """
 
 
+KV = 67108864  # each model's kv-cache-memory-bytes
+
+
 @pytest.fixture(scope="module")
 def models_server(
     demo_model_dir: Path, demo_cache_root: Path, tmp_path_factory: pytest.TempPathFactory
@@ -56,7 +62,10 @@ def models_server(
     broken = tmp / "no-weights"  # the demo model's config and tokenizer, no weights
     shutil.copytree(demo_model_dir, broken, ignore=shutil.ignore_patterns("*.safetensors"))
     path = tmp / "models.toml"
-    path.write_text(MODELS.format(broken=broken))
+    # Room for chat and one on-demand model, not both: a load unloads the other.
+    weights = sum(f.stat().st_size for f in demo_model_dir.glob("*.safetensors"))
+    budget = 2 * (KV + weights) + KV // 2
+    path.write_text(MODELS.format(broken=broken, budget=budget))
     with SluiceProcess(
         ["--models", str(path), "--log-format", "plain", "--load-timeout", "200"],
         cache_dir=demo_cache_root,
@@ -71,8 +80,12 @@ def _cards(server: SluiceProcess) -> dict[str, dict[str, Any]]:
     return {c["id"]: c for c in r.json()["data"]}
 
 
-def _client(server: SluiceProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", timeout=300)
+@pytest.fixture
+def client(models_server: SluiceProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(
+        base_url=models_server.base + "/v1", api_key="unused", timeout=300
+    ) as c:  # closed: an open socket left to the collector is a warning, an error here
+        yield c
 
 
 def _ask(client: openai.OpenAI, model: str) -> str:
@@ -92,7 +105,7 @@ def _until(cond: Any, timeout: float, what: str) -> None:
 
 
 def test_one_front_two_engines_one_loaded_on_its_first_request(
-    models_server: SluiceProcess,
+    models_server: SluiceProcess, client: openai.OpenAI
 ) -> None:
     cards = _cards(models_server)
     assert {k: v["state"] for k, v in cards.items()} == {
@@ -101,7 +114,6 @@ def test_one_front_two_engines_one_loaded_on_its_first_request(
         "broken": "unloaded",
     }
     assert len(models_server.engine_core_pids()) == 1  # only the start model's
-    client = _client(models_server)
     _ask(client, "chat")
     # The on-demand model: the request waits while its engine starts.
     _ask(client, "spare")
@@ -113,9 +125,8 @@ def test_one_front_two_engines_one_loaded_on_its_first_request(
 
 
 def test_an_idle_on_demand_model_unloads_and_its_engine_process_goes(
-    models_server: SluiceProcess,
+    models_server: SluiceProcess, client: openai.OpenAI
 ) -> None:
-    client = _client(models_server)
     _ask(client, "spare")
     assert len(models_server.engine_core_pids()) == 2
     _until(lambda: _cards(models_server)["spare"]["state"] == "unloaded", 60, "idle unload")
@@ -127,8 +138,12 @@ def test_an_idle_on_demand_model_unloads_and_its_engine_process_goes(
 
 
 def test_a_load_that_fails_is_a_clear_503_and_the_others_keep_serving(
-    models_server: SluiceProcess,
+    models_server: SluiceProcess, client: openai.OpenAI
 ) -> None:
+    """`spare` loaded and idle, then `broken`: there is room for one of them, so
+    `spare` (the least recently used idle on-demand model) unloads first; then
+    `broken`'s load fails and chat serves on."""
+    _ask(client, "spare")
     r = httpx.post(
         models_server.base + "/v1/chat/completions",
         json={"model": "broken", "messages": [{"role": "user", "content": "Hi"}]},
@@ -139,6 +154,9 @@ def test_a_load_that_fails_is_a_clear_503_and_the_others_keep_serving(
     assert err["code"] == "model_load_failed" and "broken" in err["message"]
     assert int(r.headers["Retry-After"]) >= 1
     assert _cards(models_server)["broken"]["state"] == "failed"
-    assert "model load failed" in models_server.tail(400_000)
-    _ask(_client(models_server), "chat")
+    log = models_server.tail(400_000)
+    assert "model load failed" in log
+    assert "why=room for broken" in log  # spare made room
+    assert _cards(models_server)["spare"]["state"] == "unloaded"
+    _ask(client, "chat")
     assert httpx.get(models_server.base + "/health", timeout=30).status_code == 200
