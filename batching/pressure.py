@@ -102,6 +102,9 @@ class RankStats:
     running: int
     waiting: int
     preemptions_total: int = 0  # cumulative, this rank's own (the storm is per rank)
+    # What the watchdog's reason calls it; "" is "rank N". With several models
+    # each engine is a scheduler of its own, named by its model (server/app.py).
+    name: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,7 +330,8 @@ def _schedulers(reading: EngineStats) -> tuple[tuple[str, float, int], ...]:
     if not reading.ranks:
         return (("", reading.kv_cache_usage, reading.preemptions_total),)
     return tuple(
-        (f"rank {i}", r.kv_cache_usage, r.preemptions_total) for i, r in enumerate(reading.ranks)
+        (r.name or f"rank {i}", r.kv_cache_usage, r.preemptions_total)
+        for i, r in enumerate(reading.ranks)
     )
 
 

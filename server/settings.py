@@ -17,6 +17,7 @@ from batching.pressure import PressureConfig
 from server.engines.demo.model import default_cache_root
 from server.engines.interface import ModelInfo
 from server.engines.lora import Adapter
+from server.engines.registry import ModelSpec
 from server.http.callers import CallerTable
 
 
@@ -110,6 +111,39 @@ class Settings:
     # vLLM's own engine flags, as parsed by vLLM's argument definitions
     # (an AsyncEngineArgs). Built once by the CLI and never mutated afterwards.
     engine_args: Any = None
+
+    # --models FILE (server/engines/models_file.py): one spec per table, in the
+    # file's order; empty with --model, whose one model the fields above give
+    # (`specs`). `memory_budget`: bytes the models may take of the card
+    # together (0: not counted); `load_timeout`: how long a request waits for
+    # its model's engine to start (--load-timeout).
+    models_file: Path | None = None
+    models: tuple[ModelSpec, ...] = ()
+    memory_budget: int = 0
+    load_timeout: float = 120.0
+
+    @property
+    def several(self) -> bool:
+        """Models from a models file: per-model labels, states and views appear."""
+        return bool(self.models)
+
+    def specs(self) -> tuple[ModelSpec, ...]:
+        """The served models: the models file's, or the one `--model` gives."""
+        if self.models:
+            return self.models
+        return (
+            ModelSpec(
+                name=self.model_name,
+                path=self.model_path,
+                demo=self.demo_model,
+                engine_args=self.engine_args,
+                adapters=self.adapters,
+                max_lora_rank=self.max_lora_rank,
+                tool_call_parser=self.tool_call_parser,
+                enable_auto_tool_choice=self.enable_auto_tool_choice,
+                default_thinking=self.default_thinking,
+            ),
+        )
 
     def core_for(self, info: ModelInfo) -> CoalescerConfig:
         """The coalescer's config once the engine has resolved its limits."""

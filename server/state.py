@@ -17,9 +17,8 @@ from aiohttp import web
 
 from batching import AdmissionState, ResultCache
 from server.api.openai_responses.store import ResponseStore
-from server.engines.driver import Driver
-from server.engines.interface import Engine
-from server.engines.lora import AdapterRegistry
+from server.engines.loader import ModelLoader
+from server.engines.registry import ModelEntry, ModelRegistry
 from server.http.callers import CallerDirectory
 from server.operations.metrics import Metrics
 from server.operations.sdnotify import SdNotify
@@ -31,13 +30,13 @@ from server.wire.request import Limits
 
 __all__ = [
     "ACCESS",
-    "ADAPTERS",
     "ADMIN",
     "CALLER",
     "CALLERS",
-    "DRIVER",
-    "ENGINE",
+    "LOADER",
     "METRICS",
+    "MODEL",
+    "MODELS",
     "NOTIFIER",
     "REQUEST_ID",
     "RESPONSES",
@@ -102,8 +101,11 @@ class Access:
 CachedResult = tuple[tuple[ChatChoice, ...] | tuple[CompletionChoice, ...], int]
 
 SETTINGS = web.AppKey("settings", Settings)
-ENGINE = web.AppKey[Engine]("engine")
-DRIVER = web.AppKey("driver", Driver)
+# The served models: per model its engine, driver (core) and state
+# (server/engines/registry.py); every handler finds its engine there, by the
+# request's model. With --model, a registry of one.
+MODELS = web.AppKey("models", ModelRegistry)
+LOADER = web.AppKey("loader", ModelLoader)  # on-demand loads and unloads (server/engines/loader.py)
 METRICS = web.AppKey("metrics", Metrics)
 RUNTIME = web.AppKey("runtime", Runtime)
 NOTIFIER = web.AppKey("notifier", SdNotify)
@@ -112,8 +114,10 @@ RESULTS = web.AppKey[ResultCache[CachedResult]]("results")  # --result-cache-ttl
 STATUS = web.AppKey("status", StatusSampler)  # the status page's ring buffer
 CALLERS = web.AppKey("callers", CallerDirectory)  # who is asking (server/http/callers.py)
 RESPONSES = web.AppKey("responses", ResponseStore)  # /v1/responses' stored responses
-ADAPTERS = web.AppKey("adapters", AdapterRegistry)  # LoRA adapters (server/engines/lora.py)
 CALLER = web.RequestKey("caller", str)  # set by the auth middleware when keys name callers
 ADMIN = web.RequestKey("admin", bool)  # /status.json with the admin key: the full view
 REQUEST_ID = web.RequestKey("request_id", str)  # set by the request middleware, every route
 ACCESS = web.RequestKey("access", Access)  # the request's access line (server/http/middleware.py)
+# The model a request holds a lease on (server/http/models.py); the request
+# middleware gives it back when the request ends, whatever happens.
+MODEL = web.RequestKey("model", ModelEntry)

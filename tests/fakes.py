@@ -95,6 +95,8 @@ class FakeEngine:
     step: float = 0.002  # seconds per generated token
     start_delay: float = 0.0
     fail_start: bool = False
+    # Set: start() waits for this event (an engine start a test lets finish).
+    start_gate: asyncio.Event | None = None
     max_num_seqs: int = 64  # reported in ModelInfo: the core's engine slots
     default_max_tokens: int | None = None  # reported in ModelInfo: the generation config's
     added: list[str] = field(default_factory=list)
@@ -144,9 +146,13 @@ class FakeEngine:
         )
         self.started = False
         self.shut_down = False
+        self.sleeps = 0  # sleep() calls (vLLM's sleep mode, on a GPU)
+        self.asleep = False
 
     async def start(self) -> None:
         await asyncio.sleep(self.start_delay)
+        if self.start_gate is not None:
+            await self.start_gate.wait()
         if self.fail_start:
             raise RuntimeError("fake engine failed to start")
         self.started = True
@@ -296,6 +302,13 @@ class FakeEngine:
                 code="adapter_load_failed",
             )
         self.loaded.append(adapter)
+
+    async def sleep(self) -> None:
+        self.sleeps += 1
+        self.asleep = True
+
+    async def wake_up(self) -> None:
+        self.asleep = False
 
     def kill(self) -> None:
         """Fault injection: the engine dies; every collector gets an error."""

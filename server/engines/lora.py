@@ -109,13 +109,18 @@ class Adapter:
 
 @dataclass(frozen=True, slots=True)
 class AdapterAccess:
-    """One caller's adapter rules (rule 4); the default is no restriction."""
+    """One caller's adapter rules (rule 4), and the served models it may use
+    (server/engines/registry.py rule 2); the default is no restriction."""
 
     adapters: frozenset[str] | None = None  # None: every adapter and the base model
     default_adapter: str | None = None  # what a request naming the base model runs on
+    models: frozenset[str] | None = None  # served models it may see; None: every one
 
     def sees(self, name: str) -> bool:
         return self.adapters is None or name in self.adapters
+
+    def sees_model(self, name: str) -> bool:
+        return self.models is None or name in self.models
 
 
 OPEN_ACCESS = AdapterAccess()

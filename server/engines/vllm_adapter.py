@@ -68,6 +68,7 @@ from server.errors import SluiceError
 from server.wire.request import ChatRequest, Constraint, Message, Sampling, merge_system
 
 if TYPE_CHECKING:
+    from server.engines.registry import ModelSpec
     from server.settings import Settings
 
 log = logging.getLogger("sluice.engine")
@@ -79,6 +80,7 @@ __all__ = [
     "EngineStats",
     "dp_ranks",
     "engine_config",
+    "generation_defaults",
 ]
 
 # The usage context `vllm serve` builds its engine with
@@ -255,6 +257,19 @@ def engine_config(engine_args: Any) -> VllmConfig:
     return config
 
 
+def generation_defaults(model_config: Any) -> tuple[tuple[tuple[str, float], ...], int | None]:
+    """The model's generation_config defaults a request leaves out (Qwen3:
+    temperature 0.6, top_p 0.95, top_k 20) and its max_new_tokens, as vLLM's
+    server applies them (`get_diff_sampling_param`): from a resolved config,
+    so known before the engine starts (an on-demand model's requests are
+    parsed before its load)."""
+    from server.wire.request import DEFAULTABLE
+
+    diff = model_config.get_diff_sampling_param()
+    defaults = tuple(sorted((k, float(v)) for k, v in diff.items() if k in DEFAULTABLE))
+    return defaults, int(diff["max_tokens"]) if diff.get("max_tokens") else None
+
+
 def dp_ranks(config: VllmConfig) -> int:
     """How many data-parallel engine cores this process's AsyncLLM feeds.
 
@@ -386,13 +401,18 @@ class EngineAdapter:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EngineAdapter:
-        """The adapter `sluice serve` runs: its engine and parser flags."""
+        """The adapter `sluice serve --model` runs: its engine and parser flags."""
+        return cls.from_spec(settings.specs()[0])
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec) -> EngineAdapter:
+        """The adapter of one served model (server/engines/registry.py), not started."""
         return cls(
-            settings.engine_args,
-            settings.model_name,
-            tool_call_parser=settings.tool_call_parser,
-            auto_tool_choice=settings.enable_auto_tool_choice,
-            adapters=settings.adapters,
+            spec.engine_args,
+            spec.name,
+            tool_call_parser=spec.tool_call_parser,
+            auto_tool_choice=spec.enable_auto_tool_choice,
+            adapters=spec.adapters,
         )
 
     # -- life cycle ---------------------------------------------------------
@@ -414,9 +434,7 @@ class EngineAdapter:
             "text": bool(self._renderer.default_cmpl_tok_params.add_special_tokens),
             "chat": bool(self._renderer.default_chat_tok_params.add_special_tokens),
         }
-        from server.wire.request import DEFAULTABLE
-
-        diff = llm.model_config.get_diff_sampling_param()
+        sampling_defaults, default_max_tokens = generation_defaults(llm.model_config)
         sched = llm.vllm_config.scheduler_config
         cache = llm.vllm_config.cache_config
         self.info = ModelInfo(
@@ -424,10 +442,8 @@ class EngineAdapter:
             max_model_len=int(llm.model_config.max_model_len),
             eos_token_id=getattr(self._tokenizer, "eos_token_id", None),
             created=int(time.time()),
-            sampling_defaults=tuple(
-                sorted((k, float(v)) for k, v in diff.items() if k in DEFAULTABLE)
-            ),
-            default_max_tokens=int(diff["max_tokens"]) if diff.get("max_tokens") else None,
+            sampling_defaults=sampling_defaults,
+            default_max_tokens=default_max_tokens,
             max_num_seqs=int(sched.max_num_seqs),
             max_num_batched_tokens=int(sched.max_num_batched_tokens),
             # Known once the engine core's handshake filled num_gpu_blocks
@@ -490,6 +506,19 @@ class EngineAdapter:
                 param="lora_path",
                 code="adapter_load_failed",
             ) from exc
+
+    async def sleep(self) -> None:
+        """vLLM's sleep mode, level 1: the weights to host memory, the KV cache
+        dropped (so the prefix cache with it). Only for an engine started with
+        --enable-sleep-mode, which vLLM refuses at start off CUDA/ROCm/XPU."""
+        if self._llm is None:
+            raise SluiceError("engine not started", status=503, retry_after=5)
+        await self._llm.sleep(level=1)
+
+    async def wake_up(self) -> None:
+        if self._llm is None:
+            raise SluiceError("engine not started", status=503, retry_after=5)
+        await self._llm.wake_up()
 
     def shutdown(self) -> None:
         if self._llm is not None:

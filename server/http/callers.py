@@ -50,12 +50,17 @@ The file:
     adapters = ["alpha", "beta"] # LoRA adapters it may use and see (absent: all)
     default_adapter = "alpha"    # what a request naming the base model runs on
     cache_group = "team-a"       # shares the engine's prefix cache with this group
+    models = ["chat", "embed"]   # served models it may use and see (absent: all)
 
 `adapters` and `default_adapter` name adapters given with --lora-modules (the
 list may also name the base model, to allow it too); server/engines/lora.py rule 4 says
 what a caller gets for the others: 404 for an adapter outside its list, 403 for
-the base model when its list does not name it. A name that is not configured
-is a start-up (or reload) error.
+the base model when its list does not name it. `models` names served models
+(with --models, server/engines/registry.py rule 2): one outside it, and its
+adapters, is a 404 as for an unknown name. A name that is not configured
+is a start-up (or reload) error. Fair share is per model: each model's
+engine is its own resource with its own core, so a caller's share on one
+model says nothing of its share on another.
 
 Caller names (and `cache_group` names) are 1-64 characters of letters,
 digits, `_`, `-` and `.` (they become metric labels and log fields).
@@ -109,6 +114,7 @@ _FIELDS = {
     "adapters",
     "default_adapter",
     "cache_group",
+    "models",
 }
 
 
@@ -154,19 +160,29 @@ def _int(where: str, value: Any, low: int) -> int:
 
 
 class _Known:
-    """The model names a callers file may give: the adapters and the base."""
+    """The model names a callers file may give: the adapters, and the served
+    models (the one base model with --model; every model with --models)."""
 
-    def __init__(self, adapters: Collection[str], base: str | None) -> None:
+    def __init__(
+        self, adapters: Collection[str], base: str | None, models: Collection[str] = ()
+    ) -> None:
         self.adapters = frozenset(adapters)
         self.base = base
+        self.models = frozenset(models) or frozenset({base} if base else ())
 
     def adapter(self, where: str, value: Any, *, base_too: bool = False) -> str:
-        ok = self.adapters | ({self.base} if base_too and self.base else set())
+        ok = self.adapters | (self.models if base_too else set())
         if not isinstance(value, str) or value not in ok:
             have = ", ".join(sorted(self.adapters)) or "none"
             raise CallersError(
                 f"{where}: {value!r} is not a configured LoRA adapter (--lora-modules: {have})"
             )
+        return value
+
+    def model(self, where: str, value: Any) -> str:
+        if not isinstance(value, str) or value not in self.models:
+            have = ", ".join(sorted(self.models)) or "none"
+            raise CallersError(f"{where}: {value!r} is not a served model ({have})")
         return value
 
 
@@ -182,7 +198,12 @@ def _access(where: str, spec: dict[str, Any], known: _Known) -> AdapterAccess:
         default = known.adapter(f"{where}.default_adapter", default)
         if allowed is not None and default not in allowed:
             raise CallersError(f"{where}.default_adapter {default!r} is not in its adapters")
-    return AdapterAccess(allowed, default)
+    models = spec.get("models")
+    if models is not None:
+        if not isinstance(models, list):
+            raise CallersError(f"{where}.models must be a list of served model names")
+        models = frozenset(known.model(f"{where}.models", n) for n in models)
+    return AdapterAccess(allowed, default, models)
 
 
 def _group(where: str, spec: dict[str, Any]) -> str | None:
@@ -224,12 +245,18 @@ def _caller(name: str, spec: Any) -> tuple[CallerPolicy, str]:
 
 
 def parse_callers(
-    text: str, *, adapters: Collection[str] = (), base: str | None = None
+    text: str,
+    *,
+    adapters: Collection[str] = (),
+    base: str | None = None,
+    models: Collection[str] = (),
 ) -> CallerTable:
     """A callers file's text to a table; CallersError says what is wrong.
 
     `adapters` and `base`: the configured LoRA adapter names and the base
-    model's name, which `adapters` and `default_adapter` may give."""
+    model's name, which `adapters` and `default_adapter` may give; `models`:
+    the served models' names with --models (`models` and `adapters` may name
+    them; without, only `base`)."""
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -245,7 +272,7 @@ def parse_callers(
     access: list[tuple[str, AdapterAccess]] = []
     groups: list[tuple[str, str]] = []
     seen: dict[str, str] = {}
-    known = _Known(adapters, base)
+    known = _Known(adapters, base, models)
     for name, spec in table.items():
         policy, key = _caller(name, spec)
         if key in seen:
@@ -262,7 +289,11 @@ def parse_callers(
 
 
 def load_callers(
-    path: Path, *, adapters: Collection[str] = (), base: str | None = None
+    path: Path,
+    *,
+    adapters: Collection[str] = (),
+    base: str | None = None,
+    models: Collection[str] = (),
 ) -> CallerTable:
     """Read and parse a callers file (blocking: call it on a thread once serving)."""
     try:
@@ -270,7 +301,7 @@ def load_callers(
     except (OSError, UnicodeDecodeError) as exc:
         raise CallersError(f"callers file {path}: cannot read it: {exc}") from exc
     try:
-        return parse_callers(text, adapters=adapters, base=base)
+        return parse_callers(text, adapters=adapters, base=base, models=models)
     except CallersError as exc:
         raise CallersError(f"callers file {path}: {exc}") from exc
 

@@ -35,8 +35,19 @@ from aiohttp.http_exceptions import HttpProcessingError
 from server.api.lora_admin.endpoint import ADMIN_PATHS
 from server.errors import SluiceError
 from server.http.callers import bearer_token, same_key
+from server.http.models import release_model
 from server.operations import logs
-from server.state import ACCESS, ADMIN, CALLER, CALLERS, METRICS, REQUEST_ID, SETTINGS, Access
+from server.state import (
+    ACCESS,
+    ADMIN,
+    CALLER,
+    CALLERS,
+    METRICS,
+    MODEL,
+    REQUEST_ID,
+    SETTINGS,
+    Access,
+)
 
 __all__ = [
     "ANTHROPIC_PREFIX",
@@ -96,7 +107,8 @@ def _quiet(path: str, status: int) -> bool:
 
 @web.middleware
 async def request_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Assign the request's id and write its one access line, whatever happens.
+    """Assign the request's id and write its one access line, whatever happens;
+    give back its hold on a model (server/http/models.py) as it ends.
 
     The id reaches the response headers in `_echo_request_id`, as every
     response (a stream's included) is prepared; the generation pipeline hands
@@ -117,10 +129,14 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
         status = exc.status
         raise
     finally:
-        _write_access(request, rid, access, access.status or status)
+        model = request.get(MODEL)
+        release_model(request)
+        _write_access(request, rid, access, access.status or status, model and model.name)
 
 
-def _write_access(request: web.Request, rid: str, access: Access, status: int) -> None:
+def _write_access(
+    request: web.Request, rid: str, access: Access, status: int, model: str | None
+) -> None:
     if access.fields is not None:
         logs.access(access.fields)
         return
@@ -133,6 +149,8 @@ def _write_access(request: web.Request, rid: str, access: Access, status: int) -
     }
     if caller := request.get(CALLER):
         fields["caller"] = caller
+    if model:
+        fields["model"] = model
     if access.error:
         fields["error"] = access.error
     logs.access(fields, logging.DEBUG if _quiet(request.path, status) else logging.INFO)
@@ -239,7 +257,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     if caller is not None:
         request[CALLER] = caller
         return await handler(request)
-    request.app[METRICS].rejections.labels("auth").inc()
+    request.app[METRICS].reject("auth")
     raise SluiceError("invalid or missing API key", status=401, code="invalid_api_key")
 
 
@@ -248,7 +266,7 @@ def _check_metrics_key(request: web.Request) -> None:
     key = request.app[SETTINGS].metrics_key
     if key is None or same_key(bearer_token(request.headers.get("Authorization", "")), key):
         return
-    request.app[METRICS].rejections.labels("auth").inc()
+    request.app[METRICS].reject("auth")
     raise SluiceError("invalid or missing metrics key", status=401, code="invalid_api_key")
 
 

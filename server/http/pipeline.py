@@ -39,13 +39,12 @@ from batching import Request as CoreRequest
 from server.engines.driver import Generation, Ticket
 from server.engines.interface import CompletionDelta, EngineOutput
 from server.engines.lora import Adapter
+from server.engines.registry import ModelEntry
 from server.errors import SluiceError
 from server.state import (
     ACCESS,
     CALLER,
     CALLERS,
-    DRIVER,
-    ENGINE,
     METRICS,
     REQUEST_ID,
     RESULTS,
@@ -97,6 +96,7 @@ class Trace:
     stream: bool = False
     error: str | None = None
     caller: str | None = None  # None until known (from the key, or after parsing)
+    model: str | None = None  # the served model's name once resolved
     adapter: str | None = None  # the LoRA adapter's name once resolved (None: base)
     cached: dict[int, int] = field(default_factory=dict)  # prefix-cache hits per prompt
 
@@ -117,6 +117,9 @@ class Job:
     """
 
     model: str
+    # The served model it runs on (server/engines/registry.py): its engine and
+    # driver; the request holds it until it ends (server/http/models.py).
+    entry: ModelEntry
     prompts: tuple[tuple[int, ...], ...]
     max_tokens: tuple[int, ...]  # per prompt, after the context check
     sampling: Sampling
@@ -206,7 +209,7 @@ def check_accepting(request: web.Request) -> None:
     rt = request.app[RUNTIME]
     if rt.phase is Phase.READY:
         return
-    request.app[METRICS].rejections.labels(rt.phase.value).inc()
+    request.app[METRICS].reject(rt.phase.value)
     if rt.phase is Phase.STARTING:
         raise SluiceError(
             "the model is still loading", status=503, retry_after=5, code="warming_up"
@@ -231,6 +234,7 @@ def generation_endpoint(
             if tr.caller is None:
                 tr.caller = request.app[CALLERS].from_user(job.user)
             tr.stream = job.stream
+            tr.model = job.entry.name
             tr.adapter = job.adapter.name if job.adapter is not None else None
             tr.prompt_tokens = sum(map(len, job.prompts))
             return await _run(request, tr, job, enc)
@@ -274,7 +278,7 @@ async def _run(request: web.Request, tr: Trace, job: Job, enc: Encoder[Any]) -> 
         gens = [await t.wait() for t in tr.tickets]
         if job.stream:
             return await _stream(request, tr, job, enc, gens)
-        detokenize = request.app[ENGINE].detokenize
+        detokenize = job.entry.engine.detokenize
         choices = enc.choices(*await _gather(tr, job, detokenize, gens))
         if key is not None:
             results.put(key, (choices, tr.completion_tokens), time.monotonic())
@@ -295,14 +299,15 @@ def _note_cached(tr: Trace, prompt: int, out: EngineOutput) -> None:
 
 
 def _submit(request: web.Request, tr: Trace, job: Job, salt: str | None) -> list[Ticket]:
-    """Admit one core request per prompt; all or none (a refusal leaves the rest)."""
-    driver = request.app[DRIVER]
-    engine = request.app[ENGINE]
+    """Admit one core request per prompt to its model's core; all or none (a
+    refusal leaves the rest)."""
+    driver = job.entry.driver
+    engine = job.entry.engine
     settings = request.app[SETTINGS]
     now = driver.now()
     # Every generation's key carries its adapter (None: the base weights): the
     # core batches, dedupes and releases by it (batching/keys.py).
-    key = group_key(settings.model_name, tr.adapter)
+    key = group_key(job.entry.name, tr.adapter)
     sampling = job.sampling
     # Only deterministic sampling can share a generation (greedy, or seeded),
     # and only within one prefix-cache salt: another caller's would tell it
@@ -516,20 +521,22 @@ async def _keepalive(
 def _finish_trace(request: web.Request, tr: Trace) -> None:
     metrics = request.app[METRICS]
     now = time.monotonic()
-    metrics.requests.labels(tr.endpoint, str(tr.status), tr.adapter or "").inc()
+    m = metrics.model(tr.model)
+    metrics.requests.labels(tr.endpoint, str(tr.status), tr.adapter or "", *m).inc()
     if tr.caller is not None:
-        metrics.caller_requests.labels(metrics.caller_label(tr.caller), str(tr.status)).inc()
-    metrics.duration.observe(now - tr.t0)
+        metrics.caller_requests.labels(metrics.caller_label(tr.caller), str(tr.status), *m).inc()
+    metrics.of(metrics.duration, tr.model).observe(now - tr.t0)
     if tr.ttft is not None:
-        metrics.observe_ttft(tr.ttft)
+        metrics.observe_ttft(tr.ttft, tr.model)
     if tr.status == 200:
-        metrics.prompt_tokens.inc(tr.prompt_tokens)
-    metrics.generated_tokens.inc(tr.completion_tokens)
+        metrics.of(metrics.prompt_tokens, tr.model).inc(tr.prompt_tokens)
+    metrics.of(metrics.generated_tokens, tr.model).inc(tr.completion_tokens)
     request.app[RUNTIME].tokens_out += tr.completion_tokens
     t = tr.tickets[0] if tr.tickets else None
     fields: dict[str, Any] = {
         "request_id": tr.rid,
         "caller": tr.caller,
+        "model": tr.model,
         "adapter": tr.adapter,
         "endpoint": tr.endpoint,
         "status": tr.status,

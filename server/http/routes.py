@@ -18,36 +18,68 @@ from server.api.anthropic_messages.endpoint import count_tokens, prepare_message
 from server.api.ollama import endpoint as ollama
 from server.api.ollama.output import PROBE
 from server.api.ollama.parse import ollama_probe
-from server.api.openai_chat.endpoint import check_model, prepare_chat, prepare_completion, read_body
+from server.api.openai_chat.endpoint import prepare_chat, prepare_completion, read_body
 from server.api.openai_chat.output import models_body
 from server.api.openai_chat.parse import parse_chat
 from server.api.openai_responses.endpoint import delete_response, get_response, prepare_responses
+from server.engines.registry import ModelEntry
+from server.engines.registry import State as ModelState
 from server.errors import SluiceError
+from server.http.models import hold_model, use_model
 from server.http.pipeline import check_accepting, generation_endpoint, json_response
 from server.operations.metrics import CONTENT_TYPE
 from server.operations.status_page import index
-from server.state import ADAPTERS, CALLER, CALLERS, ENGINE, METRICS, RUNTIME, SETTINGS, Phase
+from server.state import CALLER, CALLERS, METRICS, MODELS, RUNTIME, SETTINGS, Phase
 from server.wire.fields import load_object
 
 __all__ = ["add_routes"]
 
 
 async def models(request: web.Request) -> web.Response:
-    info = request.app[ENGINE].info
-    # The caller's own list: the adapters it may use (server/engines/lora.py rule 4).
+    """The caller's own list (server/engines/registry.py rule 2, lora.py rule 4):
+    the models it may use, loaded or not (with --models each card says its
+    state), then their adapters it may use."""
+    registry = request.app[MODELS]
     access = request.app[CALLERS].access(request.get(CALLER))
+    visible = registry.visible(access)
+    adapters = [(a.name, a.path, a.parent) for e in visible for a in e.adapters.visible(access)]
+    if not request.app[SETTINGS].several:
+        info = registry.default.engine.info
+        body = models_body(
+            [registry.default.name],
+            created=info.created,
+            max_model_len=info.max_model_len or None,
+            adapters=adapters,
+        )
+        return json_response(body)
     body = models_body(
-        [request.app[SETTINGS].model_name],
-        created=info.created,
-        max_model_len=info.max_model_len or None,
-        adapters=[(a.name, a.path, a.parent) for a in request.app[ADAPTERS].visible(access)],
+        [e.name for e in visible],
+        created=registry.default.engine.info.created,
+        adapters=adapters,
+        cards={e.name: _card(e) for e in visible},
     )
     return json_response(body)
 
 
+def _card(entry: ModelEntry) -> dict[str, object]:
+    """A model's own fields on its /v1/models card, with several models."""
+    info = entry.engine.info
+    card: dict[str, object] = {
+        "created": info.created,
+        "state": entry.state.value,
+        "kind": entry.spec.kind.value,
+        "load": entry.spec.load.value,
+    }
+    if max_len := info.max_model_len or entry.spec.max_model_len:
+        card["max_model_len"] = max_len
+    return card
+
+
 async def health(request: web.Request) -> web.Response:
     rt = request.app[RUNTIME]
-    if rt.phase is Phase.DEAD or request.app[ENGINE].errored:
+    if rt.phase is Phase.DEAD or any(
+        e.state is ModelState.LOADED and e.engine.errored for e in request.app[MODELS]
+    ):
         raise SluiceError(
             f"engine dead: {rt.engine_error or 'errored'}",
             status=503,
@@ -86,14 +118,13 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    """vLLM-compatible /tokenize: {"prompt"} or {"messages"}; "model" is optional."""
+    """vLLM-compatible /tokenize: {"prompt"} or {"messages"}; "model" is optional
+    (the first served model's tokenizer)."""
     check_accepting(request)
     obj = load_object(await read_body(request))
-    model = obj.get("model") or request.app[SETTINGS].model_name
-    if not isinstance(model, str):
-        raise SluiceError("'model' must be a string", param="model")
-    check_model(request, model)
-    engine = request.app[ENGINE]
+    model = _model_field(request, obj)
+    entry, _ = await use_model(request, model, kind=None)
+    engine = entry.engine
     if "messages" in obj:
         req = parse_chat(orjson.dumps({**obj, "model": model}), request.app[RUNTIME].limits)
         ids = (await engine.tokenize_chat([(req.messages, req.template_kwargs())]))[0]
@@ -109,6 +140,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def detokenize(request: web.Request) -> web.Response:
+    """vLLM-compatible /detokenize: {"tokens"}; "model" is optional, as in /tokenize."""
     check_accepting(request)
     obj = load_object(await read_body(request))
     tokens = obj.get("tokens")
@@ -116,8 +148,21 @@ async def detokenize(request: web.Request) -> web.Response:
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
     ):
         raise SluiceError("'tokens' must be a list of token ids", param="tokens")
-    body = orjson.dumps({"prompt": request.app[ENGINE].detokenize(tokens)})
+    if "model" in obj:
+        entry, _ = await use_model(request, _model_field(request, obj), kind=None)
+    else:  # as before: the served model's tokenizer, whoever asks
+        entry = request.app[MODELS].default
+        await hold_model(request, entry)
+    body = orjson.dumps({"prompt": entry.engine.detokenize(tokens)})
     return json_response(body)
+
+
+def _model_field(request: web.Request, obj: dict[str, object]) -> str:
+    """A tokenizer route's optional `model`: the first served model when absent."""
+    model = obj.get("model") or request.app[MODELS].default.name
+    if not isinstance(model, str):
+        raise SluiceError("'model' must be a string", param="model")
+    return model
 
 
 def add_routes(app: web.Application) -> None:

@@ -22,12 +22,22 @@ the least of theirs, the one served next). Share of service per caller, in PromQ
 
     sum by (caller) (rate(sluice_caller_service_total[5m]))
       / ignoring(caller) group_left sum(rate(sluice_caller_service_total[5m]))
+
+Per model (with --models; label `model`, bounded: only the models file's
+names, never a request's string): every series above that belongs to one
+model's engine or core (requests, latencies, tokens, queue, engine, callers;
+a refusal before its model is known has `model=""`), and the models' own:
+state (`sluice_model_state{model,state}` is 1 for the state it is in),
+loads, failed loads, unloads, the last load's seconds and the requests that
+hold the model (waiting for its load included). With --model there is no
+`model` label: the series are as before the models file existed.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -59,15 +69,48 @@ _SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _RECENT = 4096
 
 
-class _LiveCollector(Collector):
-    """Gauges read from live objects at scrape time."""
+# Live values, per model: its `model` label (None: no label, with --model) and
+# its values by name (server/app.py `_live`).
+LiveRows = Sequence[tuple[str | None, dict[str, Any]]]
 
-    def __init__(self, read: Callable[[], dict[str, Any]], label: Callable[[str], str]) -> None:
+
+class _LiveCollector(Collector):
+    """Gauges read from live objects at scrape time; with several models, each
+    family holds one sample per model, labelled."""
+
+    def __init__(
+        self, read: Callable[[], LiveRows | Mapping[str, Any]], label: Callable[[str], str]
+    ) -> None:
         self._read = read
         self._label = label
 
     def collect(self) -> Iterable[Metric]:
-        v = self._read()
+        rows = self._read()
+        if isinstance(rows, Mapping):  # one model's values, unlabelled
+            yield from self._families(rows)
+            return
+        if not rows:
+            return
+        if len(rows) == 1 and rows[0][0] is None:
+            yield from self._families(rows[0][1])
+            return
+        merged: dict[str, Metric] = {}
+        for model, values in rows:
+            for fam in self._families(values, ready=False):
+                out = merged.get(fam.name)
+                if out is None:
+                    out = merged[fam.name] = Metric(fam.name, fam.documentation, fam.type)
+                for sample in fam.samples:
+                    out.samples.append(
+                        sample._replace(labels={**sample.labels, "model": model or ""})
+                    )
+        yield from merged.values()
+        yield GaugeMetricFamily(
+            "sluice_ready", "1 when /ready answers 200", value=rows[0][1]["ready"]
+        )
+        yield from _model_families([v["entry"] for _, v in rows if "entry" in v])
+
+    def _families(self, v: Mapping[str, Any], *, ready: bool = True) -> Iterable[Metric]:
         yield GaugeMetricFamily(
             "sluice_queue_requests", "Requests waiting in Sluice's queue", value=v["queue_requests"]
         )
@@ -152,7 +195,8 @@ class _LiveCollector(Collector):
             "Prompt tokens found in the engine's prefix cache",
             value=v["prefix_hits"],
         )
-        yield GaugeMetricFamily("sluice_ready", "1 when /ready answers 200", value=v["ready"])
+        if ready:
+            yield GaugeMetricFamily("sluice_ready", "1 when /ready answers 200", value=v["ready"])
         yield GaugeMetricFamily(
             "sluice_backlog_generations",
             "Eligible generations Sluice holds until the engine has room",
@@ -165,6 +209,47 @@ class _LiveCollector(Collector):
         )
         yield from _caller_families(v.get("callers") or (), self._label)
         yield from _rank_families(v.get("ranks") or ())
+
+
+# The model states sluice_model_state spells out (server/engines/registry.py State).
+_STATES = ("unloaded", "waiting", "loading", "loaded", "unloading", "sleeping", "failed")
+
+
+def _model_families(entries: Sequence[Any]) -> Iterable[Metric]:
+    """The models' own series (with --models): state, loads, unloads, holds."""
+    state = GaugeMetricFamily(
+        "sluice_model_state",
+        "1 for the state the model is in (unloaded, waiting, loading, loaded, unloading, "
+        "sleeping, failed), 0 for the others",
+        labels=["model", "state"],
+    )
+    loads = CounterMetricFamily(
+        "sluice_model_loads", "Engine loads that succeeded", labels=["model"]
+    )
+    failures = CounterMetricFamily(
+        "sluice_model_load_failures", "Engine loads that failed", labels=["model"]
+    )
+    unloads = CounterMetricFamily(
+        "sluice_model_unloads", "Unloads (idle, or to make room; sleeps included)", labels=["model"]
+    )
+    seconds = GaugeMetricFamily(
+        "sluice_model_load_seconds", "How long the last load took", labels=["model"]
+    )
+    held = GaugeMetricFamily(
+        "sluice_model_requests_held",
+        "Requests holding the model (waiting for its load included): it is not unloaded",
+        labels=["model"],
+    )
+    for e in entries:
+        for name in _STATES:
+            state.add_metric([e.name, name], 1.0 if e.state.value == name else 0.0)
+        loads.add_metric([e.name], float(e.loads))
+        failures.add_metric([e.name], float(e.failures))
+        unloads.add_metric([e.name], float(e.unloads))
+        if e.load_seconds is not None:
+            seconds.add_metric([e.name], float(e.load_seconds))
+        held.add_metric([e.name], float(e.leases))
+    yield from (state, loads, failures, unloads, seconds, held)
 
 
 def _rank_families(ranks: Sequence[RankStats]) -> Iterable[Metric]:
@@ -224,10 +309,16 @@ def _caller_families(
 
 class Metrics:
     """Sluice's metrics; one instance per app. `caller_label` turns a caller's
-    name into its `caller` label (server/http/callers.py `CallerDirectory.label`)."""
+    name into its `caller` label (server/http/callers.py `CallerDirectory.label`);
+    `models`: the served models' names with --models, whose series then carry
+    a `model` label (None: no such label)."""
 
-    def __init__(self, caller_label: Callable[[str], str] = str) -> None:
+    def __init__(
+        self, caller_label: Callable[[str], str] = str, models: Sequence[str] | None = None
+    ) -> None:
         self.caller_label = caller_label
+        self.per_model = models is not None
+        m = ["model"] if self.per_model else []
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         # `adapter`: the LoRA adapter a generation ran on, empty for the base
@@ -237,54 +328,62 @@ class Metrics:
         self.requests = Counter(
             "sluice_requests",
             "HTTP generation requests by endpoint, status and LoRA adapter",
-            ["endpoint", "status", "adapter"],
+            ["endpoint", "status", "adapter", *m],
             registry=r,
         )
         self.rejections = Counter(
-            "sluice_rejections", "Requests refused, by reason", ["reason"], registry=r
+            "sluice_rejections", "Requests refused, by reason", ["reason", *m], registry=r
         )
         self.dedupe_hits = Counter(
-            "sluice_dedupe_hits", "Requests that joined an identical generation", registry=r
+            "sluice_dedupe_hits", "Requests that joined an identical generation", m, registry=r
         )
         self.batches = Counter(
-            "sluice_batches", "Batches released to the engine, by reason", ["reason"], registry=r
+            "sluice_batches",
+            "Batches released to the engine, by reason",
+            ["reason", *m],
+            registry=r,
         )
         self.ended = Counter(
-            "sluice_queue_outcomes", "How queued requests left the queue", ["outcome"], registry=r
+            "sluice_queue_outcomes",
+            "How queued requests left the queue",
+            ["outcome", *m],
+            registry=r,
         )
         self.batch_size = Histogram(
-            "sluice_batch_size", "Generations per released batch", buckets=_SIZES, registry=r
+            "sluice_batch_size", "Generations per released batch", m, buckets=_SIZES, registry=r
         )
         self.queue_wait = Histogram(
             "sluice_queue_wait_seconds",
             "Time from admission to release to the engine, by caller",
-            ["caller"],
+            ["caller", *m],
             buckets=_WAIT,
             registry=r,
         )
         self.caller_requests = Counter(
             "sluice_caller_requests",
             "HTTP generation requests by caller and status (429: over its own limit)",
-            ["caller", "status"],
+            ["caller", "status", *m],
             registry=r,
         )
         self.ttft = Histogram(
             "sluice_time_to_first_token_seconds",
             "Time from arrival to the first token",
+            m,
             buckets=_LATENCY,
             registry=r,
         )
         self.duration = Histogram(
             "sluice_request_duration_seconds",
             "Time from arrival to the last byte",
+            m,
             buckets=_LATENCY,
             registry=r,
         )
         self.generated_tokens = Counter(
-            "sluice_generated_tokens", "Completion tokens sent to callers", registry=r
+            "sluice_generated_tokens", "Completion tokens sent to callers", m, registry=r
         )
         self.prompt_tokens = Counter(
-            "sluice_prompt_tokens", "Prompt tokens of answered requests", registry=r
+            "sluice_prompt_tokens", "Prompt tokens of answered requests", m, registry=r
         )
         self.ignored = IgnoredFields(
             Counter(
@@ -300,8 +399,21 @@ class Metrics:
         self.recent_ttft: deque[float] = deque(maxlen=_RECENT)
         self.recent_batch_sizes: deque[int] = deque(maxlen=_RECENT)
 
-    def observe_ttft(self, seconds: float) -> None:
-        self.ttft.observe(seconds)
+    def model(self, name: str | None) -> tuple[str, ...]:
+        """The `model` label's value for a series' labels: (name,) with --models
+        ("" when the model is not known), () with --model."""
+        return (name or "",) if self.per_model else ()
+
+    def of(self, metric: Any, model: str | None) -> Any:
+        """A metric whose only label (with --models) is `model`: its child for
+        `model`, or the metric itself without labels."""
+        return metric.labels(model or "") if self.per_model else metric
+
+    def reject(self, reason: str, model: str | None = None) -> None:
+        self.rejections.labels(reason, *self.model(model)).inc()
+
+    def observe_ttft(self, seconds: float, model: str | None = None) -> None:
+        self.of(self.ttft, model).observe(seconds)
         self.recent_ttft.append(seconds)
 
     def drain_recent(self) -> tuple[tuple[float, ...], tuple[int, ...]]:
@@ -311,24 +423,30 @@ class Metrics:
         self.recent_batch_sizes.clear()
         return ttft, sizes
 
-    def on_core_events(self, events: Iterable[Any]) -> None:
+    def core_events(self, model: str | None = None) -> Callable[[Iterable[Any]], None]:
+        """The driver's event hook of one model's core."""
+        return functools.partial(self.on_core_events, model=model)
+
+    def on_core_events(self, events: Iterable[Any], model: str | None = None) -> None:
         """Turn the batching core's event records into metrics."""
+        m = self.model(model)
         for e in events:
             if isinstance(e, Released):
-                self.batches.labels(e.reason.value).inc()
-                self.batch_size.observe(e.size)
+                self.batches.labels(e.reason.value, *m).inc()
+                self.of(self.batch_size, model).observe(e.size)
                 self.recent_batch_sizes.append(e.size)
             elif isinstance(e, Ended):
-                self.ended.labels(e.outcome.name.lower()).inc()
+                self.ended.labels(e.outcome.name.lower(), *m).inc()
                 if e.outcome is Outcome.DISPATCHED:
-                    self.queue_wait.labels(self.caller_label(e.caller)).observe(e.queue_wait)
+                    self.queue_wait.labels(self.caller_label(e.caller), *m).observe(e.queue_wait)
             elif isinstance(e, Refusal):
-                self.rejections.labels(e.reason.value).inc()
+                self.rejections.labels(e.reason.value, *m).inc()
             elif isinstance(e, DedupeHit):
-                self.dedupe_hits.inc()
+                self.of(self.dedupe_hits, model).inc()
 
-    def watch(self, read: Callable[[], dict[str, Any]]) -> None:
-        """Register the live gauges (read at scrape time)."""
+    def watch(self, read: Callable[[], LiveRows | Mapping[str, Any]]) -> None:
+        """Register the live gauges (read at scrape time): one model's values,
+        or per model its label and values (server/app.py `_live`)."""
         self.registry.register(_LiveCollector(read, self.caller_label))
 
     def render(self) -> bytes:

@@ -27,15 +27,15 @@ from prometheus_client import Counter
 from batching import AdmissionState
 from batching.pressure import HostMemory
 from server import __version__
-from server.operations.status_samples import Snapshot, StatusSampler, View
+from server.engines.registry import State as ModelState
+from server.operations.status_samples import ModelRow, Snapshot, StatusSampler, View
 from server.settings import Settings
 from server.state import (
     ADMIN,
     CALLER,
     CALLERS,
-    DRIVER,
-    ENGINE,
     METRICS,
+    MODELS,
     RUNTIME,
     SETTINGS,
     STATUS,
@@ -69,7 +69,9 @@ def page_info(settings: Settings) -> dict[str, Any]:
     """The header's static part and the watchdog thresholds the page draws."""
     p = settings.pressure
     return {
-        "model": settings.model_name,
+        "model": (
+            ", ".join(m.name for m in settings.models) if settings.several else settings.model_name
+        ),
         "engine": engine_label(),
         "version": __version__,
         "thresholds": {
@@ -110,17 +112,68 @@ def _state(app: web.Application) -> tuple[str, str]:
     return rt.phase.value, ""
 
 
+def _adapter_requests(app: web.Application) -> dict[str, float]:
+    """Requests per LoRA adapter; the base weights (adapter "") by their model's name."""
+    default = app[SETTINGS].model_name
+    out: dict[str, float] = {}
+    for m in app[METRICS].requests.collect():
+        for sample in m.samples:
+            if sample.name.endswith("_total"):
+                key = sample.labels["adapter"] or sample.labels.get("model") or default
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
 def snapshot(app: web.Application) -> Snapshot:
-    """What the sampler reads once a second; copies only, nothing rendered."""
+    """What the sampler reads once a second; copies only, nothing rendered.
+
+    With several models the plain columns total them (KV use: the fullest
+    loaded engine's) and `models` holds each one's row."""
     metrics = app[METRICS]
-    stats = app[ENGINE].stats()
+    entries = [e for e in app[MODELS] if e.attached]
     readings = app[WATCHDOG].latest if WATCHDOG in app else None
     gpus = readings.gpus if readings is not None else None
     host = readings.host if readings is not None else None
     ttft, sizes = metrics.drain_recent()
     state, reason = _state(app)
-    core = app[DRIVER].core
-    room = core.room_counters
+    stats = {e.name: e.engine.stats() for e in entries}
+    service: dict[str, float] = {}
+    for e in entries:
+        for c in e.driver.core.callers():
+            service[c.name] = service.get(c.name, 0.0) + float(c.service)
+    models: dict[str, ModelRow] = {}
+    loaded = [e for e in entries if e.state is ModelState.LOADED]
+    several = app[SETTINGS].several
+    if several:
+        per_model = _by_label(metrics.requests, "model")
+        for e in entries:
+            core = e.driver.core
+            models[e.name] = ModelRow(
+                state=e.state.value,
+                kind=e.spec.kind.value,
+                load=e.spec.load.value,
+                loads=e.loads,
+                failures=e.failures,
+                unloads=e.unloads,
+                load_seconds=e.load_seconds,
+                loaded_at=e.loaded_at,
+                error=e.error,
+                held=e.leases,
+                queued=core.queued_requests,
+                running=stats[e.name].running,
+                kv_cache_usage=(
+                    stats[e.name].kv_cache_usage if e.state is ModelState.LOADED else None
+                ),
+                requests=per_model.get(e.name, 0.0),
+            )
+    one = stats[entries[0].name] if len(entries) == 1 else None
+    # The engine steps beside a held backlog, the under-fed ones and the time
+    # held by rule (batching/room.py), added up over the models' cores.
+    rooms = [e.driver.core.room_counters for e in entries]
+    held_seconds: dict[str, float] = {}
+    for r in rooms:
+        for rule, seconds in r.held_seconds:
+            held_seconds[rule] = held_seconds.get(rule, 0.0) + seconds
     return Snapshot(
         state,
         reason,
@@ -130,25 +183,26 @@ def snapshot(app: web.Application) -> Snapshot:
         refusals=_by_label(metrics.rejections, "reason"),
         # Service per caller: the core's cumulative prompt + 2 x generated tokens
         # (the page plots its rate); every caller seen, the default one included.
-        callers={c.name: float(c.service) for c in core.callers()},
-        # Requests per LoRA adapter; the base weights (label "") by the model's name.
-        adapters={
-            k or app[SETTINGS].model_name: v
-            for k, v in _by_label(metrics.requests, "adapter").items()
-        },
-        queued=core.queued_requests,
-        backlog=core.backlog_generations,
-        engine_running=stats.running,
-        engine_waiting=stats.waiting,
-        kv_cache_usage=stats.kv_cache_usage,
-        ranks=stats.ranks,
+        callers=service,
+        adapters=_adapter_requests(app),
+        queued=sum(e.driver.core.queued_requests for e in entries),
+        backlog=sum(e.driver.core.backlog_generations for e in entries),
+        engine_running=sum(s.running for s in stats.values()),
+        engine_waiting=sum(s.waiting for s in stats.values()),
+        kv_cache_usage=(
+            one.kv_cache_usage
+            if one is not None
+            else max((stats[e.name].kv_cache_usage for e in loaded), default=None)
+        ),
+        ranks=one.ranks if one is not None else (),
         gpu_free_bytes=min(g.free for g in gpus) if isinstance(gpus, tuple) and gpus else None,
         host_available_bytes=host.available if isinstance(host, HostMemory) else None,
         ttft=ttft,
         batch_sizes=sizes,
-        steps_held=room.steps_held,
-        underfed_steps=room.underfed_steps,
-        held_seconds=dict(room.held_seconds),
+        steps_held=sum(r.steps_held for r in rooms),
+        underfed_steps=sum(r.underfed_steps for r in rooms),
+        held_seconds=held_seconds,
+        models=models,
     )
 
 
@@ -166,13 +220,14 @@ async def index(request: web.Request) -> web.FileResponse:
 
 def caller_view(app: web.Application, caller: str) -> View:
     """What a caller's key sees of /status.json: the adapters its callers-file
-    entry lets it use and see (server/engines/lora.py rule 4; the base model's column
-    too: it is every adapter's parent), by its own name among the callers."""
+    entry lets it use and see (server/engines/lora.py rule 4; the base models'
+    columns too: they are every adapter's parent), the models it may use
+    (registry.py rule 2), by its own name among the callers."""
     access = app[CALLERS].access(caller)
     adapters = access.adapters
     if adapters is not None:
-        adapters = adapters | {app[SETTINGS].model_name}
-    return View(caller, adapters)
+        adapters = adapters | {e.name for e in app[MODELS].visible(access)}
+    return View(caller, adapters, access.models)
 
 
 async def status_json(request: web.Request) -> web.Response:

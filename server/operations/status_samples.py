@@ -21,6 +21,10 @@ How it stays cheap:
   waiting and KV use are keyed columns ("rank 0 running", ...), so the page
   draws them only when the engine has more than one rank: one rank's numbers
   are the engine's, already plotted.
+* With several models (--models), each model's running, queued, KV use and
+  request rate are keyed columns too ("model_running", ...), and the body
+  holds a table of the models as the last sample saw them (`models`: state,
+  kind, loads and the last load's seconds, the requests holding it).
 * The JSON body is built at most once per sample (orjson) and cached: many
   browsers refreshing every second cost one build. So is each caller's view
   (`View`): a caller's key sees its own per-caller series and one total for
@@ -51,6 +55,26 @@ log = logging.getLogger("sluice.status")
 INTERVAL_S = 1.0
 WINDOW_S = 900.0  # 15 minutes
 _MIB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRow:
+    """One served model, as a snapshot sees it (with --models)."""
+
+    state: str  # server/engines/registry.py State
+    kind: str
+    load: str  # start | on-demand
+    loads: int = 0
+    failures: int = 0
+    unloads: int = 0
+    load_seconds: float | None = None  # the last load's
+    loaded_at: float | None = None  # wall clock of the last load
+    error: str | None = None  # the last load's failure
+    held: int = 0  # requests holding it (waiting for its load included)
+    queued: float = 0.0
+    running: float = 0.0
+    kv_cache_usage: float | None = None
+    requests: float = 0.0  # finished generation requests (cumulative)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +110,7 @@ class Snapshot:
     steps_held: float = 0.0
     underfed_steps: float = 0.0
     held_seconds: Mapping[str, float] = field(default_factory=dict)
+    models: Mapping[str, ModelRow] = field(default_factory=dict)  # with --models
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,20 +141,28 @@ class Sample:
     rank_queue: Mapping[str, float]  # "rank N running" / "rank N waiting"
     rank_kv_pct: Mapping[str, float]  # "rank N"
     held_pct: Mapping[str, float]  # share of the second the backlog held work, by rule
+    # Per model (with --models), by its name.
+    model_running: Mapping[str, float] = field(default_factory=dict)
+    model_queued: Mapping[str, float] = field(default_factory=dict)
+    model_kv_pct: Mapping[str, float] = field(default_factory=dict)
+    model_req_s: Mapping[str, float] = field(default_factory=dict)
 
 
 # The keyed columns that total what a caller's view may not show by name.
 OTHER_CALLERS = "(other callers)"
 OTHER_ADAPTERS = "(other adapters)"
+OTHER_MODELS = "(other models)"
 
 
 @dataclass(frozen=True, slots=True)
 class View:
-    """What one caller's key may see: its own name among the callers, and the
-    adapter columns it may use (None: all); the rest is summed into one column."""
+    """What one caller's key may see: its own name among the callers, the
+    adapter columns it may use and the models it may use (None: all); the
+    rest is summed into one column."""
 
     caller: str
     adapters: frozenset[str] | None = None
+    models: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +182,12 @@ _KEYED: tuple[str, ...] = (
     "rank_queue",
     "rank_kv_pct",
     "held_pct",
+    "model_running",
+    "model_queued",
+    "model_kv_pct",
+    "model_req_s",
 )
+_MODEL_KEYED = ("model_running", "model_queued", "model_kv_pct", "model_req_s")
 _COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(Sample) if f.name not in ("t", *_KEYED))
 
 
@@ -271,6 +309,7 @@ class StatusSampler:
         callers: dict[str, float] = {}
         adapters: dict[str, float] = {}
         held: dict[str, float] = {}
+        model_req: dict[str, float] = {}
         if self._prev is not None and now > self._prev[0]:
             old, dt = self._prev[1], now - self._prev[0]
             req = _rate(snap.requests, old.requests, dt)
@@ -289,6 +328,11 @@ class StatusSampler:
                 for k, v in _rates(snap.held_seconds, old.held_seconds, dt).items()
                 if v
             }
+            model_req = _rates(
+                {k: m.requests for k, m in snap.models.items()},
+                {k: m.requests for k, m in old.models.items()},
+                dt,
+            )
         ttft = sorted(snap.ttft)
         sizes = snap.batch_sizes
         rank_queue, rank_kv = _rank_columns(snap.ranks)
@@ -319,6 +363,14 @@ class StatusSampler:
             rank_queue=rank_queue,
             rank_kv_pct=rank_kv,
             held_pct=held,
+            model_running={k: m.running for k, m in snap.models.items()},
+            model_queued={k: m.queued for k, m in snap.models.items()},
+            model_kv_pct={
+                k: 100.0 * m.kv_cache_usage
+                for k, m in snap.models.items()
+                if m.kv_cache_usage is not None
+            },
+            model_req_s=model_req,
         )
 
     def _append(self, s: Sample) -> None:
@@ -379,6 +431,12 @@ class StatusSampler:
                 series["adapters"] = _only(
                     series["adapters"], view.adapters.__contains__, OTHER_ADAPTERS
                 )
+            if view.models is not None:
+                for name in _MODEL_KEYED:
+                    series[name] = _only(series[name], view.models.__contains__, OTHER_MODELS)
+        models = last.models if last else {}
+        if view is not None and view.models is not None:
+            models = {k: m for k, m in models.items() if k in view.models}
         return {
             "info": self._info,
             "started": round(self._started, 3),
@@ -392,11 +450,29 @@ class StatusSampler:
             "marks": [
                 {"t": round(m.t, 3), "state": m.state, "reason": m.reason} for m in self.marks
             ],
+            "models": [_model_row(name, m) for name, m in models.items()],
             "cost_us": {
                 "last": round(self.cost_last * 1e6, 1),
                 "mean": round(self._cost_sum / self._cost_n * 1e6, 1) if self._cost_n else 0.0,
             },
         }
+
+
+def _model_row(name: str, m: ModelRow) -> dict[str, Any]:
+    """One model's line of the page's table."""
+    return {
+        "name": name,
+        "state": m.state,
+        "kind": m.kind,
+        "load": m.load,
+        "loads": m.loads,
+        "failures": m.failures,
+        "unloads": m.unloads,
+        "load_s": None if m.load_seconds is None else round(m.load_seconds, 1),
+        "loaded_at": None if m.loaded_at is None else round(m.loaded_at, 3),
+        "error": m.error,
+        "held": m.held,
+    }
 
 
 def _only(

@@ -65,11 +65,23 @@ class Limits:
     default_enable_thinking: bool = True
     max_prompts: int = 64
     sampling_defaults: tuple[tuple[str, float], ...] = ()
+    # With several models (--models), each model's own, by the names a request
+    # may give for it (its name, its LoRA adapters'): its generation defaults
+    # and thinking default differ. Empty with one model: these fields are its.
+    models: tuple[tuple[str, Limits], ...] = ()
 
     def __post_init__(self) -> None:
         for name, _ in self.sampling_defaults:
             if name not in DEFAULTABLE:
                 raise ValueError(f"sampling_defaults: unknown field {name!r}")
+
+    def for_model(self, model: str) -> Limits:
+        """The limits of the model a request names (these, for an unknown name:
+        the model check refuses it after parsing)."""
+        for name, limits in self.models:
+            if name == model:
+                return limits
+        return self
 
 
 @dataclass(frozen=True, slots=True)

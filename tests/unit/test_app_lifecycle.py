@@ -11,7 +11,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from server.app import build_app
 from server.engines.interface import ModelInfo
 from server.settings import Settings
-from server.state import DRIVER, RUNTIME, Phase
+from server.state import MODELS, RUNTIME, Phase
 from tests.fakes import FakeEngine
 from tests.support import until
 
@@ -31,7 +31,7 @@ async def test_boot_applies_the_engine_limits_to_the_core(make_client: Any) -> N
     engine = FakeEngine()
     engine.info = dataclasses.replace(engine.info, max_num_seqs=3, max_num_batched_tokens=77)
     _, app, _ = await make_client(engine=engine)
-    cfg = app[DRIVER].core.config
+    cfg = app[MODELS].default.driver.core.config
     assert (cfg.max_batch_seqs, cfg.max_batch_tokens) == (3, 77)
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from server.app import reload_callers
 from server.http.callers import load_callers, parse_callers
-from server.state import DRIVER
+from server.state import MODELS
 from tests.fakes import FakeEngine
 from tests.support import until
 from tests.unit.test_handlers import CHAT, assert_error, chat, retry_after, scrape
@@ -47,7 +47,9 @@ async def test_caller_over_its_limit_gets_429_while_another_is_served(make_clien
     first = asyncio.create_task(
         client.post(CHAT, json=chat(max_tokens=20), headers=bearer("sk-batch"))
     )
-    await until(lambda: app[DRIVER].core.pending_requests == 1, what="batch admitted")
+    await until(
+        lambda: app[MODELS].default.driver.core.pending_requests == 1, what="batch admitted"
+    )
     over = await client.post(CHAT, json=chat(), headers=bearer("sk-batch"))
     err = await assert_error(over, 429, code="caller_limit")
     assert "batch" in err["message"]
@@ -97,7 +99,11 @@ async def test_without_keys_the_user_field_names_the_caller(make_client: Any) ->
         body = chat(user=user) if user else chat()
         assert (await client.post(CHAT, json=body)).status == 200
     # Each name is a caller of its own in the core (fair share)...
-    assert {c.name for c in app[DRIVER].core.callers()} == {"alice", "bob", "default"}
+    assert {c.name for c in app[MODELS].default.driver.core.callers()} == {
+        "alice",
+        "bob",
+        "default",
+    }
     # ...but a client's string is never a metric label (issue 28): one bucket.
     m = scrape(await (await client.get("/metrics")).text())
     by = {s.labels["caller"]: s.value for s in m["sluice_caller_requests_total"]}
@@ -124,7 +130,7 @@ async def test_sighup_reload_swaps_keys_and_limits_and_a_bad_file_keeps_them(
     assert await reload_callers(app) is True
     await assert_error(await client.post(CHAT, json=chat(), headers=bearer("sk-chat")), 401)
     assert (await client.post(CHAT, json=chat(), headers=bearer("sk-chat-2"))).status == 200
-    core = app[DRIVER].core
+    core = app[MODELS].default.driver.core
     assert core.config.callers.get("batch").max_queued == 5
 
     path.write_text("[callers.chat]\nweight = 2\n")  # no key: refused, old callers stay
@@ -148,7 +154,7 @@ async def test_the_backlog_reaches_the_engine_only_as_it_has_room(make_client: A
 
     async def watch() -> None:
         while True:
-            held.append(app[DRIVER].core.backlog_generations)
+            held.append(app[MODELS].default.driver.core.backlog_generations)
             await asyncio.sleep(0.002)
 
     watcher = asyncio.create_task(watch())
@@ -159,10 +165,10 @@ async def test_the_backlog_reaches_the_engine_only_as_it_has_room(make_client: A
     finally:
         watcher.cancel()
     assert [r.status for r in results] == [200] * 12
-    feed = app[DRIVER].core.config.feed_steps
+    feed = app[MODELS].default.driver.core.config.feed_steps
     assert 2 <= engine.peak_running <= feed * 2
     assert max(held) >= 5  # most of the burst waited in Sluice, not in the engine
-    assert app[DRIVER].core.backlog_generations == 0
+    assert app[MODELS].default.driver.core.backlog_generations == 0
 
 
 async def test_engine_priority_is_the_requests_own_or_sluices_order(make_client: Any) -> None:

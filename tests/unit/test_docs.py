@@ -130,19 +130,34 @@ def test_every_repository_path_a_command_names_exists(block: Block) -> None:
 
 def exported_metrics() -> set[str]:
     """Every metric family /metrics can serve, as a scrape names it: the app's
-    registry with the watchdog's gauges and two data-parallel ranks."""
+    registry with the watchdog's gauges and two data-parallel ranks, and with
+    two models from a models file (their own series)."""
     from collections import defaultdict
 
     from batching.pressure import RankStats
+    from server.engines.lora import AdapterRegistry
+    from server.engines.registry import ModelEntry, ModelSpec
     from server.operations.metrics import Metrics
     from server.operations.watchdog import WatchdogMetrics
+    from tests.fakes import FakeEngine
 
-    metrics = Metrics()
+    one = Metrics()
     live: defaultdict[str, object] = defaultdict(float)
     live["ranks"] = [RankStats(0.5, 1, 0), RankStats(0.5, 1, 0)]
-    metrics.watch(lambda: live)
-    WatchdogMetrics(metrics.registry)
-    return {f.name + ("_total" if f.type == "counter" else "") for f in metrics.registry.collect()}
+    one.watch(lambda: live)
+    WatchdogMetrics(one.registry)
+    several = Metrics()
+    rows = []
+    for name in ("a", "b"):
+        values: defaultdict[str, object] = defaultdict(float, live)
+        values["entry"] = ModelEntry(ModelSpec(name), FakeEngine(), AdapterRegistry(name, ()))
+        rows.append((name, values))
+    several.watch(lambda: rows)
+    return {
+        f.name + ("_total" if f.type == "counter" else "")
+        for m in (one, several)
+        for f in m.registry.collect()
+    }
 
 
 def test_the_metrics_list_is_what_sluice_exports() -> None:

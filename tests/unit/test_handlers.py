@@ -19,7 +19,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.state import DRIVER, RUNTIME, Phase
+from server.state import MODELS, RUNTIME, Phase
 from tests.fakes import FakeEngine
 from tests.support import until
 
@@ -520,7 +520,7 @@ async def test_overload_503_with_retry_after(make_client: Any) -> None:
     client, app, engine = await make_client(
         engine=FakeEngine(step=0.05), max_pending_requests=2, warmup=False
     )
-    core = app[DRIVER].core
+    core = app[MODELS].default.driver.core
     first = [
         asyncio.create_task(client.post(CHAT, json=chat(max_tokens=6, temperature=1)))
         for _ in range(2)
@@ -607,23 +607,23 @@ async def test_disconnect_mid_stream_aborts_engine_request(make_client: Any) -> 
     resp.close()  # drops the connection
     await until(lambda: eid in engine.aborted, what="abort")
     await until(lambda: not engine.unfinished, what="engine empty")
-    await until(app[DRIVER].idle.is_set, what="driver idle")
-    assert app[DRIVER].core.pending_requests == 0
+    await until(app[MODELS].default.driver.idle.is_set, what="driver idle")
+    assert app[MODELS].default.driver.core.pending_requests == 0
 
 
 async def test_disconnect_while_queued_never_reaches_engine(make_client: Any) -> None:
     client, app, engine = await make_client(
         window=5.0, adaptive=False, release_lone=False, warmup=False
     )
-    core = app[DRIVER].core
+    core = app[MODELS].default.driver.core
     task = asyncio.create_task(client.post(CHAT, json=chat(), headers={"x-request-id": "queued-1"}))
     await until(lambda: core.queued_requests == 1, what="queued")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     await until(lambda: core.queued_requests == 0, what="queue empty")
-    await until(app[DRIVER].idle.is_set, what="driver idle")
-    assert core.pending_requests == 0 and app[DRIVER].queued == 0
+    await until(app[MODELS].default.driver.idle.is_set, what="driver idle")
+    assert core.pending_requests == 0 and app[MODELS].default.driver.queued == 0
     assert not any(i.startswith("queued-1") for i in engine.added)
     assert core.next_deadline() is None  # nothing left to release later
 
@@ -636,7 +636,7 @@ async def test_queued_request_expires_with_503(make_client: Any) -> None:
     resp = await asyncio.wait_for(client.post(CHAT, json=chat()), 3.0)
     await assert_error(resp, 503)
     assert real(engine.added) == []
-    assert app[DRIVER].idle.is_set()
+    assert app[MODELS].default.driver.idle.is_set()
 
 
 # ---------------------------------------------------------------------------
@@ -683,7 +683,7 @@ async def test_dedupe_one_caller_leaves_other_completes(make_client: Any) -> Non
     a.close()
     text = assembled(chat_chunks(await stream_events(b)))
     assert eid not in engine.aborted
-    await until(app[DRIVER].idle.is_set, what="driver idle")
+    await until(app[MODELS].default.driver.idle.is_set, what="driver idle")
     assert not engine.unfinished
     # The same request alone (nothing to share with) streams the same text.
     alone = await client.post(CHAT, json=body)
@@ -701,12 +701,14 @@ async def _both_leave(make_client: Any) -> tuple[Any, Any, str]:
     await a.content.readline()
     await b.content.readline()
     a.close()
-    [gen] = app[DRIVER].running_generations()
+    [gen] = app[MODELS].default.driver.running_generations()
     await until(lambda: len(gen._subscribers) == 1, what="the server to see a leave")
     assert eid not in engine.aborted  # b still reads it
     b.close()
     await until(lambda: eid in engine.aborted, what="abort after last reader")
-    await until(lambda: not engine.unfinished and app[DRIVER].idle.is_set(), what="idle")
+    await until(
+        lambda: not engine.unfinished and app[MODELS].default.driver.idle.is_set(), what="idle"
+    )
     return app, engine, eid
 
 
@@ -731,7 +733,7 @@ async def test_metrics(make_client: Any) -> None:
     engine = FakeEngine(step=0.05)
     client, app, _ = await make_client(engine=engine, max_pending_requests=1, warmup=False)
     running = asyncio.create_task(client.post(CHAT, json=chat(max_tokens=4, temperature=1)))
-    await until(lambda: app[DRIVER].core.pending_requests == 1, what="admitted")
+    await until(lambda: app[MODELS].default.driver.core.pending_requests == 1, what="admitted")
     await assert_error(await client.post(CHAT, json=chat()), 503)
     assert (await running).status == 200
 

@@ -20,7 +20,7 @@ from server.engines.demo.lora_adapter import write_demo_adapter
 from server.engines.demo.model import ARCHITECTURE, write_safetensors
 from server.engines.lora import Adapter, ModelShapes, check_shapes
 from server.http.callers import parse_callers
-from server.state import DRIVER
+from server.state import MODELS
 from tests.fakes import FakeEngine
 from tests.support import until
 
@@ -343,11 +343,13 @@ async def test_unloading_finishes_queued_and_running_work(make_client: Any, tmp_
     gate = asyncio.Event()
     engine = FakeEngine(max_num_seqs=1, first_output=gate)
     client, app, _ = await admin_client(make_client, tmp_path, engine=engine, adapters=(ALPHA,))
-    in_engine = int(app[DRIVER].core.config.feed_steps)
+    in_engine = int(app[MODELS].default.driver.core.config.feed_steps)
     sent = [asyncio.ensure_future(client.post(CHAT, json=chat("alpha")))]
     await until(lambda: len(engine.held) == 1, what="the first request in the engine")
     sent += [asyncio.ensure_future(client.post(CHAT, json=chat("alpha"))) for _ in range(in_engine)]
-    await until(lambda: app[DRIVER].core.queued_requests == 1, what="the last in the backlog")
+    await until(
+        lambda: app[MODELS].default.driver.core.queued_requests == 1, what="the last in the backlog"
+    )
     assert len(engine.held) == in_engine
     resp = await client.post(UNLOAD, json={"lora_name": "alpha"}, headers=ADMIN)
     assert resp.status == 200

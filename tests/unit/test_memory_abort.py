@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from batching.pressure import EngineStats, PressureConfig
 from server.app import build_app, watchdog_factory
 from server.settings import Settings
-from server.state import DRIVER, RUNTIME, AdmissionState, Phase
+from server.state import MODELS, RUNTIME, AdmissionState, Phase
 from tests.fakes import FakeEngine
 from tests.support import until
 
@@ -73,12 +73,16 @@ async def test_critical_memory_aborts_lowest_priority_then_newest() -> None:
         # Oldest first: a stream at priority 0, a plain request at priority 5
         # (the lowest), then the newest, a stream at priority 0.
         oldest = await client.post("/v1/chat/completions", json=_chat(0, True))
-        await until(lambda: len(app[DRIVER].running_generations()) == 1, what="oldest")
+        await until(
+            lambda: len(app[MODELS].default.driver.running_generations()) == 1, what="oldest"
+        )
         low = asyncio.ensure_future(client.post("/v1/chat/completions", json=_chat(5, False)))
-        await until(lambda: len(app[DRIVER].running_generations()) == 2, what="low")
+        await until(lambda: len(app[MODELS].default.driver.running_generations()) == 2, what="low")
         newest = await client.post("/v1/chat/completions", json=_chat(0, True))
-        await until(lambda: len(app[DRIVER].running_generations()) == 3, what="newest")
-        gens = {g.priority: g for g in app[DRIVER].running_generations()}
+        await until(
+            lambda: len(app[MODELS].default.driver.running_generations()) == 3, what="newest"
+        )
+        gens = {g.priority: g for g in app[MODELS].default.driver.running_generations()}
         oldest_events: list[dict[str, Any]] = []
         newest_events: list[dict[str, Any]] = []
         readers = [
@@ -105,7 +109,7 @@ async def test_critical_memory_aborts_lowest_priority_then_newest() -> None:
 
         await asyncio.sleep(0.1)  # no new preemptions: no more aborts
         assert len(engine.aborted) == 2
-        assert [g.priority for g in app[DRIVER].running_generations()] == [0]
+        assert [g.priority for g in app[MODELS].default.driver.running_generations()] == [0]
         metrics = (await (await client.get("/metrics")).text()).splitlines()
         assert 'sluice_rejections_total{reason="memory_abort"} 2.0' in metrics
         readers[0].cancel()

@@ -19,7 +19,7 @@ import orjson
 import pytest
 
 from server.http.callers import parse_callers
-from server.state import DRIVER, RUNTIME, Phase
+from server.state import MODELS, RUNTIME, Phase
 from tests.fakes import FakeEngine
 from tests.support import until
 from tests.unit.test_handlers import real, retry_after, scrape
@@ -220,7 +220,7 @@ async def test_overload_is_a_fast_503_with_retry_after(make_client: Any) -> None
     )
     body = {"model": "fake", "messages": HI, "stream": False, "options": {"num_predict": 6}}
     first = asyncio.create_task(client.post("/api/chat", json=body))
-    await until(lambda: app[DRIVER].core.pending_requests == 1, what="one admitted")
+    await until(lambda: app[MODELS].default.driver.core.pending_requests == 1, what="one admitted")
     resp = await asyncio.wait_for(client.post("/api/chat", json=body), 2.0)
     assert resp.status == 503 and retry_after(resp) >= 1
     assert set(await resp.json()) == {"error"}

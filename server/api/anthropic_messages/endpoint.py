@@ -28,12 +28,13 @@ from server.api.anthropic_messages.output import (
     stop_reason,
 )
 from server.api.anthropic_messages.parse import parse_messages
-from server.api.openai_chat.endpoint import chat_job, check_model, read_body
+from server.api.openai_chat.endpoint import chat_job, read_body
 from server.engines.interface import ChatParser, ChoiceParser, CompletionDelta
 from server.engines.reasoning_split import ReasoningSplitter, split_reasoning
 from server.errors import SluiceError
+from server.http.models import use_model
 from server.http.pipeline import Encoder, Job, Trace, check_accepting, json_response
-from server.state import ENGINE, RUNTIME
+from server.state import RUNTIME
 from server.wire.output import TokenLogprob, Usage
 from server.wire.request import ChatRequest
 
@@ -56,9 +57,8 @@ async def count_tokens(request: web.Request) -> web.Response:
     path as /v1/messages (system, tools, thinking switch), nothing generated."""
     check_accepting(request)
     req = parse_messages(await read_body(request), request.app[RUNTIME].limits, count_only=True)
-    check_model(request, req.model)
-    engine = request.app[ENGINE]
-    ids = (await engine.tokenize_chat([(req.messages, req.template_kwargs())]))[0]
+    entry, _ = await use_model(request, req.model)
+    ids = (await entry.engine.tokenize_chat([(req.messages, req.template_kwargs())]))[0]
     return json_response(orjson.dumps({"input_tokens": len(ids)}))
 
 

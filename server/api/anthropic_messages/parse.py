@@ -475,6 +475,7 @@ def parse_messages(body: bytes, limits: Limits, *, count_only: bool = False) -> 
     internal chat request, or a 400 SluiceError naming the field."""
     obj = load_object(body)
     model = get_model(obj)
+    limits = limits.for_model(model)  # its own defaults, with several models
     for key in _REFUSED:
         if get(obj, key) is not MISSING:
             raise unsupported(key, f"'{key}'")

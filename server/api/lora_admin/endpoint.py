@@ -52,7 +52,7 @@ from aiohttp import web
 from server.engines.lora import Adapter, adapter_rank, check_base, under_root
 from server.errors import SluiceError
 from server.http.callers import bearer_token, same_key
-from server.state import ADAPTERS, CALLERS, ENGINE, METRICS, RESULTS, SETTINGS
+from server.state import CALLERS, METRICS, MODELS, RESULTS, SETTINGS
 from server.wire.fields import load_object
 
 __all__ = ["ADMIN_PATHS", "LOAD_PATH", "UNLOAD_PATH", "add_admin_routes", "check_admin"]
@@ -71,7 +71,7 @@ def check_admin(request: web.Request) -> None:
     token = bearer_token(request.headers.get("Authorization", ""))
     if same_key(token, request.app[SETTINGS].admin_key):
         return
-    request.app[METRICS].rejections.labels("auth").inc()
+    request.app[METRICS].reject("auth")
     callers = request.app[CALLERS]
     if token and not callers.open and callers.identify(token) is not None:
         raise SluiceError(
@@ -113,7 +113,9 @@ async def load(request: web.Request) -> web.Response:
     if not name or not path:
         raise SluiceError("Both 'lora_name' and 'lora_path' must be provided.")
     app = request.app
-    registry, settings = app[ADAPTERS], app[SETTINGS]
+    # The one model's (--allow-runtime-lora is refused with --models).
+    model, settings = app[MODELS].default, app[SETTINGS]
+    registry = model.adapters
     if registry.is_base(name):
         raise SluiceError(
             f"The lora adapter '{name}' conflicts with a served base model.", param="lora_name"
@@ -144,7 +146,7 @@ async def load(request: web.Request) -> web.Response:
             ) from None
         # Parent: the served name, as for a static adapter without base_model_name.
         adapter = Adapter(name, str(directory), registry.next_id(), registry.base)
-        await app[ENGINE].load_adapter(adapter)  # a SluiceError (400) changes nothing
+        await model.engine.load_adapter(adapter)  # a SluiceError (400) changes nothing
         if old is not None:
             if old.path == adapter.path:
                 # vLLM's own warning: its prefix cache keys blocks by name and path.
@@ -199,7 +201,7 @@ async def unload(request: web.Request) -> web.Response:
         raise SluiceError("'lora_name' needs to be provided to unload a LoRA adapter.")
     app = request.app
     async with app[_LOCK]:
-        adapter = app[ADAPTERS].remove(name)
+        adapter = app[MODELS].default.adapters.remove(name)
         if adapter is None:
             raise SluiceError(
                 f"The lora adapter '{name}' cannot be found.",

@@ -54,13 +54,16 @@ from server.api.ollama.parse import (
     parse_show,
     served_name,
 )
-from server.api.openai_chat.endpoint import ChatEncoder, chat_job, check_model, read_body
+from server.api.openai_chat.endpoint import ChatEncoder, chat_job, read_body
 from server.api.openai_chat.parse import check_context
 from server.engines.choice_reader import ChoiceReader
 from server.engines.interface import ChatParser, CompletionDelta
+from server.engines.registry import ModelEntry as Served
+from server.engines.registry import State
 from server.errors import SluiceError
+from server.http.models import use_model
 from server.http.pipeline import Encoder, Job, Trace, json_response, logprobs
-from server.state import ADAPTERS, CALLER, CALLERS, ENGINE, METRICS, RUNTIME, SETTINGS
+from server.state import CALLER, CALLERS, METRICS, MODELS, RUNTIME
 from server.wire.output import ChatChoice, TokenLogprob, Usage
 from server.wire.request import ChatRequest, ToolCall
 
@@ -94,8 +97,8 @@ _STREAM_HEADERS: Final = {
 
 def _served(request: web.Request, name: str) -> str:
     """The served name an Ollama client's model name stands for (parse.py rule 1)."""
-    registry = request.app[ADAPTERS]
-    return served_name(name, lambda n: registry.is_base(n) or n in registry.names)
+    registry = request.app[MODELS]
+    return served_name(name, lambda n: registry.find(n) is not None)
 
 
 async def prepare_chat(request: web.Request, tr: Trace) -> tuple[Job, Encoder[ChatChoice]]:
@@ -112,15 +115,18 @@ async def _prepare(
     request: web.Request, tr: Trace, req: OllamaRequest
 ) -> tuple[Job, Encoder[ChatChoice]]:
     chat = dataclasses.replace(req.chat, model=_served(request, req.name))
-    engine = request.app[ENGINE]
+    # The model, loaded (an on-demand one loads here); chat_job's own check
+    # finds it held.
+    entry, adapter = await use_model(request, chat.model)
+    engine = entry.engine
     check_num_ctx(req.num_ctx, engine.info.max_model_len)
     if not req.load and req.text is None:
         cj = await chat_job(request, chat, "ollama")
         return cj.job, OllamaEncoder(req, chat, tr, engine.detokenize, cj.parser, cj.prompt_ids)
     request.app[METRICS].ignored.record("ollama", chat.ignored)
-    adapter = check_model(request, chat.model)
     job = Job(
         model=chat.model,
+        entry=entry,
         adapter=adapter,
         prompts=(),
         max_tokens=(),
@@ -236,17 +242,31 @@ class OllamaEncoder:
 # The models: what is served, as Ollama lists it.
 
 
-def _entries(request: web.Request) -> list[ModelEntry]:
-    """The base model and the adapters this caller may see (its /v1/models)."""
-    settings = request.app[SETTINGS]
-    info = request.app[ENGINE].info
-    base = ModelEntry(settings.model_name, settings.model_path, info.created, info.max_model_len)
+def _entries(request: web.Request, *, loaded: bool = False) -> list[ModelEntry]:
+    """The models this caller may see, each followed by its adapters it may use
+    (its /v1/models); `loaded`: only the models whose engine is up (/api/ps)."""
     access = request.app[CALLERS].access(request.get(CALLER))
-    adapters = request.app[ADAPTERS].visible(access)
-    return [
-        base,
-        *(ModelEntry(a.name, a.path, info.created, info.max_model_len, a.parent) for a in adapters),
-    ]
+    out: list[ModelEntry] = []
+    for e in request.app[MODELS].visible(access):
+        if loaded and e.state is not State.LOADED:
+            continue
+        info = e.engine.info
+        created, context = info.created, info.max_model_len or e.spec.max_model_len
+        out.append(ModelEntry(e.name, e.spec.path, created, context))
+        out += [
+            ModelEntry(a.name, a.path, created, context, a.parent)
+            for a in e.adapters.visible(access)
+        ]
+    return out
+
+
+def _model(request: web.Request, served: str) -> Served:
+    """The served model a caller's name stands for (no load): the 404 of an
+    unknown name or one outside its `models`, the 403 of a base model outside
+    its `adapters` (server/engines/registry.py rule 2)."""
+    access = request.app[CALLERS].access(request.get(CALLER))
+    entry, _ = request.app[MODELS].resolve(served, access)
+    return entry
 
 
 async def tags(request: web.Request) -> web.Response:
@@ -254,16 +274,17 @@ async def tags(request: web.Request) -> web.Response:
 
 
 async def ps(request: web.Request) -> web.Response:
-    return json_response(ps_body(_entries(request), time.time()))
+    return json_response(ps_body(_entries(request, loaded=True), time.time()))
 
 
 async def show(request: web.Request) -> web.Response:
     name = parse_show(await read_body(request))
     served = _served(request, name)
-    check_model(request, served)  # the 404 / 403 of an unknown or forbidden name
-    entry = next((e for e in _entries(request) if e.served == served), None)
-    if entry is None:  # the base model named by its path
-        entry = _entries(request)[0]
+    model = _model(request, served)  # the 404 / 403 of an unknown or forbidden name
+    entries = _entries(request)
+    entry = next((e for e in entries if e.served == served), None)
+    if entry is None:  # a model named by its path
+        entry = next(e for e in entries if e.served == model.name)
     return json_response(show_body(entry))
 
 
@@ -280,7 +301,7 @@ def _no_embeddings(request: web.Request, name: str) -> SluiceError:
     needs: the named model exists (else the model check's 404) but does not
     embed. It stays the right answer for a chat model once an embedding model
     is served beside it (issue 30)."""
-    check_model(request, _served(request, name))
+    _model(request, _served(request, name))
     return SluiceError(
         f"model '{name}' does not support embeddings: this server serves no embedding "
         "model (docs/ollama.md)",

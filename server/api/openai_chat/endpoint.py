@@ -20,11 +20,11 @@ from server.api.openai_chat.output import chat_completion_body, completion_body
 from server.api.openai_chat.parse import check_context, parse_chat, parse_completion
 from server.api.openai_chat.stream import DONE, ChatStream, CompletionStream, sse
 from server.engines.interface import ChatParser, ChoiceParser, CompletionDelta
-from server.engines.lora import Adapter, choose
 from server.engines.reasoning_split import ReasoningSplitter, split_reasoning
 from server.errors import SluiceError
+from server.http.models import use_model
 from server.http.pipeline import Encoder, Job, Trace, logprobs
-from server.state import ADAPTERS, CALLER, CALLERS, ENGINE, METRICS, RUNTIME, SETTINGS
+from server.state import METRICS, RUNTIME, SETTINGS
 from server.wire.ignored import Api
 from server.wire.output import ChatChoice, CompletionChoice, FinishReason, TokenLogprob, Usage
 from server.wire.request import ChatRequest, CompletionRequest
@@ -33,7 +33,6 @@ __all__ = [
     "REASONING_FIELD",
     "ChatJob",
     "chat_job",
-    "check_model",
     "openai_stream_error",
     "prepare_chat",
     "prepare_completion",
@@ -58,14 +57,6 @@ async def read_body(request: web.Request) -> bytes:
         ) from None
 
 
-def check_model(request: web.Request, model: str) -> Adapter | None:
-    """The LoRA adapter a request's `model` runs on for its caller (None: the
-    base weights), or the 404 / 403 of server/engines/lora.py rules 3-4. Every API's
-    model check is this one call."""
-    access = request.app[CALLERS].access(request.get(CALLER))
-    return choose(request.app[ADAPTERS], access, model)
-
-
 def _openai_stream_end(usage_frame: bytes) -> bytes:
     """An OpenAI stream's close: the usage chunk when asked for, then [DONE]."""
     return usage_frame + DONE
@@ -88,7 +79,7 @@ async def prepare_chat(request: web.Request, tr: Trace) -> tuple[Job, Encoder[Ch
     req = parse_chat(await read_body(request), request.app[RUNTIME].limits)
     cj = await chat_job(request, req, "chat")
     return cj.job, ChatEncoder(
-        req, tr.rid, request.app[ENGINE].detokenize, cj.parser, cj.prompt_ids
+        req, tr.rid, cj.job.entry.engine.detokenize, cj.parser, cj.prompt_ids
     )
 
 
@@ -108,13 +99,14 @@ class ChatJob:
 async def chat_job(request: web.Request, req: ChatRequest, api: Api) -> ChatJob:
     """The steps every chat-shaped API shares once its body is a ChatRequest:
     what its parser ignored recorded (server/operations/ignored_log.py), the model
-    check, the tool parser, the constraint check, rendering and tokenizing
-    through the engine's chat template, and the context check, which lowers
+    check (and its load, for an on-demand model: server/http/models.py), the
+    tool parser, the constraint check, rendering and tokenizing through the
+    model's engine's chat template, and the context check, which lowers
     max_tokens to the room the prompt leaves (check_context). OpenAI chat,
     Anthropic Messages and OpenAI Responses all come through here."""
     request.app[METRICS].ignored.record(api, req.ignored)
-    adapter = check_model(request, req.model)
-    engine = request.app[ENGINE]
+    entry, adapter = await use_model(request, req.model)
+    engine = entry.engine
     # With tools, vLLM's parsers read the output (calls and the thinking
     # split); without, server/engines/reasoning_split.py splits it (a hundredth of the cost
     # per delta, measured: 0.1 us against 10 us) when it is the same split:
@@ -130,6 +122,7 @@ async def chat_job(request: web.Request, req: ChatRequest, api: Api) -> ChatJob:
     max_tokens = check_context(len(ids), sampling.max_tokens, engine.info.max_model_len)
     job = Job(
         model=req.model,
+        entry=entry,
         adapter=adapter,
         prompts=(tuple(ids),),
         max_tokens=(max_tokens,),
@@ -299,8 +292,8 @@ async def prepare_completion(
 ) -> tuple[Job, Encoder[CompletionChoice]]:
     req = parse_completion(await read_body(request), request.app[RUNTIME].limits)
     request.app[METRICS].ignored.record("completions", req.ignored)
-    adapter = check_model(request, req.model)
-    engine = request.app[ENGINE]
+    entry, adapter = await use_model(request, req.model)
+    engine = entry.engine
     if req.sampling.constraint is not None:
         await engine.check_constraint(req.sampling.constraint)
     texts = [p for p in req.prompts if isinstance(p, str)]
@@ -309,6 +302,7 @@ async def prepare_completion(
     max_len = engine.info.max_model_len
     job = Job(
         model=req.model,
+        entry=entry,
         adapter=adapter,
         prompts=prompts,
         max_tokens=tuple(

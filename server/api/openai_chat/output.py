@@ -14,7 +14,7 @@ Field names follow OpenAI; the reasoning text of a thinking model goes in
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
 import orjson
@@ -160,13 +160,15 @@ def models_body(
     owned_by: str = "sluice",
     max_model_len: int | None = None,
     adapters: Iterable[tuple[str, str, str]] = (),
+    cards: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> bytes:
     """The ``/v1/models`` list. ``root`` and ``max_model_len`` as vLLM adds them.
 
     `adapters` are LoRA adapters as (name, path, parent): a card each, after
     the base models, as vLLM's server lists them (OpenAIServingModels
     .show_available_models): ``root`` the adapter's path, ``parent`` its base
-    model, no ``max_model_len``."""
+    model, no ``max_model_len``. `cards`: fields of a model's own card, by its
+    id (with several models: its state, kind, created and context)."""
     data = []
     for model_id in model_ids:
         entry: dict[str, Any] = {
@@ -179,6 +181,8 @@ def models_body(
         }
         if max_model_len is not None:
             entry["max_model_len"] = max_model_len
+        if cards is not None:
+            entry.update(cards.get(model_id, {}))
         data.append(entry)
     for name, path, parent in adapters:
         data.append(

@@ -306,6 +306,7 @@ def parse_chat(body: bytes, limits: Limits) -> ChatRequest:
     """Parse a /v1/chat/completions body, or raise SluiceError(400)."""
     obj = load_object(body)
     model = get_model(obj)
+    limits = limits.for_model(model)  # its own defaults, with several models
     messages = _messages(obj)
     n = int(get_int(obj, "n", 1, lo=1, hi=limits.max_n))
     refuse_unsupported(obj, n)
@@ -392,6 +393,7 @@ def parse_completion(body: bytes, limits: Limits) -> CompletionRequest:
     """Parse a /v1/completions body, or raise SluiceError(400)."""
     obj = load_object(body)
     model = get_model(obj)
+    limits = limits.for_model(model)  # its own defaults, with several models
     prompts = _prompts(obj, limits)
     n = int(get_int(obj, "n", 1, lo=1, hi=limits.max_n))
     refuse_unsupported(obj, n)

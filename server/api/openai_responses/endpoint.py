@@ -36,7 +36,7 @@ from server.engines.choice_reader import ChoiceReader
 from server.engines.interface import CompletionDelta, Engine
 from server.errors import SluiceError
 from server.http.pipeline import Encoder, Job, Trace, json_response
-from server.state import CALLER, ENGINE, RESPONSES, RUNTIME
+from server.state import CALLER, RESPONSES, RUNTIME
 from server.wire.output import ChatChoice, TokenLogprob, Usage
 from server.wire.request import ChatRequest, Message
 
@@ -70,7 +70,7 @@ async def prepare_responses(request: web.Request, tr: Trace) -> tuple[Job, Encod
         if err.param == "messages":  # the context check names chat's field
             err.param = "input"
         raise
-    engine = request.app[ENGINE]
+    engine = cj.job.entry.engine
     return cj.job, ResponsesEncoder(rreq, req, history, cj, tr.rid, engine, store, owner)
 
 

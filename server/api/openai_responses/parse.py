@@ -449,6 +449,7 @@ def parse_responses(body: bytes, limits: Limits) -> ResponsesRequest:
     """Parse a /v1/responses body, or raise SluiceError(400)."""
     obj = load_object(body)
     model = get_model(obj)
+    limits = limits.for_model(model)  # its own defaults, with several models
     _refuse(obj)
     notes = Notes("responses")
     notes.extra_keys(obj, _HONOURED)

@@ -41,6 +41,13 @@
       keyed: "rank_queue", onlyWithData: true },
     { id: "rank-kv", title: "KV-cache use per rank", unit: "%", series: [],
       keyed: "rank_kv_pct", onlyWithData: true, max: 100 },
+    // Several models (--models) only: each model's own numbers.
+    { id: "model-req", title: "Requests per model", unit: "req/s", series: [],
+      keyed: "model_req_s", onlyWithData: true },
+    { id: "model-queue", title: "Running per model", unit: "requests", series: [],
+      keyed: "model_running", onlyWithData: true },
+    { id: "model-kv", title: "KV-cache use per model", unit: "%", series: [],
+      keyed: "model_kv_pct", onlyWithData: true, max: 100 },
     { id: "memory", title: "Free memory", unit: "GiB", scale: 1 / 1024, thresholds: true,
       series: [["gpu_free_mib", "free VRAM"], ["host_available_mib", "host available"]] },
     { id: "refusals", title: "Refusals by reason", unit: "req/s",
@@ -229,6 +236,7 @@
     state.className = `state ${doc.state}`;
     $("reason").textContent = doc.reason || "";
     $("cost").textContent = doc.cost_us ? `Sampling costs ${fmt(doc.cost_us.mean)} µs a second.` : "";
+    renderModels(doc.models || []);
     const xs = doc.series.t;
     for (const def of CHARTS) {
       const cols = columnsFor(def, doc.series);
@@ -257,6 +265,21 @@
       }
     }
     probe.updates += 1;
+  }
+
+  // Several models (--models): one row per model, its state and its loads.
+  function renderModels(models) {
+    const table = $("models");
+    table.hidden = models.length === 0;
+    const body = table.tBodies[0];
+    body.replaceChildren();
+    for (const m of models) {
+      const row = body.insertRow();
+      const cells = [m.name, m.state, m.kind, m.load, m.loads, m.unloads, m.failures,
+        m.load_s == null ? "–" : `${fmt(m.load_s)} s`, m.held, m.error || ""];
+      for (const v of cells) row.insertCell().textContent = String(v);
+    }
+    probe.models = models.length;
   }
 
   // -- fetching ---------------------------------------------------------------
