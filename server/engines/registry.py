@@ -44,7 +44,11 @@ Rules:
    no work. A `load = "start"` model is never unloaded, nor one with work in
    flight; when no idle set frees enough, the load waits for one.
 7. An on-demand model idle for its `unload_after` seconds is unloaded
-   (`idle_deadline`; Ollama's keep_alive, except that 0 means never).
+   (`idle_deadline`; Ollama's keep_alive, except that 0 means never). A
+   request through Ollama's API that sends `keep_alive` sets that model's
+   idle time from then on, as Ollama does (`ModelEntry.keep_alive`: 0 unloads
+   it as soon as it is idle, a negative one never); a model loaded at start
+   is never unloaded, whatever a request says.
 """
 
 from __future__ import annotations
@@ -193,6 +197,9 @@ class ModelEntry:
     loaded_at: float | None = None  # wall clock, for the status page
     error: str | None = None  # the last load's failure, until the next success
     retry_at: float = 0.0  # monotonic: a failed load is not retried before it
+    # The idle time the last Ollama request asked for (rule 7; seconds, negative:
+    # never unload); None: the spec's `unload_after`.
+    keep_alive: float | None = None
     _driver: Driver | None = None
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -385,9 +392,12 @@ def _last_used(e: ModelEntry) -> float:
 
 def idle_deadline(e: ModelEntry) -> float | None:
     """Rule 7: when an idle on-demand model unloads (monotonic), or None when it
-    does not (a start model, `unload_after` 0, busy, or not loaded)."""
-    if e.spec.load is not Load.ON_DEMAND or e.spec.unload_after <= 0:
+    does not (a start model, `unload_after` 0 or a negative `keep_alive`, busy,
+    or not loaded)."""
+    if e.spec.load is not Load.ON_DEMAND or e.state is not State.LOADED or e.busy:
         return None
-    if e.state is not State.LOADED or e.busy:
-        return None
-    return e.last_used + e.spec.unload_after
+    if e.keep_alive is None:  # the models file's: 0 is never
+        idle = e.spec.unload_after if e.spec.unload_after > 0 else -1.0
+    else:  # Ollama's: 0 is at once, negative never
+        idle = e.keep_alive
+    return None if idle < 0 else e.last_used + idle

@@ -117,8 +117,8 @@ KNOWN: Final[Mapping[Api, Mapping[str, str]]] = {
         "tools[type=memory]": "an Anthropic-model tool: its schema is not given",
     },
     "ollama": {
-        "keep_alive": "one model, always loaded: it maps to the idle unload once several "
-        "models are served (issue 30)",
+        "keep_alive": "on the embedding routes, which this server refuses (chat and "
+        "generate set the model's idle unload)",
         "think": "a level (low, medium, high, max) turns Qwen3's thinking on: its "
         "template has a switch, not levels; with raw or template, thinking is not split",
         "truncate": "Sluice never truncates: a prompt over the context is a 400",

@@ -207,6 +207,30 @@ async def test_an_idle_on_demand_model_unloads_after_its_idle_time(serve_models:
     assert s.engine("spare") is not first and s.engine("spare").started
 
 
+async def test_ollamas_keep_alive_sets_an_on_demand_models_idle_time(serve_models: Make) -> None:
+    """registry.py rule 7: an Ollama request's keep_alive replaces the model's
+    unload-after from then on (0: as soon as it is idle; negative: never); a
+    model loaded at start stays whatever it says."""
+    s = await serve_models((spec("chat"), spec("spare", Load.ON_DEMAND, unload_after=3600)))
+
+    async def ollama(model: str, keep_alive: Any) -> None:
+        body = {"model": model, "messages": HI, "stream": False, "keep_alive": keep_alive}
+        resp = await s.client.post("/api/chat", json=body)
+        assert resp.status == 200, await resp.text()
+
+    await ollama("spare", -1)  # loads it, to stay
+    entry = s.app[MODELS].get("spare")
+    assert entry is not None and entry.keep_alive == -1.0
+    assert s.state("spare") is State.LOADED
+    await ollama("spare", 0)  # Ollama's "unload it once done"
+    await until(lambda: s.state("spare") is State.UNLOADED, what="unload at keep_alive 0")
+    await ollama("chat", 0)
+    assert s.state("chat") is State.LOADED  # a start model stays
+    await ollama("spare", "50ms")
+    assert s.state("spare") is State.LOADED
+    await until(lambda: s.state("spare") is State.UNLOADED, what="unload after 50 ms idle")
+
+
 async def test_the_least_recently_used_idle_model_makes_room_never_a_busy_one(
     serve_models: Make,
 ) -> None:

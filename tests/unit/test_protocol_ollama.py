@@ -193,7 +193,6 @@ def test_unknown_options_and_fields_are_noted_under_their_labels() -> None:
         ("options.num_gpu", "options.num_gpu"),
         ("options.mirostat", "options.mirostat"),
         (OTHER, "options.x_new"),
-        ("keep_alive", "keep_alive"),
         ("truncate", "truncate"),
         ("shift", "shift"),
         (OTHER, "surprise"),
@@ -544,4 +543,32 @@ def _usage() -> Any:
 
 
 def test_an_ignored_item_carries_the_clients_spelling() -> None:
-    assert Ignored("keep_alive", "keep_alive") in chat(keep_alive=0).chat.ignored
+    assert Ignored("truncate", "truncate") in chat(truncate=True).chat.ignored
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        (300, 300.0),
+        (2.5, 2.5),
+        (-1, -1.0),
+        ("5m", 300.0),
+        ("1h30m", 5400.0),
+        ("1.5h", 5400.0),
+        ("500ms", 0.5),
+        ("-1m", -60.0),
+        ("0", 0.0),
+        ("-1", -1.0),
+        ("300", 300.0),
+        (None, None),
+    ],
+)
+def test_keep_alive_is_seconds_as_ollama_reads_it(value: Any, seconds: float | None) -> None:
+    assert chat(keep_alive=value).keep_alive == seconds
+    assert generate(prompt="x", keep_alive=value).keep_alive == seconds
+    assert chat().keep_alive is None
+
+
+@pytest.mark.parametrize("value", ["soon", "5 minutes", "m", "5x", True, [], {}])
+def test_a_bad_keep_alive_is_named(value: Any) -> None:
+    assert refused(chat, keep_alive=value).param == "keep_alive"

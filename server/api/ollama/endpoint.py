@@ -118,6 +118,8 @@ async def _prepare(
     # The model, loaded (an on-demand one loads here); chat_job's own check
     # finds it held.
     entry, adapter = await use_model(request, chat.model)
+    if req.keep_alive is not None:  # the model's idle time from now on (registry.py rule 7)
+        entry.keep_alive = req.keep_alive
     engine = entry.engine
     check_num_ctx(req.num_ctx, engine.info.max_model_len)
     if not req.load and req.text is None:

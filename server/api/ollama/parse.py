@@ -54,6 +54,13 @@ and in docs/ollama.md):
    answered at once (the model is always loaded).
 10. ``logprobs`` and ``top_logprobs`` (0 to the server's ``--max-logprobs``)
     are honoured.
+11. ``keep_alive`` on chat and generate: how long the model stays loaded
+    after the request, as Ollama reads it: a number of seconds or a Go
+    duration (``"5m"``, ``"1h30m"``, ``"0"``); a negative one keeps it
+    loaded for good. A plain number in a string (``"-1"``, ``"300"``) is
+    taken as seconds too. The endpoint sets it as the model's idle time
+    where the model is loaded on demand (server/engines/registry.py rule 7);
+    a model loaded at start stays loaded whatever it says.
 
 Bodies and stream lines going back: server/api/ollama/output.py.
 """
@@ -133,7 +140,7 @@ _INT_OPTIONS: Final = frozenset({"top_k", "seed", "num_predict", "num_ctx"})
 # Top-level fields read here; any other is noted as ignored (keep_alive,
 # truncate and shift among them, under their own labels).
 _SHARED: Final = frozenset(
-    {"model", "stream", "format", "options", "think", "logprobs", "top_logprobs"}
+    {"model", "stream", "format", "options", "think", "logprobs", "top_logprobs", "keep_alive"}
 )
 _CHAT: Final = _SHARED | {"messages", "tools"}
 _GENERATE: Final = _SHARED | {
@@ -168,6 +175,7 @@ class OllamaRequest:
     text: str | None = None
     load: bool = False
     num_ctx: int | None = None
+    keep_alive: float | None = None  # seconds (negative: for good); None: not sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -451,7 +459,9 @@ def parse_chat(body: bytes, limits: Limits) -> OllamaRequest:
     common = _common(obj, limits, notes)
     notes.extra_keys(obj, _CHAT)
     chat = _chat_request(name, messages, common, thinking, notes, parsed_tools)
-    return OllamaRequest(name, chat, load=not messages, num_ctx=common.num_ctx)
+    return OllamaRequest(
+        name, chat, load=not messages, num_ctx=common.num_ctx, keep_alive=keep_alive(obj)
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -499,7 +509,45 @@ def parse_generate(body: bytes, limits: Limits) -> OllamaRequest:
     messages = (*turn, Message("user", prompt))
     chat = _chat_request(name, messages, common, thinking, notes)
     return OllamaRequest(
-        name, chat, generate=True, text=text, load=not prompt, num_ctx=common.num_ctx
+        name,
+        chat,
+        generate=True,
+        text=text,
+        load=not prompt,
+        num_ctx=common.num_ctx,
+        keep_alive=keep_alive(obj),
+    )
+
+
+# A Go duration (time.ParseDuration): signed, one or more number-unit pairs.
+_DURATION: Final = re.compile(r"([+-]?)((?:\d+(?:\.\d*)?|\.\d+)(?:ns|us|µs|μs|ms|s|m|h))+")
+_PART: Final = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+_UNIT: Final = {
+    "ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0,
+}  # fmt: skip
+
+
+def keep_alive(obj: dict[str, Any]) -> float | None:
+    """Rule 11: ``keep_alive`` in seconds (negative: for good), None when absent,
+    or a 400 naming it."""
+    value = get(obj, "keep_alive")
+    if value is MISSING or value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return float(text)  # "-1", "300": seconds, as the number would be
+        except ValueError:
+            pass
+        m = _DURATION.fullmatch(text)
+        if m is not None:
+            seconds = sum(float(n) * _UNIT[u] for n, u in _PART.findall(text))
+            return -seconds if m.group(1) == "-" else seconds
+    raise bad(
+        "keep_alive",
+        '\'keep_alive\' must be a number of seconds or a duration such as "5m" or "1h30m"',
     )
 
 
