@@ -42,7 +42,7 @@ from batching.pressure import Decision, State, Transition
 from server.api.lora_admin.endpoint import add_admin_routes
 from server.api.openai_responses.store import ResponseStore
 from server.engines.driver import Driver, order_priority, request_priority
-from server.engines.interface import Engine
+from server.engines.interface import Engine, EngineParams
 from server.engines.lora import AdapterRegistry
 from server.errors import SluiceError
 from server.http.callers import CallerDirectory, CallersError, load_callers, world_readable
@@ -141,9 +141,18 @@ async def _boot(app: web.Application) -> None:
 
 
 async def warmup(engine: Engine) -> None:
-    """One short generation through the whole engine path before READY."""
-    ids = await engine.tokenize_prompts(["Hello"])
-    params = engine.sampling_params(Sampling(max_tokens=2), 2)
+    """One short request through the whole engine path before READY: a
+    generation, or for a pooling model one input of what it serves."""
+    kind = engine.info.kind
+    params: EngineParams
+    if kind == "generate":
+        ids = await engine.tokenize_prompts(["Hello"])
+        params = engine.sampling_params(Sampling(max_tokens=2), 2)
+    elif kind in ("embed", "rerank"):
+        ids = await engine.tokenize_pooling(["Hello"])
+        params = engine.pooling_params("embed" if kind == "embed" else "classify")
+    else:
+        return  # a pooling task no endpoint here serves: nothing to warm
     collector = await engine.add(f"warmup-{time.monotonic_ns()}", ids[0] or [0], params, 0)
     while not (await collector.get()).finished:
         pass

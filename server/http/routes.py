@@ -1,8 +1,9 @@
 """The HTTP surface: which path runs what.
 
-Why this module exists: one table of routes. The two generation endpoints are
+Why this module exists: one table of routes. The generation endpoints are
 the pipeline (server/http/pipeline.py) with their endpoint's preparation
-(server/api/openai_chat/endpoint.py); the rest (models, probes, metrics, tokenizer) are
+(server/api/openai_chat/endpoint.py and the other APIs'), the pooling ones
+its pooling twin (server/api/pooling/endpoint.py); the rest (models, probes, metrics, tokenizer) are
 small enough to live here. Authentication and error bodies are middleware
 (server/http/middleware.py), so no handler checks a key, formats an error or
 assigns a request id (`request[REQUEST_ID]`, set for every route).
@@ -18,8 +19,14 @@ from server.api.openai_chat.endpoint import check_model, prepare_chat, prepare_c
 from server.api.openai_chat.output import models_body
 from server.api.openai_chat.parse import parse_chat
 from server.api.openai_responses.endpoint import delete_response, get_response, prepare_responses
+from server.api.pooling.endpoint import prepare_embeddings, prepare_rerank
 from server.errors import SluiceError
-from server.http.pipeline import check_accepting, generation_endpoint, json_response
+from server.http.pipeline import (
+    check_accepting,
+    generation_endpoint,
+    json_response,
+    pooling_endpoint,
+)
 from server.operations.metrics import CONTENT_TYPE
 from server.state import ADAPTERS, CALLER, CALLERS, ENGINE, METRICS, RUNTIME, SETTINGS, Phase
 from server.wire.fields import load_object
@@ -78,7 +85,7 @@ async def tokenize(request: web.Request) -> web.Response:
     model = obj.get("model") or request.app[SETTINGS].model_name
     if not isinstance(model, str):
         raise SluiceError("'model' must be a string", param="model")
-    check_model(request, model)
+    check_model(request, model, serves=None)  # every model has a tokenizer
     engine = request.app[ENGINE]
     if "messages" in obj:
         req = parse_chat(orjson.dumps({**obj, "model": model}), request.app[RUNTIME].limits)
@@ -116,6 +123,12 @@ def add_routes(app: web.Application) -> None:
     # Anthropic Messages (server/api/anthropic_messages/endpoint.py).
     app.router.add_post("/v1/messages", generation_endpoint("messages", prepare_messages))
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
+    # Pooling models (server/api/pooling/endpoint.py): OpenAI's embeddings, and
+    # rerank at every path vLLM's server gives it.
+    app.router.add_post("/v1/embeddings", pooling_endpoint("embeddings", prepare_embeddings))
+    rerank = pooling_endpoint("rerank", prepare_rerank)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.router.add_post(path, rerank)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/api/hello", hello)

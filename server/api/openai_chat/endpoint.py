@@ -19,7 +19,13 @@ from aiohttp import web
 from server.api.openai_chat.output import chat_completion_body, completion_body
 from server.api.openai_chat.parse import check_context, parse_chat, parse_completion
 from server.api.openai_chat.stream import DONE, ChatStream, CompletionStream, sse
-from server.engines.interface import ChatParser, ChoiceParser, CompletionDelta
+from server.engines.interface import (
+    ChatParser,
+    ChoiceParser,
+    CompletionDelta,
+    Service,
+    refuse_kind,
+)
 from server.engines.lora import Adapter, choose
 from server.engines.reasoning_split import ReasoningSplitter, split_reasoning
 from server.errors import SluiceError
@@ -58,12 +64,21 @@ async def read_body(request: web.Request) -> bytes:
         ) from None
 
 
-def check_model(request: web.Request, model: str) -> Adapter | None:
+def check_model(
+    request: web.Request, model: str, serves: Service | None = "generate"
+) -> Adapter | None:
     """The LoRA adapter a request's `model` runs on for its caller (None: the
-    base weights), or the 404 / 403 of server/engines/lora.py rules 3-4. Every API's
-    model check is this one call."""
+    base weights), or the 404 / 403 of server/engines/lora.py rules 3-4, or the
+    400 of a model that does not serve `serves` (a chat request to an embedding
+    model: server/engines/interface.py `refuse_kind`; None: any model). Every
+    API's model check is this one call."""
     access = request.app[CALLERS].access(request.get(CALLER))
-    return choose(request.app[ADAPTERS], access, model)
+    adapter = choose(request.app[ADAPTERS], access, model)
+    if serves is not None and (
+        refusal := refuse_kind(model, request.app[ENGINE].info.kind, serves)
+    ):
+        raise refusal
+    return adapter
 
 
 def _openai_stream_end(usage_frame: bytes) -> bytes:
