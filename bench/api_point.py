@@ -52,6 +52,27 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def result_args(seed: int, metric: str, out: Path) -> list[str]:
+    """`vllm bench serve`'s flags for one seeded run whose `metric` percentiles
+    (p50, p99) are saved as JSON to `out`, quietly, on a server already ready."""
+    return [
+        "--seed",
+        str(seed),
+        "--percentile-metrics",
+        metric,
+        "--metric-percentiles",
+        "50,99",
+        "--disable-tqdm",
+        "--ready-check-timeout-sec",
+        "0",
+        "--save-result",
+        "--result-dir",
+        str(out.parent),
+        "--result-filename",
+        out.name,
+    ]
+
+
 def _run(server: Server, api: str, tokenizer: str, prompts: int, seed: int, out: Path) -> Any:
     backend, endpoint, body = APIS[api]
     assert server.proc is not None
@@ -81,20 +102,7 @@ def _run(server: Server, api: str, tokenizer: str, prompts: int, seed: int, out:
             "32",
             "--extra-body",
             json.dumps(body),
-            "--seed",
-            str(seed),
-            "--percentile-metrics",
-            "ttft",
-            "--metric-percentiles",
-            "50,99",
-            "--disable-tqdm",
-            "--ready-check-timeout-sec",
-            "0",
-            "--save-result",
-            "--result-dir",
-            str(out.parent),
-            "--result-filename",
-            out.name,
+            *result_args(seed, "ttft", out),
         ]
     )
     cpu = _cpu_seconds(server.proc.pid) - cpu0

@@ -286,14 +286,18 @@ class FakeEngine:
         v = np.random.RandomState(seed).standard_normal(dimensions or self.embed_dims)
         return (v / np.linalg.norm(v)).astype(np.float32)
 
+    async def _hold(self, rid: str) -> None:
+        """Wait for `first_output`, if set, named in `held` meanwhile."""
+        if self.first_output is not None:
+            self.held.add(rid)
+            try:
+                await self.first_output.wait()
+            finally:
+                self.held.discard(rid)
+
     async def _pool(self, rid: str, ids: tuple[int, ...], params: Any, collector: Any) -> None:
         try:
-            if self.first_output is not None:
-                self.held.add(rid)
-                try:
-                    await self.first_output.wait()
-                finally:
-                    self.held.discard(rid)
+            await self._hold(rid)
             await asyncio.sleep(self.step)
             if params.task == "classify":
                 data = np.array([1.0 / (1.0 + sum(ids) % 97)], dtype=np.float32)
@@ -340,12 +344,7 @@ class FakeEngine:
         words = self.script or ("<think>", "hmm", "</think>", "Hello", " world")
         steps = params.max_tokens if self.script is None else min(len(words), params.max_tokens)
         try:
-            if self.first_output is not None:
-                self.held.add(rid)
-                try:
-                    await self.first_output.wait()
-                finally:
-                    self.held.discard(rid)
+            await self._hold(rid)
             for i in range(steps):
                 await asyncio.sleep(self.step)
                 last = i == steps - 1

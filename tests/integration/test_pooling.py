@@ -14,7 +14,6 @@ vectors, in order; bad input is a 400 (or 413) in OpenAI's error shape.
 from __future__ import annotations
 
 import base64
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,10 +24,7 @@ import openai
 import pytest
 from langchain_openai import OpenAIEmbeddings
 
-from bench.report import VLLM
-from bench.servers import Server, free_port, server_command
-from server.engines.demo.model import demo_engine_kwargs
-from tests.support import SluiceProcess
+from tests.support import SluiceProcess, vllm_on_demo
 
 # An engine start takes minutes on a loaded machine; two start here.
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
@@ -190,30 +186,8 @@ def test_bad_input(client: openai.OpenAI, server: str) -> None:
 
 @pytest.fixture(scope="module")
 def vllm_server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """vLLM's own OpenAI server with the engine flags `sluice serve` gives the demo
-    model (server/engines/demo/model.py demo_engine_kwargs) and the same pooling flags."""
-    kw = demo_engine_kwargs(demo_model_dir)
-    flags = [
-        "--model",
-        kw["model"],
-        "--served-model-name",
-        MODEL,
-        "--dtype",
-        kw["dtype"],
-        "--max-model-len",
-        str(kw["max_model_len"]),
-        "--kv-cache-memory-bytes",
-        str(kw["kv_cache_memory_bytes"]),
-        *POOLING,
-    ]
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    srv = Server(VLLM, port, server_command(VLLM, port, flags), log)
-    try:
-        srv.start(dict(os.environ), timeout=540)
-        yield srv.base_url
-    finally:
-        srv.stop()
+    with vllm_on_demo(demo_model_dir, MODEL, POOLING, tmp_path_factory.mktemp("vllm")) as url:
+        yield url
 
 
 def test_the_same_vectors_and_scores_as_vllms_own_server(
