@@ -88,7 +88,9 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
         "# Embeddings, one short string per request, on Sluice and vLLM's own server (issue 30)",
         "",
         f"`python -m bench.embed_point --repeat {args.repeat} --prompts {args.prompts} "
-        f"--concurrency {args.concurrency} --input-len {args.input_len}`: the demo model "
+        f"--concurrency {args.concurrency} --input-len {args.input_len}"
+        + (f" --sluice-flags '{args.sluice_flags}'" if args.sluice_flags else "")
+        + "`: the demo model "
         "under `--runner pooling --convert embed` on CPU, `vllm bench serve` with the "
         "`openai-embeddings` backend, closed loop; medians [min-max] over the repetitions. "
         "Latency is the whole request. Front CPU: the server process's own CPU time per "
@@ -122,6 +124,9 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=16)
     ap.add_argument("--out", type=Path, default=Path("bench/results/embed-cpu.md"))
     ap.add_argument("--systems", default=f"{SLUICE},{VLLM}")
+    ap.add_argument(
+        "--sluice-flags", default="", help="Sluice's own flags, e.g. '--window-ms 0' (one string)"
+    )
     args = ap.parse_args()
     flags, tokenizer = _demo_flags()
     flags[flags.index("--served-model-name") + 1] = MODEL
@@ -129,7 +134,8 @@ def main() -> int:
     results: dict[str, list[dict[str, Any]]] = {}
     tmp = Path(tempfile.mkdtemp(prefix="embed-"))
     for system in args.systems.split(","):
-        cmd = server_command(system, free_port(), flags)
+        own = args.sluice_flags.split() if system == SLUICE else []
+        cmd = server_command(system, free_port(), flags, own)
         with Server(system, int(cmd[cmd.index("--port") + 1]), cmd, tmp / f"{system}.log") as srv:
             srv.start(dict(os.environ))
             for rep in range(args.repeat):

@@ -14,7 +14,7 @@ def run(req_s: float, p99: float) -> dict[str, float]:
 
 
 def test_report_gives_medians_spreads_and_the_ratios_against_vllm() -> None:
-    args = argparse.Namespace(repeat=3, prompts=64, concurrency=64, input_len=16)
+    args = argparse.Namespace(repeat=3, prompts=64, concurrency=64, input_len=16, sluice_flags="")
     lines = report(
         {
             SLUICE: [run(120, 90), run(100, 100), run(130, 80)],
