@@ -397,6 +397,22 @@ class Coalescer:
         c = self._callers.get(name)
         return None if c is None else c.stats()
 
+    def most_at_once(self, caller: str) -> tuple[int, int]:
+        """The most requests and tokens `caller` could ever have admitted at once
+        (rules 1-2; a query): the global bounds, the caller's max_queued plus its
+        max_concurrency, its tokens_per_minute. A submission of several requests
+        together (an embeddings request's inputs) beyond either number is refused
+        at every retry, so the server refuses it whole (413) instead of with a
+        Retry-After it could never meet."""
+        cfg = self._config
+        policy = cfg.callers.get(caller)
+        requests, tokens = cfg.max_pending_requests, cfg.max_pending_tokens
+        if policy.max_queued is not None:
+            requests = min(requests, policy.max_queued + (policy.max_concurrency or 0))
+        if policy.tokens_per_minute is not None:
+            tokens = min(tokens, policy.tokens_per_minute)
+        return requests, tokens
+
     def set_callers(self, callers: Callers) -> None:
         """Replace the policy table (SIGHUP); queued work and counters stay."""
         self._config = replace(self._config, callers=callers)

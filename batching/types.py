@@ -18,6 +18,11 @@ Rules:
   the context's room): it is charged prompt + its caller's running estimate
   (coalescer.py rule 12). The batch token cap counts prompt tokens only (the
   engine's per-step prefill budget).
+* A pooling request (an embedding, a rerank pair: one input of an embeddings or
+  rerank request) is a `Request` with `max_new_tokens` 0: admission, fair share
+  (its service is its prompt tokens), the window, the backlog and release treat
+  it as a generation that ends at its first output. The core needs no kind of
+  its own for it: with one engine per model, a GroupKey never mixes the two.
 * `Entry.order` is the generation's release key (order.py), for the driver to hand
   to vLLM (`--engine-priority order`).
 * `Request.fingerprint` is set by the server only when sampling is deterministic

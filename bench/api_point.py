@@ -55,6 +55,27 @@ CPU_BUDGET = {"ollama": 0.10}
 UNSPOKEN = {VLLM: frozenset({"ollama"})}
 
 
+def result_args(seed: int, metric: str, out: Path) -> list[str]:
+    """`vllm bench serve`'s flags for one seeded run whose `metric` percentiles
+    (p50, p99) are saved as JSON to `out`, quietly, on a server already ready."""
+    return [
+        "--seed",
+        str(seed),
+        "--percentile-metrics",
+        metric,
+        "--metric-percentiles",
+        "50,99",
+        "--disable-tqdm",
+        "--ready-check-timeout-sec",
+        "0",
+        "--save-result",
+        "--result-dir",
+        str(out.parent),
+        "--result-filename",
+        out.name,
+    ]
+
+
 def _run(server: Server, api: str, tokenizer: str, prompts: int, seed: int, out: Path) -> Any:
     backend, endpoint, body = APIS[api]
     cpu0 = server.cpu_seconds()
@@ -83,20 +104,7 @@ def _run(server: Server, api: str, tokenizer: str, prompts: int, seed: int, out:
             "32",
             "--extra-body",
             json.dumps(body),
-            "--seed",
-            str(seed),
-            "--percentile-metrics",
-            "ttft",
-            "--metric-percentiles",
-            "50,99",
-            "--disable-tqdm",
-            "--ready-check-timeout-sec",
-            "0",
-            "--save-result",
-            "--result-dir",
-            str(out.parent),
-            "--result-filename",
-            out.name,
+            *result_args(seed, "ttft", out),
         ]
     )
     cpu = server.cpu_seconds() - cpu0

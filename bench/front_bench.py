@@ -155,6 +155,17 @@ class StepEngine:
         if self._on_step is not None:
             self._on_step()
 
+    def pooling_params(self, task: Any, dimensions: Any = None, use_activation: Any = None) -> Any:
+        raise NotImplementedError("the front benchmark serves a generative model")
+
+    async def tokenize_pooling(self, inputs: Sequence[Any], **kw: Any) -> list[list[int]]:
+        raise NotImplementedError("the front benchmark serves a generative model")
+
+    async def tokenize_pairs(
+        self, query: str, documents: Sequence[str], params: Any, **kw: Any
+    ) -> list[tuple[list[int], Any]]:
+        raise NotImplementedError("the front benchmark serves a generative model")
+
     async def sleep(self) -> None:
         raise NotImplementedError("the front benchmark serves one model, loaded")
 

@@ -86,12 +86,14 @@ def _flag_value(argv: Sequence[str], flag: str) -> str | None:
 
 
 def _make_demo_model(argv: Sequence[str]) -> int:
-    if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: sluice make-demo-model DIR", file=sys.stderr)
+    reranker = "--reranker" in argv
+    rest = [a for a in argv if a != "--reranker"]
+    if len(rest) != 1 or rest[0].startswith("-"):
+        print("usage: sluice make-demo-model [--reranker] DIR", file=sys.stderr)
         return 2
     from server.engines.demo.model import build_demo_model
 
-    path = build_demo_model(Path(argv[0]))
+    path = build_demo_model(Path(rest[0]), reranker=reranker)
     print(path)
     return 0
 

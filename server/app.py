@@ -53,7 +53,7 @@ from batching.pressure import ENGINE_IDLE, Decision, EngineStats, RankStats, Sta
 from server.api.lora_admin.endpoint import add_admin_routes
 from server.api.openai_responses.store import ResponseStore
 from server.engines.driver import Driver, Generation, order_priority, request_priority
-from server.engines.interface import Engine, ModelInfo
+from server.engines.interface import Engine, EngineParams, ModelInfo
 from server.engines.loader import ModelLoader
 from server.engines.registry import Load, ModelEntry, ModelRegistry, ModelSpec
 from server.engines.registry import State as ModelState
@@ -200,9 +200,18 @@ def _limits(settings: Settings, registry: ModelRegistry) -> Limits:
 
 
 async def warmup(engine: Engine) -> None:
-    """One short generation through the whole engine path before READY."""
-    ids = await engine.tokenize_prompts(["Hello"])
-    params = engine.sampling_params(Sampling(max_tokens=2), 2)
+    """One short request through the whole engine path before READY: a
+    generation, or for a pooling model one input of what it serves."""
+    kind = engine.info.kind
+    params: EngineParams
+    if kind == "generate":
+        ids = await engine.tokenize_prompts(["Hello"])
+        params = engine.sampling_params(Sampling(max_tokens=2), 2)
+    elif kind in ("embed", "rerank"):
+        ids = await engine.tokenize_pooling(["Hello"])
+        params = engine.pooling_params("embed" if kind == "embed" else "classify")
+    else:
+        return  # a pooling task no endpoint here serves: nothing to warm
     collector = await engine.add(f"warmup-{time.monotonic_ns()}", ids[0] or [0], params, 0)
     while not (await collector.get()).finished:
         pass

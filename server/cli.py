@@ -52,7 +52,9 @@ Sluice: an asyncio micro-batching OpenAI-compatible server for vLLM.
 commands:
   serve [flags]            serve a model over the OpenAI API (see `sluice serve --help`);
                            with no --model on a machine without a GPU, the offline demo model
-  make-demo-model DIR      build the offline demo model (tiny Qwen3 + BPE tokenizer) into DIR
+  make-demo-model [--reranker] DIR
+                           build the offline demo model (tiny Qwen3 + BPE tokenizer) into DIR,
+                           or its reranker sibling (a one-label classification head)
   make-demo-adapter DIR [--seed N --rank R --base NAME]
                            write a random PEFT LoRA adapter for the demo model into DIR
 """
@@ -563,13 +565,19 @@ def _model_args(m: _Model, *, cache_root: Path, engine_priority: str, several: b
             raise ValueError(
                 ("model" if several else "--model") + " is required on a machine with a GPU"
             )
-        model_dir = demo_model.build_demo_model(demo_model.default_demo_dir(cache_root))
+        # The pooling runner (issue 30): `--convert classify` serves the demo's
+        # reranker sibling, `--runner pooling` (convert embed) the demo model as
+        # an embedding model; each under a name that says which.
+        reranker = ns.convert == "classify"
+        model_dir = demo_model.build_demo_model(
+            demo_model.default_demo_dir(cache_root, reranker=reranker), reranker=reranker
+        )
         for key, value in demo_model.demo_engine_kwargs(model_dir).items():
             # The demo model's measured CPU settings, unless a flag said otherwise.
             if key == "model" or getattr(ns, key, None) in (None, "auto"):
                 setattr(ns, key, value)
         if ns.served_model_name is None and not several:
-            ns.served_model_name = [DEMO_MODEL_NAME]
+            ns.served_model_name = [demo_name(ns.runner, ns.convert)]
         if ns.structured_outputs_config == StructuredOutputsConfig():
             ns.structured_outputs_config = StructuredOutputsConfig(**DEMO_STRUCTURED_OUTPUTS)
     if several:
@@ -921,6 +929,17 @@ def _spec(
         sampling_defaults=sampling,
         default_max_tokens=max_tokens,
     )
+
+
+def demo_name(runner: str, convert: str) -> str:
+    """The name the demo model is served as: `sluice-demo` for chat,
+    `sluice-demo-embed` under the pooling runner, `sluice-demo-reranker` for its
+    reranker sibling (`--convert classify`)."""
+    if convert == "classify":
+        return f"{DEMO_MODEL_NAME}-reranker"
+    if runner == "pooling" or convert == "embed":
+        return f"{DEMO_MODEL_NAME}-embed"
+    return DEMO_MODEL_NAME
 
 
 def default_thinking(flag: bool | None, *, demo: bool) -> bool:

@@ -9,15 +9,18 @@ It is never used outside tests/; integration tests run the real engine.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
 
 from batching import EngineStep
 from batching.pressure import ENGINE_IDLE, EngineStats
-from server.engines.interface import ModelInfo
+from server.engines.interface import Kind, ModelInfo, Pooled
 from server.engines.lora import Adapter
 from server.errors import SluiceError
 from server.wire.request import ChatRequest, Constraint, Message, Sampling
@@ -132,6 +135,15 @@ class FakeEngine:
     # callback the driver watches them with.
     steps: list[EngineStep] = field(default_factory=list)
     on_step: Callable[[], None] | None = None
+    # What the fake model serves (interface.py Kind): a pooling kind answers
+    # pooling requests with a vector of `embed_dims` derived from the prompt's
+    # ids (a unit vector, the same for the same ids), or a cross-encoder's
+    # score; `matryoshka` lets `dimensions` cut it.
+    kind: Kind = "generate"
+    embed_dims: int = 8
+    matryoshka: bool = False
+    # Every pooling request added: its id, prompt ids and parameters.
+    pooled: list[tuple[str, tuple[int, ...], Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.info = ModelInfo(
@@ -143,6 +155,7 @@ class FakeEngine:
             max_num_batched_tokens=2048,
             qwen3_split=self.reasoning_parser == "qwen3",
             default_max_tokens=self.default_max_tokens,
+            kind=self.kind,
         )
         self.started = False
         self.shut_down = False
@@ -231,6 +244,93 @@ class FakeEngine:
     def sampling_params(s: Sampling, max_tokens: int) -> Any:
         return SimpleNamespace(sampling=s, n=s.n, max_tokens=max_tokens)
 
+    def pooling_params(
+        self,
+        task: Literal["embed", "classify"],
+        dimensions: int | None = None,
+        use_activation: bool | None = None,
+    ) -> Any:
+        if dimensions is not None and (
+            not self.matryoshka or not 1 <= dimensions <= self.embed_dims
+        ):
+            raise SluiceError(
+                f"Model 'fake' does not support Matryoshka embeddings (dimensions={dimensions})",
+                param="dimensions",
+            )
+        return SimpleNamespace(task=task, dimensions=dimensions, use_activation=use_activation)
+
+    def _checked(self, ids: list[int], truncate: int | None, param: str) -> list[int]:
+        if truncate is not None:
+            ids = ids[: self.max_model_len if truncate < 0 else truncate]
+        if len(ids) > self.max_model_len:
+            raise SluiceError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt contains {len(ids)} input tokens",
+                param=param,
+            )
+        return ids
+
+    async def tokenize_pooling(
+        self,
+        inputs: Sequence[str | Sequence[int]],
+        *,
+        add_special_tokens: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: Literal["left", "right"] | None = None,
+        param: str = "input",
+    ) -> list[list[int]]:
+        out = []
+        for item in inputs:
+            ids = [b % 200 + 1 for b in item.encode()] if isinstance(item, str) else list(item)
+            out.append(self._checked(ids, truncate_prompt_tokens, param))
+        return out
+
+    async def tokenize_pairs(
+        self,
+        query: str,
+        documents: Sequence[str],
+        params: Any,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: Literal["left", "right"] | None = None,
+    ) -> list[tuple[list[int], Any]]:
+        return [
+            (
+                self._checked(
+                    [b % 200 + 1 for b in (query + d).encode()], truncate_prompt_tokens, "documents"
+                ),
+                params,
+            )
+            for d in documents
+        ]
+
+    def vector(self, ids: Sequence[int], dimensions: int | None = None) -> Any:
+        """The fake model's embedding of `ids`: a unit vector seeded by them."""
+        seed = int.from_bytes(hashlib.sha256(bytes(i % 256 for i in ids)).digest()[:4], "little")
+        v = np.random.RandomState(seed).standard_normal(dimensions or self.embed_dims)
+        return (v / np.linalg.norm(v)).astype(np.float32)
+
+    async def _hold(self, rid: str) -> None:
+        """Wait for `first_output`, if set, named in `held` meanwhile."""
+        if self.first_output is not None:
+            self.held.add(rid)
+            try:
+                await self.first_output.wait()
+            finally:
+                self.held.discard(rid)
+
+    async def _pool(self, rid: str, ids: tuple[int, ...], params: Any, collector: Any) -> None:
+        try:
+            await self._hold(rid)
+            await asyncio.sleep(self.step)
+            if params.task == "classify":
+                data = np.array([1.0 / (1.0 + sum(ids) % 97)], dtype=np.float32)
+            else:
+                data = self.vector(ids, params.dimensions)
+            collector.put(Pooled(data=data, prompt_tokens=len(ids), num_cached_tokens=0))
+        finally:
+            self._producers.pop(rid, None)
+
     async def add(
         self,
         request_id: str,
@@ -243,6 +343,16 @@ class FakeEngine:
         if self._dead:
             raise SluiceError("the engine died; retry shortly", status=503, retry_after=5)
         collector = FakeCollector()
+        if hasattr(params, "task"):
+            self.added.append(request_id)
+            self.priorities[request_id] = priority
+            self.salts[request_id] = cache_salt
+            self.pooled.append((request_id, tuple(prompt), params))
+            self._producers[request_id] = asyncio.create_task(
+                self._pool(request_id, tuple(prompt), params, collector)
+            )
+            self.peak_running = max(self.peak_running, len(self._producers))
+            return collector
         self.added.append(request_id)
         self.priorities[request_id] = priority
         self.adapters[request_id] = adapter.name if adapter is not None else None
@@ -258,12 +368,7 @@ class FakeEngine:
         words = self.script or ("<think>", "hmm", "</think>", "Hello", " world")
         steps = params.max_tokens if self.script is None else min(len(words), params.max_tokens)
         try:
-            if self.first_output is not None:
-                self.held.add(rid)
-                try:
-                    await self.first_output.wait()
-                finally:
-                    self.held.discard(rid)
+            await self._hold(rid)
             for i in range(steps):
                 await asyncio.sleep(self.step)
                 last = i == steps - 1

@@ -130,6 +130,40 @@ class SluiceProcess:
             self.proc.wait(10)
 
 
+@contextlib.contextmanager
+def vllm_on_demo(model_dir: Path, name: str, extra: Sequence[str], log_dir: Path) -> Iterator[str]:
+    """vLLM's own OpenAI server on a demo model directory, with the engine flags
+    `sluice serve` gives the demo model (server/engines/demo/model.py
+    demo_engine_kwargs) and `extra`: the reference a test compares Sluice with.
+    Yields its base URL; stopped afterwards (its whole process group)."""
+    from bench.report import VLLM
+    from bench.servers import Server, server_command
+    from server.engines.demo.model import demo_engine_kwargs
+
+    kw = demo_engine_kwargs(model_dir)
+    flags = [
+        "--model",
+        str(kw["model"]),
+        "--served-model-name",
+        name,
+        "--dtype",
+        str(kw["dtype"]),
+        "--max-model-len",
+        str(kw["max_model_len"]),
+        "--kv-cache-memory-bytes",
+        str(kw["kv_cache_memory_bytes"]),
+        *extra,
+    ]
+    port = free_port()
+    srv = Server(VLLM, port, server_command(VLLM, port, flags), log_dir / "vllm.log")
+    try:
+        # An engine start takes minutes on a loaded machine.
+        srv.start(dict(os.environ), timeout=540)
+        yield srv.base_url
+    finally:
+        srv.stop()
+
+
 async def until(cond: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
     """Poll `cond` until true; fail (not hang) after `timeout` seconds."""
     loop = asyncio.get_running_loop()

@@ -49,7 +49,7 @@ from batching import (
     Request,
     engine_priority,
 )
-from server.engines.interface import Engine, EngineOutput, OutputStream, SamplingParamsLike
+from server.engines.interface import Engine, EngineOutput, EngineParams, OutputStream
 from server.engines.lora import Adapter
 from server.errors import SluiceError
 
@@ -241,7 +241,7 @@ class Ticket:
 @dataclass(slots=True)
 class _Pending:
     ticket: Ticket
-    params: SamplingParamsLike | None = None  # None for a joined duplicate
+    params: EngineParams | None = None  # None for a joined duplicate
     # The LoRA adapter it runs on (None: the base weights). Equal for every
     # subscriber of one generation: the adapter's name is part of the group
     # key (batching/keys.py), which the dedupe key includes.
@@ -287,7 +287,7 @@ class Driver:
     def submit(
         self,
         request: Request,
-        params: SamplingParamsLike,
+        params: EngineParams,
         adapter: Adapter | None = None,
         cache_salt: str | None = None,
     ) -> Ticket:

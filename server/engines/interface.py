@@ -14,24 +14,76 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from batching import EngineStep
 from batching.pressure import EngineStats
 from server.engines.lora import Adapter
+from server.errors import SluiceError
 from server.wire.output import FinishReason, Parsed, ParsedDelta
 from server.wire.request import ChatRequest, Constraint, Message, Sampling
 
 __all__ = [
+    "KIND_SERVES",
     "ChatParser",
     "ChoiceParser",
     "CompletionDelta",
     "Engine",
     "EngineOutput",
+    "EngineParams",
+    "Kind",
     "ModelInfo",
     "OutputStream",
+    "PoolTask",
+    "Pooled",
+    "PoolingParamsLike",
     "SamplingParamsLike",
+    "Service",
+    "refuse_kind",
 ]
+
+# What the served model does, read from vLLM's model config at start
+# (server/engines/vllm_pooling.py, model_kind): "generate" (vLLM's generate
+# runner: chat, completions, Responses, Messages), "embed" (the pooling runner
+# with the embed task: /v1/embeddings, and /v1/rerank by cosine similarity, a
+# bi-encoder), "rerank" (the classify task with one label: a cross-encoder,
+# /v1/rerank), "pooling" (another pooling task, which no endpoint here serves).
+Kind = Literal["generate", "embed", "rerank", "pooling"]
+# What a request asks of the model: generation, embeddings or reranking.
+Service = Literal["generate", "embed", "rerank"]
+# The pooling task an engine request runs (vLLM's PoolingParams.task).
+PoolTask = Literal["embed", "classify"]
+
+KIND_SERVES: dict[Kind, tuple[Service, ...]] = {
+    "generate": ("generate",),
+    "embed": ("embed", "rerank"),
+    "rerank": ("rerank",),
+    "pooling": (),
+}
+_KIND_WORDS: dict[Kind, str] = {
+    "generate": "a generative model (it serves chat, completions, Responses and Messages)",
+    "embed": "an embedding model (it serves /v1/embeddings and /v1/rerank)",
+    "rerank": "a reranker (it serves /v1/rerank)",
+    "pooling": "a pooling model for a task no endpoint here serves",
+}
+_SERVICE_WORDS: dict[Service, str] = {
+    "generate": "generation needs a generative model",
+    "embed": "/v1/embeddings needs an embedding model",
+    "rerank": "/v1/rerank needs an embedding model or a reranker",
+}
+
+
+def refuse_kind(model: str, kind: Kind, want: Service) -> SluiceError | None:
+    """The 400 for a request the model cannot serve (a chat request to an
+    embedding model, an embeddings request to a chat model), naming the model
+    and what it serves; None when it serves `want`."""
+    if want in KIND_SERVES[kind]:
+        return None
+    return SluiceError(
+        f"model {model!r} is {_KIND_WORDS[kind]}; {_SERVICE_WORDS[want]}",
+        param="model",
+        code="wrong_model_kind",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +118,8 @@ class ModelInfo:
     # requests without tools take server/engines/reasoning_split.py's copy of its split;
     # False: vLLM's parsers (chat_parser) read every chat request.
     qwen3_split: bool = True
+    # What the model serves (see Kind); one engine serves one kind.
+    kind: Kind = "generate"
 
 
 class CompletionDelta(Protocol):
@@ -96,6 +150,21 @@ class EngineOutput(Protocol):
     def num_cached_tokens(self) -> int | None: ...  # prompt tokens the prefix cache held
 
 
+@dataclass(frozen=True, slots=True)
+class Pooled:
+    """A pooling request's one output (vLLM's PoolingRequestOutput, read once by
+    the adapter): `data` is a 1-D float32 NumPy array, an embedding or a
+    cross-encoder's one score. It satisfies `EngineOutput` with no choices, so the
+    driver counts no generated tokens and ends the request at this, its first
+    and last output."""
+
+    data: Any  # numpy.ndarray, float32, 1-D
+    prompt_tokens: int
+    num_cached_tokens: int | None = None
+    finished: bool = True
+    outputs: tuple[CompletionDelta, ...] = ()
+
+
 class OutputStream(Protocol):
     """A request's outputs as they come (vLLM's RequestOutputCollector).
 
@@ -112,6 +181,17 @@ class SamplingParamsLike(Protocol):
 
     @property
     def n(self) -> int: ...
+
+
+class PoolingParamsLike(Protocol):
+    """Opaque engine pooling parameters, built by `Engine.pooling_params`."""
+
+    @property
+    def task(self) -> str | None: ...
+
+
+# What `Engine.add` runs: a generation, or a pooling request.
+EngineParams = SamplingParamsLike | PoolingParamsLike
 
 
 class ChoiceParser(Protocol):
@@ -163,11 +243,36 @@ class Engine(Protocol):
     def chat_parser(self, req: ChatRequest) -> ChatParser: ...
     async def check_constraint(self, constraint: Constraint) -> None: ...
     def sampling_params(self, s: Sampling, max_tokens: int) -> SamplingParamsLike: ...
+
+    # Pooling models (info.kind "embed" or "rerank"; server/engines/vllm_pooling.py).
+    # Each raises a SluiceError (400) naming the field for input the model refuses.
+    def pooling_params(
+        self, task: PoolTask, dimensions: int | None = None, use_activation: bool | None = None
+    ) -> PoolingParamsLike: ...
+    async def tokenize_pooling(
+        self,
+        inputs: Sequence[str | Sequence[int]],
+        *,
+        add_special_tokens: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: Literal["left", "right"] | None = None,
+        param: str = "input",
+    ) -> list[list[int]]: ...
+    async def tokenize_pairs(
+        self,
+        query: str,
+        documents: Sequence[str],
+        params: PoolingParamsLike,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: Literal["left", "right"] | None = None,
+    ) -> list[tuple[list[int], PoolingParamsLike]]: ...
+
     async def add(
         self,
         request_id: str,
         prompt_tokens: Sequence[int],
-        params: SamplingParamsLike,
+        params: EngineParams,
         priority: int,
         adapter: Adapter | None = None,  # a LoRA adapter, None: the base weights
         # The prefix-cache salt (vLLM's cache_salt): requests with different

@@ -61,9 +61,9 @@ from types import MappingProxyType
 from typing import Any
 
 from server.engines.driver import Driver
-from server.engines.interface import Engine
+from server.engines.interface import Engine, Service, refuse_kind
+from server.engines.interface import Kind as EngineKind
 from server.engines.lora import Adapter, AdapterAccess, AdapterRegistry, choose, model_not_found
-from server.errors import SluiceError
 
 __all__ = [
     "Kind",
@@ -95,6 +95,14 @@ _SERVES = {
     Kind.GENERATE: "text generation (chat, completions, Responses, Messages)",
     Kind.EMBED: "embeddings (/v1/embeddings)",
     Kind.RERANK: "reranking (/v1/rerank)",
+}
+
+
+# The same kinds as the engine seam names them (server/engines/interface.py).
+_ENGINE_KIND: dict[Kind, EngineKind] = {
+    Kind.GENERATE: "generate",
+    Kind.EMBED: "embed",
+    Kind.RERANK: "rerank",
 }
 
 
@@ -302,7 +310,7 @@ class ModelRegistry:
         )
 
     def resolve(
-        self, model: str, access: AdapterAccess, kind: Kind | None = None
+        self, model: str, access: AdapterAccess, serves: Service | None = None
     ) -> tuple[ModelEntry, Adapter | None]:
         """The entry and adapter a caller's request for `model` runs on (rules 2-3),
         or its refusal: 404 for a name it may not see, 403 for the base model a
@@ -312,8 +320,8 @@ class ModelRegistry:
         if entry is None or not access.sees_model(entry.name):
             raise model_not_found(model)
         adapter = choose(entry.adapters, access, model)
-        if kind is not None:
-            require_kind(entry, kind)
+        if serves is not None:
+            require_kind(entry, serves)
         return entry, adapter
 
     def visible(self, access: AdapterAccess) -> tuple[ModelEntry, ...]:
@@ -321,16 +329,16 @@ class ModelRegistry:
         return tuple(e for e in self if access.sees_model(e.name))
 
 
-def require_kind(entry: ModelEntry, kind: Kind) -> None:
-    """Rule 3: a 400 naming the model and what it serves, unless it serves `kind`."""
-    if entry.spec.kind is not kind:
-        raise SluiceError(
-            f"The model `{entry.name}` serves {entry.spec.kind.serves}; this endpoint "
-            f"needs a model that serves {kind.serves}.",
-            status=400,
-            param="model",
-            code="model_kind_mismatch",
-        )
+def require_kind(entry: ModelEntry, serves: Service) -> None:
+    """Rule 3: the 400 naming the model and what it serves, unless it serves
+    `serves` (an embedding model also reranks, by cosine similarity:
+    server/engines/interface.py `KIND_SERVES`)."""
+    # Once loaded, the kind its engine resolved; before, the one its config gave.
+    loaded = entry.state is State.LOADED
+    kind = entry.engine.info.kind if loaded else _ENGINE_KIND[entry.spec.kind]
+    refusal = refuse_kind(entry.name, kind, serves)
+    if refusal is not None:
+        raise refusal
 
 
 def check_fit(specs: Iterable[ModelSpec], budget: int) -> str | None:

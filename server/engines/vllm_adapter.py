@@ -18,6 +18,9 @@ small surface:
   input type vLLM's renderer produces; raw prompts are deprecated in vLLM
   0.32). The driver calls it back to back for the entries of a batch, in
   the core's order, with their priorities;
+* a pooling model (vLLM's pooling runner: embeddings, rerank): its kind,
+  `pooling_params`, `tokenize_pooling` and `tokenize_pairs`, delegated to
+  server/engines/vllm_pooling.py, and `add` with pooling parameters;
 * `abort`, `stats`, `take_steps`, `watch_steps`, `errored`, `check_health`,
   `shutdown`.
 
@@ -41,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from vllm import SamplingParams
+from vllm import PoolingParams, SamplingParams
 from vllm.config import VllmConfig
 from vllm.envs import enable_envs_cache
 from vllm.inputs.engine import tokens_input
@@ -55,7 +58,7 @@ from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
 
 from batching import EngineStep
 from batching.pressure import ENGINE_IDLE, EngineStats, RankStats
-from server.engines.interface import ModelInfo
+from server.engines.interface import ModelInfo, PoolTask
 from server.engines.lora import Adapter, ModelShapes, check_shapes
 from server.engines.thread_batcher import Batcher
 from server.engines.vllm_parsers import (
@@ -64,6 +67,7 @@ from server.engines.vllm_parsers import (
     check_constraint,
     to_structured_outputs,
 )
+from server.engines.vllm_pooling import PooledStream, Pooling, Side, model_kind
 from server.errors import SluiceError
 from server.wire.request import ChatRequest, Constraint, Message, Sampling, merge_system
 
@@ -388,6 +392,8 @@ class EngineAdapter:
         self._tokenizer: Any = None
         self._renderer: Any = None
         self._parsers: OutputParsers | None = None
+        # A pooling model's parameters and tokenization (set at start).
+        self._pooling: Pooling | None = None
         # add_special_tokens for prompts and rendered chats (set at start).
         self._special_tokens = {"text": False, "chat": False}
         # Whether the chat template renders a system message after the first
@@ -434,6 +440,9 @@ class EngineAdapter:
             "text": bool(self._renderer.default_cmpl_tok_params.add_special_tokens),
             "chat": bool(self._renderer.default_chat_tok_params.add_special_tokens),
         }
+        kind = model_kind(llm.model_config, await llm.get_supported_tasks())
+        if kind != "generate":
+            self._pooling = Pooling(llm, kind)
         sampling_defaults, default_max_tokens = generation_defaults(llm.model_config)
         sched = llm.vllm_config.scheduler_config
         cache = llm.vllm_config.cache_config
@@ -452,11 +461,13 @@ class EngineAdapter:
             dp_ranks=dp_ranks(llm.vllm_config),
             max_loras=max_loras(llm.vllm_config),
             prefill_chunk=int(sched.long_prefill_token_threshold or 0),
+            kind=kind,
         )
         log.info(
             "engine capacity",
             extra={
                 "fields": {
+                    "kind": kind,
                     "max_num_seqs": self.info.max_num_seqs,
                     "max_num_batched_tokens": self.info.max_num_batched_tokens,
                     "kv_cache_tokens": self.info.kv_cache_tokens,
@@ -467,6 +478,8 @@ class EngineAdapter:
         )
         tool_parser, auto_tools = self._tool_flags
         reasoning = self._engine_args.reasoning_parser or ""
+        if kind != "generate":
+            return  # no text comes out: no parsers
         try:
             self._parsers = OutputParsers(
                 self._tokenizer,
@@ -694,6 +707,68 @@ class EngineAdapter:
         # response (/v1/responses' reasoning_tokens).
         return len(self._tokenizer.encode(text, add_special_tokens=False)) if text else 0
 
+    # -- pooling (server/engines/vllm_pooling.py) ------------------------------
+
+    def _pooler(self) -> Pooling:
+        if self._pooling is None:
+            raise SluiceError(
+                f"model {self._model_name!r} does not run vLLM's pooling runner", param="model"
+            )
+        return self._pooling
+
+    def pooling_params(
+        self, task: PoolTask, dimensions: int | None = None, use_activation: bool | None = None
+    ) -> PoolingParams:
+        return self._pooler().params(task, dimensions, use_activation)
+
+    async def tokenize_pooling(
+        self,
+        inputs: Sequence[str | Sequence[int]],
+        *,
+        add_special_tokens: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: Side | None = None,
+        param: str = "input",
+    ) -> list[list[int]]:
+        """Embedding inputs to token ids as vLLM's /v1/embeddings makes them
+        (vllm_pooling.py rule 3): inline when small, as `_tokenize` decides,
+        else one call on the tokenizer thread."""
+        call = functools.partial(
+            self._pooler().tokenize,
+            inputs,
+            add_special_tokens=add_special_tokens,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side,
+            param=param,
+        )
+        size = sum(len(x) for x in inputs if isinstance(x, str))
+        if size <= INLINE_TOKENIZE_CHARS:
+            return call()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+
+    async def tokenize_pairs(
+        self,
+        query: str,
+        documents: Sequence[str],
+        params: PoolingParams,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: Side | None = None,
+    ) -> list[tuple[list[int], PoolingParams]]:
+        """A cross-encoder's prompt per (query, document) pair (vllm_pooling.py
+        rule 4), on the tokenizer thread when large."""
+        call = functools.partial(
+            self._pooler().pairs,
+            query,
+            documents,
+            params,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side,
+        )
+        if len(query) * len(documents) + sum(map(len, documents)) <= INLINE_TOKENIZE_CHARS:
+            return call()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+
     # -- generation ---------------------------------------------------------
 
     @staticmethod
@@ -725,7 +800,7 @@ class EngineAdapter:
         self,
         request_id: str,
         prompt_tokens: Sequence[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int,
         adapter: Adapter | None = None,
         cache_salt: str | None = None,
@@ -743,6 +818,17 @@ class EngineAdapter:
         """
         if self._llm is None:
             raise SluiceError("engine not started", status=503, retry_after=5)
+        lora = None if adapter is None else lora_request(adapter)
+        if isinstance(params, PoolingParams):
+            # A pooling request: one output, its vector or score (vllm_pooling.py rule 5).
+            collector = await self._llm.add_request(
+                request_id,
+                tokens_input(list(prompt_tokens), cache_salt=cache_salt),
+                params,
+                priority=priority,
+                lora_request=lora,
+            )
+            return PooledStream(collector)
         # A constraint from the first token: tell the engine's reasoning gate
         # the thinking is over (else it waits for a </think> that never comes).
         from_start = bool(params.extra_args and params.extra_args.get(_FROM_START))
@@ -751,7 +837,7 @@ class EngineAdapter:
             tokens_input(list(prompt_tokens), cache_salt=cache_salt),
             params,
             priority=priority,
-            lora_request=None if adapter is None else lora_request(adapter),
+            lora_request=lora,
             **({"reasoning_ended": True} if from_start else {}),
         )
 

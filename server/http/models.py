@@ -14,24 +14,25 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from server.engines.interface import Service
 from server.engines.lora import Adapter
-from server.engines.registry import Kind, ModelEntry
+from server.engines.registry import ModelEntry
 from server.state import CALLER, CALLERS, LOADER, MODEL, MODELS
 
 __all__ = ["hold_model", "release_model", "use_model"]
 
 
 async def use_model(
-    request: web.Request, model: str, kind: Kind | None = Kind.GENERATE
+    request: web.Request, model: str, serves: Service | None = "generate"
 ) -> tuple[ModelEntry, Adapter | None]:
     """The served model and LoRA adapter (None: its base weights) a request's
     `model` runs on for its caller, loaded; or the refusal: 404 for a name the
     caller may not see, 403 for a base model its `adapters` list leaves out,
-    400 for a model of another kind (`kind` None: any kind, as the tokenizer
+    400 for a model that does not serve `serves` (None: any, as the tokenizer
     routes take), 503 with Retry-After for a load that failed or did not
     finish within --load-timeout."""
     access = request.app[CALLERS].access(request.get(CALLER))
-    entry, adapter = request.app[MODELS].resolve(model, access, kind)
+    entry, adapter = request.app[MODELS].resolve(model, access, serves)
     await hold_model(request, entry)
     return entry, adapter
 

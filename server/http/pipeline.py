@@ -1,5 +1,6 @@
 """The one generation pipeline behind every generation route (chat, completions,
-Responses, Messages, Ollama's chat and generate).
+Responses, Messages, Ollama's chat and generate), and its pooling twin behind
+/v1/embeddings and /v1/rerank.
 
 Why this module exists: both endpoints do the same steps, and each step should
 exist once. An endpoint (server/api/openai_chat/endpoint.py) parses its body and tokenizes
@@ -19,6 +20,12 @@ nothing: aiohttp cancels the handler (handler_cancellation=True) and
 engine. Streaming writes one buffer per engine output per request: vLLM
 merges the deltas a slow reader has not taken yet, so a lagging client gets
 several tokens in one write rather than a backlog of small ones.
+
+A pooling request (`pooling_endpoint`) takes the same road with one engine
+request per input and no stream: each input is a core request with no tokens
+to generate (batching/types.py), all admitted or none; a request whose inputs
+could never be admitted together is a 413 at once (`Coalescer.most_at_once`),
+not a 503 to retry; the body is built from every input's one output.
 """
 
 from __future__ import annotations
@@ -28,7 +35,15 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Hashable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -36,8 +51,14 @@ from aiohttp import web
 
 from batching import DEFAULT_CALLER, group_key
 from batching import Request as CoreRequest
-from server.engines.driver import Generation, Ticket
-from server.engines.interface import CompletionDelta, EngineOutput
+from server.engines.driver import Driver, Generation, Ticket
+from server.engines.interface import (
+    CompletionDelta,
+    EngineOutput,
+    EngineParams,
+    Pooled,
+    PoolingParamsLike,
+)
 from server.engines.lora import Adapter
 from server.engines.registry import ModelEntry
 from server.errors import SluiceError
@@ -59,11 +80,13 @@ __all__ = [
     "Encoder",
     "Job",
     "KeepAlive",
+    "PoolJob",
     "StreamHeaders",
     "Trace",
     "generation_endpoint",
     "json_response",
     "logprobs",
+    "pooling_endpoint",
 ]
 
 log = logging.getLogger("sluice")
@@ -134,6 +157,28 @@ class Job:
     cacheable: bool = True
 
 
+@dataclass(frozen=True, slots=True)
+class PoolJob:
+    """One pooling request, tokenized: one engine request per input.
+
+    `params` are each input's pooling parameters (a cross-encoder pair may
+    carry its own); `variant` is what besides an input's tokens shapes its
+    output (task, dimensions, activation): with the caller's cache salt, the
+    dedupe fingerprint, so identical inputs waiting together share one engine
+    request. `param` names the request's list of inputs in a 413.
+    """
+
+    model: str
+    entry: ModelEntry  # the served model (server/engines/registry.py)
+    inputs: tuple[tuple[int, ...], ...]
+    params: tuple[PoolingParamsLike, ...]
+    variant: Hashable
+    param: str = "input"
+    adapter: Adapter | None = None
+    priority: int = 0
+    user: str | None = None
+
+
 class Encoder(Protocol[C]):
     """An endpoint's wire format: whole bodies and stream frames.
 
@@ -180,6 +225,10 @@ class StreamHeaders(Protocol):
 
 # An endpoint's own step: parse the body and tokenize, into a Job and its encoder.
 Prepare = Callable[[web.Request, Trace], Awaitable[tuple[Job, Encoder[Any]]]]
+# A pooling endpoint's: into a PoolJob and the body its outputs make, in input order.
+PreparePool = Callable[
+    [web.Request, Trace], Awaitable[tuple[PoolJob, Callable[[Sequence[Pooled]], bytes]]]
+]
 
 
 def logprobs(
@@ -226,18 +275,56 @@ def generation_endpoint(
 ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     """An aiohttp handler running `prepare` and then the pipeline, traced."""
 
+    async def run(request: web.Request, tr: Trace) -> web.StreamResponse:
+        job, enc = await prepare(request, tr)
+        if tr.caller is None:
+            tr.caller = request.app[CALLERS].from_user(job.user)
+        tr.stream = job.stream
+        tr.model = job.entry.name
+        tr.adapter = job.adapter.name if job.adapter is not None else None
+        tr.prompt_tokens = sum(map(len, job.prompts))
+        return await _run(request, tr, job, enc)
+
+    return _traced(endpoint, run)
+
+
+def pooling_endpoint(
+    endpoint: str, prepare: PreparePool
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """An aiohttp handler running a pooling endpoint's `prepare`, then its
+    inputs through the core and the engine, traced (the module docstring)."""
+
+    async def run(request: web.Request, tr: Trace) -> web.StreamResponse:
+        job, body = await prepare(request, tr)
+        if tr.caller is None:
+            tr.caller = request.app[CALLERS].from_user(job.user)
+        tr.model = job.entry.name
+        tr.adapter = job.adapter.name if job.adapter is not None else None
+        tr.prompt_tokens = sum(map(len, job.inputs))
+        _check_at_once(request, tr, job)
+        salt = request.app[CALLERS].cache_salt(tr.caller)
+        tr.tickets = _submit_pooled(request, tr, job, salt)
+        try:
+            outs = [await _pooled(t) for t in tr.tickets]
+            return json_response(body(outs))
+        finally:
+            for t in tr.tickets:
+                t.leave()
+
+    return _traced(endpoint, run)
+
+
+def _traced(
+    endpoint: str, run: Callable[[web.Request, Trace], Awaitable[web.StreamResponse]]
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """The handler around an endpoint's run: the phase check first, the trace's
+    status whatever happens, and its access line and metrics at the end."""
+
     async def handler(request: web.Request) -> web.StreamResponse:
         tr = Trace(request[REQUEST_ID], endpoint, time.monotonic(), caller=request.get(CALLER))
         try:
             check_accepting(request)
-            job, enc = await prepare(request, tr)
-            if tr.caller is None:
-                tr.caller = request.app[CALLERS].from_user(job.user)
-            tr.stream = job.stream
-            tr.model = job.entry.name
-            tr.adapter = job.adapter.name if job.adapter is not None else None
-            tr.prompt_tokens = sum(map(len, job.prompts))
-            return await _run(request, tr, job, enc)
+            return await run(request, tr)
         except SluiceError as err:
             tr.status, tr.error = err.status, err.code or err.message[:80]
             raise
@@ -315,29 +402,118 @@ def _submit(request: web.Request, tr: Trace, job: Job, salt: str | None) -> list
     fp = (sampling.fingerprint(), job.variant, salt) if sampling.deterministic else None
     base = f"{tr.rid}-{next(_seq)}"
     single = len(job.prompts) == 1
+    return _admit(
+        driver,
+        (
+            (
+                CoreRequest(
+                    id=base if single else f"{base}-{i}",
+                    key=key,
+                    prompt_tokens=ids,
+                    max_new_tokens=job.max_tokens[i] * sampling.n,
+                    arrival=now,
+                    priority=job.priority,
+                    deadline=now + settings.queue_timeout,
+                    fingerprint=fp,
+                    caller=tr.caller or DEFAULT_CALLER,
+                    # No max_tokens: admission charges an estimate, not the context's room.
+                    open_ended=sampling.max_tokens is None,
+                ),
+                engine.sampling_params(sampling, job.max_tokens[i]),
+            )
+            for i, ids in enumerate(job.prompts)
+        ),
+        job.adapter,
+        salt,
+    )
+
+
+def _admit(
+    driver: Driver,
+    requests: Iterable[tuple[CoreRequest, EngineParams]],
+    adapter: Adapter | None,
+    salt: str | None,
+) -> list[Ticket]:
+    """Submit each core request to the model's driver; all or none (a refusal
+    leaves the ones admitted before it and is raised)."""
     tickets: list[Ticket] = []
     try:
-        for i, ids in enumerate(job.prompts):
-            core_req = CoreRequest(
-                id=base if single else f"{base}-{i}",
-                key=key,
-                prompt_tokens=ids,
-                max_new_tokens=job.max_tokens[i] * sampling.n,
-                arrival=now,
-                priority=job.priority,
-                deadline=now + settings.queue_timeout,
-                fingerprint=fp,
-                caller=tr.caller or DEFAULT_CALLER,
-                # No max_tokens: admission charges an estimate, not the context's room.
-                open_ended=sampling.max_tokens is None,
-            )
-            params = engine.sampling_params(sampling, job.max_tokens[i])
-            tickets.append(driver.submit(core_req, params, job.adapter, salt))
+        for core_req, params in requests:
+            tickets.append(driver.submit(core_req, params, adapter, salt))
     except SluiceError:
         for t in tickets:
             t.leave()
         raise
     return tickets
+
+
+def _check_at_once(request: web.Request, tr: Trace, job: PoolJob) -> None:
+    """A 413 for a pooling request whose inputs could never be admitted together
+    (batching/coalescer.py `most_at_once`): retrying it would never help."""
+    core = job.entry.driver.core
+    most, tokens = core.most_at_once(tr.caller or DEFAULT_CALLER)
+    n = len(job.inputs)
+    if n > most:
+        raise SluiceError(
+            f"'{job.param}' holds {n:,} items; this server admits at most {most:,} "
+            "at once (--max-pending-requests, or the caller's max_queued + max_concurrency): "
+            "send them in smaller requests",
+            status=413,
+            param=job.param,
+            code="too_many_inputs",
+        )
+    if tr.prompt_tokens > tokens:
+        raise SluiceError(
+            f"'{job.param}' holds {tr.prompt_tokens:,} tokens; this server admits at most "
+            f"{tokens:,} at once (--max-pending-tokens, or the caller's tokens_per_minute): "
+            "send them in smaller requests",
+            status=413,
+            param=job.param,
+            code="too_many_tokens",
+        )
+
+
+def _submit_pooled(request: web.Request, tr: Trace, job: PoolJob, salt: str | None) -> list[Ticket]:
+    """One core request per input, with no tokens to generate (batching/types.py)."""
+    settings = request.app[SETTINGS]
+    driver = job.entry.driver
+    now = driver.now()
+    key = group_key(job.entry.name, tr.adapter)
+    # Pooling is deterministic: identical inputs of one salt may share an engine request.
+    fp = (job.variant, salt)
+    base = f"{tr.rid}-{next(_seq)}"
+    return _admit(
+        driver,
+        (
+            (
+                CoreRequest(
+                    id=f"{base}-{i}",
+                    key=key,
+                    prompt_tokens=ids,
+                    max_new_tokens=0,
+                    arrival=now,
+                    priority=job.priority,
+                    deadline=now + settings.queue_timeout,
+                    fingerprint=fp,
+                    caller=tr.caller or DEFAULT_CALLER,
+                ),
+                job.params[i],
+            )
+            for i, ids in enumerate(job.inputs)
+        ),
+        job.adapter,
+        salt,
+    )
+
+
+async def _pooled(ticket: Ticket) -> Pooled:
+    """A pooling request's one output."""
+    gen = await ticket.wait()
+    async with contextlib.aclosing(gen.outputs(ticket.id)) as outs:
+        async for out in outs:
+            if isinstance(out, Pooled):
+                return out
+    raise SluiceError("the engine gave no output for an input", status=500)
 
 
 async def _each_output(

@@ -2,8 +2,9 @@
 
 Why this module exists: one table of routes. The generation endpoints are
 the pipeline (server/http/pipeline.py) with their API's preparation
-(server/api/*/endpoint.py); the rest (models, probes, metrics, tokenizer, and
-`/`, which serves the status page to a browser and Ollama's probe to its
+(server/api/*/endpoint.py), the pooling ones its pooling twin
+(server/api/pooling/endpoint.py); the rest (models, probes, metrics, tokenizer,
+and `/`, which serves the status page to a browser and Ollama's probe to its
 clients) are small enough to live here. Authentication and error bodies are middleware
 (server/http/middleware.py), so no handler checks a key, formats an error or
 assigns a request id (`request[REQUEST_ID]`, set for every route).
@@ -22,11 +23,17 @@ from server.api.openai_chat.endpoint import prepare_chat, prepare_completion, re
 from server.api.openai_chat.output import models_body
 from server.api.openai_chat.parse import parse_chat
 from server.api.openai_responses.endpoint import delete_response, get_response, prepare_responses
+from server.api.pooling.endpoint import prepare_embeddings, prepare_rerank
 from server.engines.registry import ModelEntry
 from server.engines.registry import State as ModelState
 from server.errors import SluiceError
 from server.http.models import hold_model, use_model
-from server.http.pipeline import check_accepting, generation_endpoint, json_response
+from server.http.pipeline import (
+    check_accepting,
+    generation_endpoint,
+    json_response,
+    pooling_endpoint,
+)
 from server.operations.metrics import CONTENT_TYPE
 from server.operations.status_page import index
 from server.state import CALLER, CALLERS, METRICS, MODELS, RUNTIME, SETTINGS, Phase
@@ -123,7 +130,7 @@ async def tokenize(request: web.Request) -> web.Response:
     check_accepting(request)
     obj = load_object(await read_body(request))
     model = _model_field(request, obj)
-    entry, _ = await use_model(request, model, kind=None)
+    entry, _ = await use_model(request, model, serves=None)
     engine = entry.engine
     if "messages" in obj:
         req = parse_chat(orjson.dumps({**obj, "model": model}), request.app[RUNTIME].limits)
@@ -149,7 +156,7 @@ async def detokenize(request: web.Request) -> web.Response:
     ):
         raise SluiceError("'tokens' must be a list of token ids", param="tokens")
     if "model" in obj:
-        entry, _ = await use_model(request, _model_field(request, obj), kind=None)
+        entry, _ = await use_model(request, _model_field(request, obj), serves=None)
     else:  # as before: the served model's tokenizer, whoever asks
         entry = request.app[MODELS].default
         await hold_model(request, entry)
@@ -189,6 +196,12 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/api/version", ollama.version)
     for path, advice in ollama.MANAGEMENT.items():
         app.router.add_route("*", path, ollama.not_managed(advice))
+    # Pooling models (server/api/pooling/endpoint.py): OpenAI's embeddings, and
+    # rerank at every path vLLM's server gives it.
+    app.router.add_post("/v1/embeddings", pooling_endpoint("embeddings", prepare_embeddings))
+    rerank = pooling_endpoint("rerank", prepare_rerank)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.router.add_post(path, rerank)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/api/hello", hello)

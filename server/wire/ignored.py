@@ -33,7 +33,7 @@ from typing import Any, Final, Literal
 
 __all__ = ["KNOWN", "OTHER", "Api", "Ignored", "Notes"]
 
-Api = Literal["chat", "completions", "responses", "messages", "ollama"]
+Api = Literal["chat", "completions", "responses", "messages", "ollama", "embeddings", "rerank"]
 OTHER: Final = "other"
 # The client's spelling of an unknown field, as logged: bounded in length.
 _NAME_CHARS: Final = 80
@@ -144,6 +144,23 @@ KNOWN: Final[Mapping[Api, Mapping[str, str]]] = {
         "options.embedding_only": "a load-time setting of Ollama's runner",
         "options.num_thread": "a load-time setting of Ollama's runner: vLLM's are its engine flags",
         "options.draft_num_predict": "speculative decoding is an engine flag in vLLM",
+    },
+    # The pooling APIs (server/api/pooling/parse.py; docs/pooling.md lists these).
+    "embeddings": {
+        "request_id": "vLLM's own request id; Sluice names every request itself",
+        "cache_salt": "Sluice salts the prefix cache per caller itself",
+        "mm_processor_kwargs": "multimodal processing: the inputs here are text",
+    },
+    "rerank": {
+        "request_id": "vLLM's own request id; Sluice names every request itself",
+        "cache_salt": "Sluice salts the prefix cache per caller itself",
+        "mm_processor_kwargs": "multimodal processing: the documents here are text",
+        "instruction": "a score template's variable: like vLLM's server without "
+        "--chat-template, none is applied",
+        "chat_template_kwargs": "a score template's variables: like vLLM's server without "
+        "--chat-template, none is applied",
+        "rank_fields": "Cohere's fields of structured documents: documents here are text",
+        "max_chunks_per_doc": "Cohere's chunking: a document past the context is a 400",
     },
 }
 

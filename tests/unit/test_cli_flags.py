@@ -76,6 +76,26 @@ def test_thinking_is_off_by_default_for_the_demo_model_only(
     assert parse_serve_args([*real, "--no-default-thinking"], {}).default_thinking is False
 
 
+def test_the_pooling_runner_serves_the_demo_as_an_embedder_or_its_reranker_sibling(
+    demo_cache_root: Path,
+) -> None:
+    demo = ["--demo-cache-dir", str(demo_cache_root)]
+    chat = parse_serve_args(demo, {})
+    embed = parse_serve_args([*demo, "--runner", "pooling"], {})
+    rerank = parse_serve_args([*demo, "--convert", "classify"], {})
+    assert (chat.model_name, embed.model_name, rerank.model_name) == (
+        "sluice-demo",
+        "sluice-demo-embed",
+        "sluice-demo-reranker",
+    )
+    # The embedder is the demo model's own weights; the reranker its sibling.
+    assert embed.engine_args.model == chat.engine_args.model
+    assert rerank.engine_args.model != chat.engine_args.model
+    assert "demo-reranker-" in rerank.engine_args.model
+    named = parse_serve_args([*demo, "--runner", "pooling", "--served-model-name", "e"], {})
+    assert named.model_name == "e"
+
+
 def test_each_watchdog_threshold_is_a_flag_of_its_type() -> None:
     """PressureConfig's bools are switches and its numbers take their field's type."""
     parser = build_serve_parser()

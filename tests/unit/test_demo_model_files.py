@@ -161,6 +161,37 @@ def test_weights_match_config_and_hf_names(built: Path) -> None:
         assert t["data_offsets"][1] - t["data_offsets"][0] == 2 * n, name
 
 
+def _tensor(path: Path, name: str) -> bytes:
+    header, start = _safetensors_header(path)
+    a, b = header[name]["data_offsets"]
+    with path.open("rb") as f:
+        f.seek(start + a)
+        return f.read(b - a)
+
+
+def test_the_reranker_sibling_is_the_backbone_with_a_one_label_head(
+    built: Path, tmp_path: Path
+) -> None:
+    rr = demo_model.build_demo_model(tmp_path / "reranker", reranker=True)
+    cfg = _read_json(rr / "config.json")
+    assert cfg["architectures"] == ["Qwen3ForSequenceClassification"]
+    assert cfg["id2label"] == {"0": "LABEL_0"}  # one label: vLLM's score API
+    header, _ = _safetensors_header(rr / "model.safetensors")
+    chat, _ = _safetensors_header(built / "model.safetensors")
+    assert header["score.weight"]["shape"] == [1, cfg["hidden_size"]]
+    assert set(header) - set(chat) == {"score.weight"}
+    # The same backbone, byte for byte; the same tokenizer.
+    for name in ("model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight"):
+        assert _tensor(rr / "model.safetensors", name) == _tensor(built / "model.safetensors", name)
+    assert (rr / "tokenizer.json").read_bytes() == (built / "tokenizer.json").read_bytes()
+    # Each is complete as itself only: asking for the other kind rebuilds.
+    assert demo_model.is_complete(rr, reranker=True) and not demo_model.is_complete(rr)
+    assert not demo_model.is_complete(built, reranker=True)
+    assert demo_model.default_demo_dir(tmp_path, reranker=True) != demo_model.default_demo_dir(
+        tmp_path
+    )
+
+
 def test_bf16_rounding_is_nearest_even() -> None:
     import numpy as np
 

@@ -50,9 +50,21 @@ class FrontHalf:
         self.input_processor = InputProcessor(config, self.renderer)
         self.errored = False
         self.requests: list[Any] = []
+        # What the engine core reports for the model (its runner and pooler).
+        mc = config.model_config
+        self.tasks: tuple[str, ...] = (
+            ("generate",)
+            if mc.runner_type == "generate"
+            else ("classify", "token_classify")
+            if mc.score_type == "cross-encoder"
+            else ("embed", "token_embed")
+        )
 
     def get_tokenizer(self) -> Any:
         return self.renderer.get_tokenizer()
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        return self.tasks
 
     async def add_request(
         self,
@@ -69,7 +81,7 @@ class FrontHalf:
             request_id,
             prompt,
             params,
-            supported_tasks=("generate",),
+            supported_tasks=self.tasks,
             priority=priority,
             lora_request=lora_request,
         )

@@ -3,7 +3,8 @@
 The counter's `field` label holds only names the code lists (or `other`),
 each (api, field) is logged once, a client inventing names cannot grow the
 log set without bound, and the docs list, per API, every name the code does
-(docs/apis.md, "What the APIs accept"; Ollama's in docs/ollama.md).
+(docs/apis.md, "What the APIs accept"; Ollama's in docs/ollama.md, the
+pooling APIs' in docs/pooling.md).
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ from tests.docpages import page, section
 
 PAGE, SECTION = "docs/apis.md", "What the APIs accept"
 # An API whose list is on its own page: the page and its section.
-OWN_PAGE = {"ollama": ("docs/ollama.md", "What is accepted and ignored")}
+OWN_PAGE = {
+    "ollama": ("docs/ollama.md", "What is accepted and ignored"),
+    "embeddings": ("docs/pooling.md", "Fields"),
+    "rerank": ("docs/pooling.md", "Fields"),
+}
 
 
 def recorder() -> tuple[IgnoredFields, Counter]:

@@ -7,6 +7,14 @@ and a byte-level BPE tokenizer trained on a corpus that ships in
 ``server/engines/demo/data/``, with Qwen3's own chat template. Its text is gibberish; its
 shapes, special tokens, chat template and engine are real.
 
+Its reranker sibling (issue 30; ``build_demo_model(..., reranker=True)``,
+``sluice make-demo-model --reranker DIR``) is the same backbone with a
+one-label sequence-classification head (``score.weight``), the checkpoint shape
+of a cross-encoder such as a Qwen3 reranker converted to sequence
+classification: vLLM's pooling runner loads it as a reranker (the classify
+task with one label) with no flags. The demo model itself serves embeddings
+under ``--runner pooling`` (vLLM converts it: last-token pooling, normalized).
+
 The build is deterministic (same bytes on every machine, for a given recipe) and
 needs neither torch nor a network: weights come from NumPy's frozen legacy
 ``RandomState`` stream and are written as safetensors by hand, the tokenizer is
@@ -39,6 +47,7 @@ __all__ = [
     "ADDED_TOKENS",
     "ARCHITECTURE",
     "MODEL_FILES",
+    "RERANKER_ARCHITECTURE",
     "build_demo_model",
     "default_cache_root",
     "default_demo_dir",
@@ -126,6 +135,16 @@ ARCHITECTURE: dict[str, Any] = {
     "vocab_size": VOCAB_SIZE,
 }
 
+# The reranker sibling's config: one label, so vLLM serves its score API
+# (vllm/entrypoints/pooling/utils.py enable_scoring_api: classify with
+# num_labels 1). Written as transformers writes a one-label config.
+RERANKER_ARCHITECTURE: dict[str, Any] = {
+    **ARCHITECTURE,
+    "architectures": ["Qwen3ForSequenceClassification"],
+    "id2label": {"0": "LABEL_0"},
+    "label2id": {"LABEL_0": 0},
+}
+
 # Qwen3's generation_config.json, with our ids. vLLM takes its default sampling
 # parameters from this file, so requests without temperature/top_p/top_k get
 # Qwen3's defaults here too.
@@ -171,9 +190,11 @@ def default_cache_root(env: Mapping[str, str]) -> Path:
     return (Path(home) if home else Path.home()) / ".cache"
 
 
-def default_demo_dir(cache_root: Path) -> Path:
-    """Where the demo model lives under *cache_root*, one directory per recipe."""
-    return cache_root / "sluice" / f"demo-model-v{DEMO_MODEL_VERSION}-{recipe_digest()[:12]}"
+def default_demo_dir(cache_root: Path, *, reranker: bool = False) -> Path:
+    """Where the demo model (or its reranker sibling) lives under *cache_root*,
+    one directory per recipe."""
+    kind = "reranker" if reranker else "model"
+    return cache_root / "sluice" / f"demo-{kind}-v{DEMO_MODEL_VERSION}-{recipe_digest()[:12]}"
 
 
 def recipe_digest() -> str:
@@ -223,22 +244,23 @@ def demo_engine_kwargs(model_dir: Path, *, kv_cache_bytes: int = 512 * 2**20) ->
 # --------------------------------------------------------------------- build
 
 
-def build_demo_model(out_dir: Path) -> Path:
-    """Make sure a complete demo model is in *out_dir*; build it if not. Returns *out_dir*.
+def build_demo_model(out_dir: Path, *, reranker: bool = False) -> Path:
+    """Make sure a complete demo model (or its reranker sibling) is in *out_dir*;
+    build it if not. Returns *out_dir*.
 
     Safe against crashes and concurrent builders: the model is written into a
     sibling temporary directory and renamed into place; if another process wins
     the race, its copy is kept and ours discarded.
     """
     out_dir = Path(out_dir)
-    if is_complete(out_dir):
+    if is_complete(out_dir, reranker=reranker):
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         # mkdtemp creates 0700; the model is shared data, like the cache around it.
         tmp.chmod(0o755)
-        write_demo_model(tmp)
+        write_demo_model(tmp, reranker=reranker)
         if out_dir.exists():
             # Incomplete or stale (a crash mid-copy by hand, an edited file):
             # move it aside first, since rename() will not replace a non-empty
@@ -251,15 +273,16 @@ def build_demo_model(out_dir: Path) -> Path:
             tmp.rename(out_dir)
         except OSError:
             # Another builder renamed its copy into place between our checks.
-            if not is_complete(out_dir):
+            if not is_complete(out_dir, reranker=reranker):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 
-def is_complete(model_dir: Path) -> bool:
-    """True when *model_dir* holds every file of this recipe, byte for byte.
+def is_complete(model_dir: Path, *, reranker: bool = False) -> bool:
+    """True when *model_dir* holds every file of this recipe (the demo model or
+    its reranker sibling, as asked), byte for byte.
 
     The manifest (written last) records the recipe digest and each file's
     SHA-256; hashing the ~5 MB takes about 10 ms, and catches truncated or
@@ -269,6 +292,8 @@ def is_complete(model_dir: Path) -> bool:
         manifest = json.loads((Path(model_dir) / _MANIFEST).read_bytes())
         if manifest.get("recipe") != recipe_digest():
             return False
+        if manifest.get("reranker", False) is not reranker:
+            return False
         files: dict[str, str] = manifest["files"]
         if sorted(files) != sorted(MODEL_FILES):
             return False
@@ -277,7 +302,7 @@ def is_complete(model_dir: Path) -> bool:
         return False
 
 
-def write_demo_model(dest: Path) -> None:
+def write_demo_model(dest: Path, *, reranker: bool = False) -> None:
     """Write every file of the demo model into the existing directory *dest*.
 
     No completeness check, no atomic rename: ``build_demo_model`` adds those.
@@ -286,7 +311,7 @@ def write_demo_model(dest: Path) -> None:
     dest = Path(dest)
     tokenizer_json = _train_tokenizer()
     contents = {
-        "config.json": json_bytes(ARCHITECTURE),
+        "config.json": json_bytes(RERANKER_ARCHITECTURE if reranker else ARCHITECTURE),
         "generation_config.json": json_bytes(_GENERATION_CONFIG),
         "tokenizer.json": tokenizer_json,
         "tokenizer_config.json": json_bytes(_tokenizer_config()),
@@ -294,11 +319,13 @@ def write_demo_model(dest: Path) -> None:
     for name, data in contents.items():
         (dest / name).write_bytes(data)
     with (dest / "model.safetensors").open("wb") as f:
-        write_safetensors(f, _weights())
-    manifest = {
+        write_safetensors(f, _weights(reranker=reranker))
+    manifest: dict[str, Any] = {
         "recipe": recipe_digest(),
         "files": {name: _sha256(dest / name) for name in MODEL_FILES},
     }
+    if reranker:  # (absent for the demo model, whose bytes stay as they were)
+        manifest["reranker"] = True
     (dest / _MANIFEST).write_bytes(json_bytes(manifest))
 
 
@@ -386,11 +413,12 @@ def _tokenizer_config() -> dict[str, Any]:
 # ------------------------------------------------------------------- weights
 
 
-def _weight_shapes() -> Iterator[tuple[str, tuple[int, ...]]]:
+def _weight_shapes(*, reranker: bool = False) -> Iterator[tuple[str, tuple[int, ...]]]:
     """Hugging Face Qwen3 tensor names and shapes (what vLLM's loader expects).
 
     No ``lm_head.weight``: with tied embeddings the loader reuses
-    ``model.embed_tokens.weight``.
+    ``model.embed_tokens.weight``. The reranker adds its one-label head,
+    ``score.weight`` (what transformers' Qwen3ForSequenceClassification names it).
     """
     a = ARCHITECTURE
     hidden, inter, hd = a["hidden_size"], a["intermediate_size"], a["head_dim"]
@@ -410,13 +438,15 @@ def _weight_shapes() -> Iterator[tuple[str, tuple[int, ...]]]:
         yield p + "mlp.up_proj.weight", (inter, hidden)
         yield p + "mlp.down_proj.weight", (hidden, inter)
     yield "model.norm.weight", (hidden,)
+    if reranker:
+        yield "score.weight", (1, hidden)
 
 
-def _weights() -> dict[str, tuple[tuple[int, ...], bytes]]:
+def _weights(*, reranker: bool = False) -> dict[str, tuple[tuple[int, ...], bytes]]:
     """Every tensor as (shape, little-endian bf16 bytes)."""
     std = float(ARCHITECTURE["initializer_range"])
     out: dict[str, tuple[tuple[int, ...], bytes]] = {}
-    for name, shape in _weight_shapes():
+    for name, shape in _weight_shapes(reranker=reranker):
         if name.endswith("norm.weight"):
             # RMSNorm gains start at 1, as in a freshly initialised model.
             values = np.ones(shape, dtype=np.float32)
