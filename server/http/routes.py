@@ -188,8 +188,10 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post(
         "/api/generate", generation_endpoint("ollama_generate", ollama.prepare_generate)
     )
-    app.router.add_post("/api/embed", ollama.embed)
-    app.router.add_post("/api/embeddings", ollama.embeddings)
+    app.router.add_post("/api/embed", pooling_endpoint("ollama_embed", ollama.prepare_embed))
+    app.router.add_post(
+        "/api/embeddings", pooling_endpoint("ollama_embeddings", ollama.prepare_embeddings)
+    )
     app.router.add_get("/api/tags", ollama.tags)
     app.router.add_post("/api/show", ollama.show)
     app.router.add_get("/api/ps", ollama.ps)

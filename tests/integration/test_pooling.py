@@ -116,6 +116,31 @@ def test_langchain_openai_embeddings(client: openai.OpenAI, server: str) -> None
     assert np.allclose(query, vectors(client, QUERY)[0], atol=ATOL)
 
 
+def test_ollamas_clients_embed_the_same(client: openai.OpenAI, server: str) -> None:
+    """Ollama's API on the same model (issue 31): the `ollama` client's embed,
+    LangChain's OllamaEmbeddings and the older /api/embeddings give the
+    vectors /v1/embeddings gives."""
+    import ollama
+    from langchain_ollama import OllamaEmbeddings
+
+    ours = vectors(client, TEXTS)
+    oc = ollama.Client(host=server)
+    try:
+        r = oc.embed(model=MODEL, input=TEXTS)
+        assert np.allclose(np.array(r.embeddings, dtype=np.float32), ours, atol=ATOL)
+        assert r.prompt_eval_count and r.prompt_eval_count >= len(TEXTS)
+        legacy = oc.embeddings(model=MODEL, prompt=TEXTS[0])
+        assert np.allclose(np.array(legacy.embedding, dtype=np.float32), ours[0], atol=ATOL)
+    finally:
+        oc._client.close()
+    lc = OllamaEmbeddings(model=MODEL, base_url=server)
+    try:
+        docs = np.array(lc.embed_documents(TEXTS), dtype=np.float32)
+    finally:
+        lc._client._client.close()  # the ollama.Client it keeps and never closes
+    assert np.allclose(docs, ours, atol=ATOL)
+
+
 def _cosines(query: np.ndarray, docs: np.ndarray) -> np.ndarray:
     q = query.astype(np.float64)
     d = docs.astype(np.float64)

@@ -192,14 +192,15 @@ async def test_refusals_in_ollamas_shape(make_client: Any, client_for: Any) -> N
     assert img.value.status_code == 400 and "messages[0].images" in img.value.error
     with pytest.raises(ollama.ResponseError) as emb:
         await oc.embed(model="fake", input="x")
-    assert emb.value.status_code == 400 and "embedding" in emb.value.error
+    # A chat model does not embed: the 400 naming it (registry.py rule 3).
+    assert emb.value.status_code == 400 and "embedding model" in emb.value.error
     # The older route too, in Ollama's shape (keep_alive is no refusal).
     legacy = await client.post(
         "/api/embeddings", json={"model": "fake", "prompt": "x", "keep_alive": "5m"}
     )
     assert legacy.status == 400
     assert (await legacy.json()).keys() == {"error"}
-    assert "serves no embedding model" in (await legacy.json())["error"]
+    assert "is a generative model" in (await legacy.json())["error"]
     with pytest.raises(ollama.ResponseError) as pull:
         await oc.pull("fake")
     assert pull.value.status_code == 501 and "--model" in pull.value.error
@@ -267,3 +268,23 @@ async def test_a_client_that_leaves_is_aborted_in_the_engine(make_client: Any) -
     await resp.content.readline()
     resp.close()
     await until(lambda: bool(real(engine.aborted)), what="aborted")
+
+
+async def test_embed_on_an_embedding_model(make_client: Any, client_for: Any) -> None:
+    """/api/embed and /api/embeddings run on the pooling pipeline: one vector
+    per input, in order, the same vector for the same text, the counts."""
+    client, _, engine = await make_client(FakeEngine(kind="embed"), warmup=False)
+    oc = client_for(client)
+    r = await oc.embed(model="fake", input=["alpha", "beta", "alpha"])
+    assert len(r.embeddings) == 3 and len(r.embeddings[0]) == engine.embed_dims
+    assert r.embeddings[0] == r.embeddings[2] != r.embeddings[1]
+    assert r.prompt_eval_count and r.prompt_eval_count > 0
+    one = await oc.embed(model="fake", input="alpha")
+    assert one.embeddings == [r.embeddings[0]]
+    assert (await oc.embed(model="fake", input="")).embeddings == []
+    legacy = await client.post("/api/embeddings", json={"model": "fake", "prompt": "alpha"})
+    assert legacy.status == 200, await legacy.text()
+    assert (await legacy.json())["embedding"] == r.embeddings[0]
+    with pytest.raises(ollama.ResponseError) as chat:
+        await oc.chat(model="fake", messages=HI)
+    assert chat.value.status_code == 400 and "embedding model" in chat.value.error

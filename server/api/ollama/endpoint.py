@@ -39,12 +39,15 @@ from server.api.ollama.output import (
     OllamaStream,
     answer_body,
     done_reason,
+    embed_body,
+    embeddings_body,
     load_body,
     ps_body,
     show_body,
     tags_body,
 )
 from server.api.ollama.parse import (
+    EmbedRequest,
     OllamaRequest,
     check_num_ctx,
     parse_chat,
@@ -57,12 +60,12 @@ from server.api.ollama.parse import (
 from server.api.openai_chat.endpoint import ChatEncoder, chat_job, read_body
 from server.api.openai_chat.parse import check_context
 from server.engines.choice_reader import ChoiceReader
-from server.engines.interface import ChatParser, CompletionDelta
+from server.engines.interface import ChatParser, CompletionDelta, Pooled
 from server.engines.registry import ModelEntry as Served
 from server.engines.registry import State
 from server.errors import SluiceError
 from server.http.models import use_model
-from server.http.pipeline import Encoder, Job, Trace, json_response, logprobs
+from server.http.pipeline import Encoder, Job, PoolJob, Trace, json_response, logprobs
 from server.state import CALLER, CALLERS, METRICS, MODELS, RUNTIME
 from server.wire.output import ChatChoice, TokenLogprob, Usage
 from server.wire.request import ChatRequest, ToolCall
@@ -71,10 +74,10 @@ __all__ = [
     "MANAGEMENT",
     "OLLAMA_VERSION",
     "OllamaEncoder",
-    "embed",
-    "embeddings",
     "not_managed",
     "prepare_chat",
+    "prepare_embed",
+    "prepare_embeddings",
     "prepare_generate",
     "ps",
     "show",
@@ -295,32 +298,63 @@ async def version(request: web.Request) -> web.Response:
 
 
 # ---------------------------------------------------------------------------
-# Embeddings: refused until an embedding model is served (issue 30).
+# Embeddings: on the pooling pipeline (server/http/pipeline.py `pooling_endpoint`),
+# on a model that embeds (docs/pooling.md); any other is the 400 naming it.
+
+PoolBody = Callable[[Sequence[Pooled]], bytes]
 
 
-def _no_embeddings(request: web.Request, name: str) -> SluiceError:
-    """A 400, as Ollama answers a model without a capability the request
-    needs: the named model exists (else the model check's 404) but does not
-    embed. It stays the right answer for a chat model once an embedding model
-    is served beside it (issue 30)."""
-    _model(request, _served(request, name))
-    return SluiceError(
-        f"model '{name}' does not support embeddings: this server serves no embedding "
-        "model (docs/ollama.md)",
-        status=400,
-        param="model",
-        code="embeddings_not_served",
+async def prepare_embed(request: web.Request, tr: Trace) -> tuple[PoolJob, PoolBody]:
+    req = parse_embed(await read_body(request))
+
+    def body(outs: Sequence[Pooled], metrics: Metrics) -> bytes:
+        return embed_body(req.name, [o.data.tolist() for o in outs], metrics)
+
+    return await _embed_job(request, tr, req, body)
+
+
+async def prepare_embeddings(request: web.Request, tr: Trace) -> tuple[PoolJob, PoolBody]:
+    """The older /api/embeddings: one ``prompt``, one ``embedding``."""
+    req = parse_embeddings(await read_body(request))
+
+    def body(outs: Sequence[Pooled], metrics: Metrics) -> bytes:
+        return embeddings_body(outs[0].data.tolist() if outs else [])
+
+    return await _embed_job(request, tr, req, body)
+
+
+async def _embed_job(
+    request: web.Request,
+    tr: Trace,
+    req: EmbedRequest,
+    answer: Callable[[Sequence[Pooled], Metrics], bytes],
+) -> tuple[PoolJob, PoolBody]:
+    """The pooling job of an embed request: its inputs tokenized by the model's
+    engine (``truncate``, Ollama's default, cuts each to the context, as vLLM's
+    ``truncate_prompt_tokens`` -1 does; off, an input past it is a 400)."""
+    request.app[METRICS].ignored.record("ollama", req.ignored)
+    served = _served(request, req.name)
+    entry, adapter = await use_model(request, served, serves="embed")
+    engine = entry.engine
+    params = engine.pooling_params("embed", req.dimensions)
+    ids = await engine.tokenize_pooling(
+        req.inputs, truncate_prompt_tokens=-1 if req.truncate else None
+    )
+    job = PoolJob(
+        model=served,
+        entry=entry,
+        inputs=tuple(map(tuple, ids)),
+        params=(params,) * len(ids),
+        variant=("embed", req.dimensions, None),
+        adapter=adapter,
     )
 
+    def body(outs: Sequence[Pooled]) -> bytes:
+        total = time.monotonic() - tr.t0
+        queued = tr.tickets[0].queue_wait if tr.tickets else 0.0
+        return answer(outs, Metrics.of(total, queued, None, tr.prompt_tokens, 0))
 
-async def embed(request: web.Request) -> web.Response:
-    req = parse_embed(await read_body(request))
-    raise _no_embeddings(request, req.name)
-
-
-async def embeddings(request: web.Request) -> web.Response:
-    req = parse_embeddings(await read_body(request))
-    raise _no_embeddings(request, req.name)
+    return job, body
 
 
 # ---------------------------------------------------------------------------
