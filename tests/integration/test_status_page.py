@@ -29,7 +29,7 @@ from batching.pressure import RankStats
 from server.http.callers import CallerDirectory
 from server.http.middleware import install
 from server.operations.metrics import Metrics
-from server.operations.status_page import add_status_routes
+from server.operations.status_page import add_status_routes, index
 from server.operations.status_samples import Snapshot, StatusSampler
 from server.settings import Settings
 from server.state import CALLERS, METRICS, SETTINGS, STATUS
@@ -222,6 +222,9 @@ def page_app(sampler: StatusSampler, key: str | None = None) -> web.Application:
     app[METRICS] = Metrics()
     app[STATUS] = sampler
     add_status_routes(app)
+    # `/` is the app's (server/http/routes.py `root`: the page for a browser,
+    # Ollama's probe for its clients); here, the page.
+    app.router.add_get("/", index)
     return app
 
 
