@@ -141,6 +141,21 @@ def test_ollamas_clients_embed_the_same(client: openai.OpenAI, server: str) -> N
     assert np.allclose(docs, ours, atol=ATOL)
 
 
+def test_the_pages_examples_run(server: str) -> None:
+    """docs/pooling.md's Python and curl examples, on this module's server (its
+    model is the page's; tests/integration/test_docs_examples.py runs the other
+    pages' on the shared chat server)."""
+    from tests.docpages import ROOT
+    from tests.integration.test_docs_examples import check_curl, curl_blocks, run_python
+
+    page = ROOT / "docs/pooling.md"
+    run_python(page, server)
+    curls = curl_blocks(on=(page,))
+    assert len(curls) >= 2  # embeddings and rerank
+    for block in curls:
+        check_curl(block, server)
+
+
 def _cosines(query: np.ndarray, docs: np.ndarray) -> np.ndarray:
     q = query.astype(np.float64)
     d = docs.astype(np.float64)
