@@ -86,17 +86,6 @@ class Kind(enum.Enum):
     EMBED = "embed"
     RERANK = "rerank"
 
-    @property
-    def serves(self) -> str:
-        return _SERVES[self]
-
-
-_SERVES = {
-    Kind.GENERATE: "text generation (chat, completions, Responses, Messages)",
-    Kind.EMBED: "embeddings (/v1/embeddings)",
-    Kind.RERANK: "reranking (/v1/rerank)",
-}
-
 
 # The same kinds as the engine seam names them (server/engines/interface.py).
 _ENGINE_KIND: dict[Kind, EngineKind] = {
