@@ -57,7 +57,7 @@ from server.api.ollama.parse import (
     parse_show,
     served_name,
 )
-from server.api.openai_chat.endpoint import ChatEncoder, chat_job, read_body
+from server.api.openai_chat.endpoint import ChatEncoder, Detokenize, chat_job, read_body
 from server.api.openai_chat.parse import check_context
 from server.engines.choice_reader import ChoiceReader
 from server.engines.interface import ChatParser, CompletionDelta, Pooled
@@ -88,8 +88,6 @@ __all__ = [
 # The Ollama release whose API reference (docs/api.md, api/types.go) these
 # shapes follow: what /api/version answers, since clients gate features on it.
 OLLAMA_VERSION: Final = "0.32.15"
-
-Detokenize = Callable[[Sequence[int]], str]
 
 _STREAM_HEADERS: Final = {
     "Content-Type": NDJSON,
