@@ -9,7 +9,7 @@ changes greedy output (repeatably), an unloaded one is a 404; a bad adapter is
 a 400 naming the cause while a loaded one keeps its exact output; a path
 outside the root is a 403; no admin key is a 401 and a caller's key a 403; and
 work queued in Sluice's backlog or running in the engine when its adapter is
-unloaded finishes on that adapter (two engine slots, four streams).
+unloaded finishes on that adapter (two engine slots, eight streams).
 """
 
 from __future__ import annotations
@@ -38,7 +38,13 @@ PROMPT = "The quick brown fox"
 # Long enough that a stream is still running when the unload arrives (the demo
 # model makes a few hundred tokens a second on this CPU), short enough for CI.
 LONG = 96
-SLOTS = 2  # --max-num-seqs: a third stream waits in Sluice's backlog
+SLOTS = 2  # --max-num-seqs
+# Streams in the unload test. The engine's queue may take, beside the SLOTS running,
+# --backlog-feed-steps (1 here) x the free slots plus a spare of at most SLOTS that
+# earlier tests' under-fed steps leave (batching/room.py rule 2): at most 2 x SLOTS
+# before the engine's first step report. Four times the slots leaves some surely
+# held in Sluice's backlog, whatever the spare is.
+STREAMS = 4 * SLOTS
 
 
 def make_adapter(dest: Path, seed: int, *extra: str) -> Path:
@@ -100,6 +106,8 @@ def server(
         "--max-num-seqs",
         str(SLOTS),
         "--no-dedupe",  # identical greedy streams each run (the unload test)
+        "--backlog-feed-steps",
+        "1",  # the unload test's streams wait in Sluice's backlog, not vLLM's queue
         "--allow-runtime-lora",
         "--lora-root",
         str(root),
@@ -256,11 +264,11 @@ def streams(api: openai.OpenAI, model: str, n: int) -> tuple[list[Any], list[thr
 def test_unloading_finishes_queued_and_running_work(
     server: SluiceProcess, api: openai.OpenAI, root: Path
 ) -> None:
-    """Four streams on two engine slots: two run in the engine, two wait in
-    Sluice's backlog when the adapter is unloaded; all four finish on it, with
-    the text the same four streams give while it stays loaded."""
+    """Eight streams on two engine slots: two run in the engine, some wait in
+    vLLM's queue and some in Sluice's backlog when the adapter is unloaded; all
+    finish on it, with the text the same streams give while it stays loaded."""
     assert load(server, "gamma", root / "gamma").status_code == 200
-    n = 2 * SLOTS
+    n = STREAMS
     futures, _ = streams(api, "gamma", n)
     reference = sorted(f.result(timeout=120)[0] for f in futures)
     assert reference[0] != complete(api, MODEL, LONG)
