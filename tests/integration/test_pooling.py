@@ -1,8 +1,9 @@
 """Embeddings and rerank on the real engine (issue 30): the demo model served by
-vLLM's pooling runner (`--runner pooling --convert embed`), one Sluice for the
-module, real clients nobody here wrote (the `openai` client, LangChain's
-`OpenAIEmbeddings`, plain HTTP for rerank), and vLLM's own server with the same
-engine flags as the reference for the vectors and scores.
+vLLM's pooling runner (`--runner pooling --convert embed`) beside the demo chat
+model, from one models file, one Sluice for the module; real clients nobody
+here wrote (the `openai` client, for both models through one base URL,
+LangChain's `OpenAIEmbeddings`, plain HTTP for rerank), and vLLM's own server
+with the same engine flags as the reference for the vectors and scores.
 
 The demo model's weights are random, so what is tested is what a pooling front
 must keep: the vectors are the engine's (equal to vLLM's server's within float
@@ -31,6 +32,21 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
 MODEL = "sluice-demo-embed"  # the demo model under the pooling runner (server/cli.py demo_name)
 POOLING = ["--runner", "pooling", "--convert", "embed"]
+CHAT = "chat"  # the demo chat model beside it
+# The embedding model first: a request that names no model (vLLM's rerank shape
+# allows it) goes to the first. Its engine flags are `sluice serve`'s demo
+# defaults, as vLLM's server gets them (tests/support.py vllm_on_demo); the chat
+# model is small and eager (no torch.compile: a start in about 12 s).
+MODELS = f"""
+[models.{MODEL}]
+runner = "pooling"
+convert = "embed"
+
+[models.{CHAT}]
+kv-cache-memory-bytes = 67108864
+max-model-len = 4096
+enforce-eager = true
+"""
 TEXTS = ["The quick brown fox", "jumps over the lazy dog", "a", "Sluice serves embeddings."]
 QUERY = "a fox in the woods"
 DOCS = ["The quick brown fox", "stock prices fell sharply", "a red fox", "rain again today"]
@@ -41,9 +57,12 @@ ATOL = 2e-3
 
 @pytest.fixture(scope="module")
 def server(demo_cache_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log = tmp_path_factory.mktemp("pooling") / "sluice.log"
+    tmp = tmp_path_factory.mktemp("pooling")
+    (tmp / "models.toml").write_text(MODELS)
     with SluiceProcess(
-        ["--log-format", "plain", *POOLING], cache_dir=demo_cache_root, log_path=log
+        ["--log-format", "plain", "--models", str(tmp / "models.toml")],
+        cache_dir=demo_cache_root,
+        log_path=tmp / "sluice.log",
     ).running() as proc:
         yield proc.base
 
@@ -195,6 +214,20 @@ def test_chat_to_the_embedding_model_is_a_400_naming_it(client: openai.OpenAI) -
     assert err.value.status_code == 400
     message = str(err.value)
     assert MODEL in message and "embedding model" in message
+
+
+def test_the_same_client_chats_with_the_other_model(client: openai.OpenAI) -> None:
+    """One base URL, two models: the chat model answers a chat turn, and
+    embeddings asked of it are the 400 naming it; both are listed."""
+    reply = client.chat.completions.create(
+        model=CHAT, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert reply.model == CHAT and reply.usage is not None
+    assert reply.usage.completion_tokens == 4
+    with pytest.raises(openai.BadRequestError) as err:
+        client.embeddings.create(model=CHAT, input="hi")
+    assert CHAT in str(err.value) and "generative model" in str(err.value)
+    assert {m.id for m in client.models.list()} >= {MODEL, CHAT}
 
 
 def test_bad_input(client: openai.OpenAI, server: str) -> None:

@@ -1,0 +1,237 @@
+"""Issue 30's two-models point: a chat caller on one model beside an embedding
+flood on another, in one Sluice.
+
+Why this module exists: each model has its own engine and its own core, so a
+flood on the embedding model must not reach the chat caller through Sluice's
+queues; what is left between them is the hardware they share (on a GPU the
+card, on CPU the two cores). The issue's target: the chat caller's TTFT p95
+beside the flood <= 1.5x its value alone. One Sluice serves the demo chat
+model (`chat`) and the demo model under the pooling runner (`embed`) from one
+models file. Per repetition, alternating: the chat caller alone, then beside a
+closed-loop flood of one-string embedding requests at `--concurrency`. The
+chat caller sends `--turns` streamed turns one after another; TTFT is taken at
+the first chunk that carries a token (content or reasoning), never at the
+role-only first frame. Reported: TTFT p50/p95 alone and beside (medians
+[min-max] over repetitions), the flood's req/s, and CPU seconds per phase of
+the front and of each engine core (on CPU, what the cores went to).
+
+    python -m bench.two_models_point [--repeat 3] [--turns 40] [--concurrency 64]
+        [--out bench/results/two-models-cpu.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import psutil
+
+from bench.report import SLUICE
+from bench.servers import Server, free_port, server_command
+
+MODELS = """
+[models.chat]
+kv-cache-memory-bytes = 67108864
+max-model-len = 4096
+enforce-eager = true
+
+[models.embed]
+runner = "pooling"
+convert = "embed"
+enforce-eager = true
+"""
+
+JSON = {"content-type": "application/json"}
+CHAT_BODY = {
+    "model": "chat",
+    "max_tokens": 8,
+    "stream": True,
+    "chat_template_kwargs": {"enable_thinking": False},
+}
+
+
+async def _turn(session: aiohttp.ClientSession, url: str, i: int) -> float:
+    """One streamed chat turn; seconds to its first token."""
+    question = {"role": "user", "content": f"Question {i}: why is the sky blue?"}
+    data = orjson.dumps({**CHAT_BODY, "messages": [question]})
+    t0 = time.perf_counter()
+    first = 0.0
+    async with session.post(url, data=data, headers=JSON) as r:
+        r.raise_for_status()
+        async for line in r.content:
+            if first or not line.startswith(b"data: {"):
+                continue
+            delta = orjson.loads(line[6:])["choices"][0]["delta"]
+            if delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning"):
+                first = time.perf_counter() - t0
+    assert first, "a turn without a token"
+    return first
+
+
+async def _chat(base: str, turns: int) -> list[float]:
+    async with aiohttp.ClientSession() as s:
+        return [await _turn(s, base + "/v1/chat/completions", i) for i in range(turns)]
+
+
+async def _flood(base: str, concurrency: int, stop: threading.Event, done: list[int]) -> None:
+    url = base + "/v1/embeddings"
+    conn = aiohttp.TCPConnector(limit=concurrency)
+
+    async def worker(w: int) -> None:
+        i = 0
+        while not stop.is_set():
+            body = orjson.dumps({"model": "embed", "input": f"document {w}-{i} about rivers"})
+            async with s.post(url, data=body, headers=JSON) as r:
+                await r.read()
+                if r.status == 200:
+                    done[0] += 1
+            i += 1
+
+    async with aiohttp.ClientSession(connector=conn) as s, asyncio.TaskGroup() as tg:
+        for w in range(concurrency):
+            tg.create_task(worker(w))
+
+
+@contextlib.contextmanager
+def flood(base: str, concurrency: int) -> Iterator[list[int]]:
+    """A closed-loop embedding flood on a thread of its own while the block runs;
+    yields [requests completed], final once the block has left."""
+    stop, done = threading.Event(), [0]
+    t = threading.Thread(target=asyncio.run, args=(_flood(base, concurrency, stop, done),))
+    t.start()
+    try:
+        while done[0] < concurrency:  # the flood is running before the chat starts
+            time.sleep(0.01)
+        yield done
+    finally:
+        stop.set()
+        t.join()
+
+
+def _cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far of the front and its children (engine cores and their
+    workers), by process title, numbered in start order (the engines start in
+    the models file's order: chat's first)."""
+    proc = psutil.Process(pid)
+    out = {"front": sum(proc.cpu_times()[:2])}
+    seen: dict[str, int] = {}
+    for child in sorted(proc.children(recursive=True), key=lambda c: c.create_time()):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            title = " ".join(child.cmdline()[:1]) or child.name()
+            seen[title] = seen.get(title, 0) + 1
+            out[f"{title}#{seen[title]}"] = sum(child.cpu_times()[:2])
+    return out
+
+
+def _q(values: list[float], pct: int) -> float:
+    return statistics.quantiles(values, n=100)[pct - 1] if len(values) > 1 else values[0]
+
+
+def run(args: argparse.Namespace, workdir: Path) -> dict[str, list[dict[str, Any]]]:
+    models = workdir / "models.toml"
+    models.write_text(MODELS)
+    port = free_port()
+    cmd = server_command(SLUICE, port, [], ["--models", str(models), *args.sluice_flags.split()])
+    results: dict[str, list[dict[str, Any]]] = {"alone": [], "beside": []}
+    with Server(SLUICE, port, cmd, workdir / "sluice.log") as server:
+        server.start(dict(os.environ))
+        assert server.proc is not None
+        base = server.base_url
+        asyncio.run(_chat(base, 4))  # warm both paths once
+        with flood(base, args.concurrency):
+            pass
+        for _ in range(args.repeat):
+            for phase in ("alone", "beside"):
+                cpu0, t0 = _cpu(server.proc.pid), time.monotonic()
+                if phase == "alone":
+                    ttft, flooded = asyncio.run(_chat(base, args.turns)), 0
+                else:
+                    with flood(base, args.concurrency) as done:
+                        start = done[0]
+                        ttft = asyncio.run(_chat(base, args.turns))
+                        flooded = done[0] - start
+                dt = time.monotonic() - t0
+                cpu1 = _cpu(server.proc.pid)
+                results[phase].append(
+                    {
+                        "p50": 1000 * _q(ttft, 50),
+                        "p95": 1000 * _q(ttft, 95),
+                        "flood_rps": flooded / dt,
+                        "cpu": {k: round(v - cpu0.get(k, 0.0), 1) for k, v in cpu1.items()},
+                        "seconds": round(dt, 1),
+                    }
+                )
+    return results
+
+
+def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> list[str]:
+    def cell(runs: list[dict[str, Any]], key: str) -> str:
+        v = [r[key] for r in runs]
+        return f"{statistics.median(v):.1f} [{min(v):.1f}-{max(v):.1f}]"
+
+    lines = [
+        "# A chat caller beside an embedding flood on another model (issue 30)",
+        "",
+        f"`python -m bench.two_models_point --repeat {args.repeat} --turns {args.turns} "
+        f"--concurrency {args.concurrency}"
+        + (f" --sluice-flags '{args.sluice_flags}'" if args.sluice_flags else "")
+        + "`: one Sluice, the demo chat model and the demo model under the pooling "
+        "runner from one models file (both eager), on this machine's CPU. Per "
+        "repetition the chat caller runs alone, then beside a closed-loop flood of "
+        "one-string embedding requests; TTFT at the first token, medians [min-max] "
+        "over the repetitions.",
+        "",
+        "| phase | chat TTFT p50 ms | chat TTFT p95 ms | flood req/s |",
+        "|---|---|---|---|",
+    ]
+    for phase, runs in results.items():
+        lines.append(
+            f"| {phase} | {cell(runs, 'p50')} | {cell(runs, 'p95')} | {cell(runs, 'flood_rps')} |"
+        )
+    alone = statistics.median(r["p95"] for r in results["alone"])
+    beside = statistics.median(r["p95"] for r in results["beside"])
+    lines += [
+        "",
+        f"* chat TTFT p95 beside the flood: {beside / alone:.2f}x alone (target <= 1.5x).",
+        "",
+        "CPU seconds per phase, by process, last repetition (front: the Sluice process; "
+        "#1 is the chat model's engine core and worker, #2 the embedding model's: they "
+        "start in the models file's order; the plain python one is multiprocessing's "
+        "resource tracker):",
+        "",
+    ]
+    for phase, runs in results.items():
+        lines.append(f"* {phase} ({runs[-1]['seconds']} s): {runs[-1]['cpu']}")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--turns", type=int, default=40)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--sluice-flags", default="", help="Sluice's own flags (one string)")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/two-models-cpu.md"))
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="sluice-two-models-") as tmp:
+        results = run(args, Path(tmp))
+    lines = report(results, args)
+    args.out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
