@@ -32,21 +32,9 @@ import httpx
 import orjson
 
 from bench.__main__ import _demo_flags
+from bench.models_point import MODELS  # chat at start, spare on demand
 from bench.report import SLUICE, VLLM
 from bench.servers import Server, free_port, server_command
-
-MODELS = """
-[models.chat]
-kv-cache-memory-bytes = 67108864
-max-model-len = 4096
-enforce-eager = true
-
-[models.spare]
-load = "on-demand"
-kv-cache-memory-bytes = 67108864
-max-model-len = 4096
-enforce-eager = true
-"""
 
 
 def first_token(base: str, model: str) -> float:
