@@ -31,6 +31,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# Flags with which a test's engine decides torch.compile for itself; without
+# one, SluiceProcess starts it eager (see there).
+COMPILE_FLAGS = ("--enforce-eager", "--no-enforce-eager", "--models")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -38,6 +43,15 @@ def free_port() -> int:
 
 
 class SluiceProcess:
+    """`sluice serve` with `args`, its output in `log_path`.
+
+    Eager (`--enforce-eager`) unless `args` decide (COMPILE_FLAGS): a start skips
+    torch.compile, which in a fresh clone compiles anew for each engine shape, 25 s
+    or more per start on two cores (issue 29: the suite's time was mostly engine
+    starts). The shared server (tests/integration/conftest.py) runs compiled, as
+    `sluice serve` does by default, so the compiled path stays under test.
+    """
+
     def __init__(
         self,
         args: Sequence[str],
@@ -64,6 +78,8 @@ class SluiceProcess:
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             **(env or {}),
         }
+        if not any(a in COMPILE_FLAGS for a in args):
+            args = ["--enforce-eager", *args]
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "server", "serve", "--port", str(self.port), *args],
@@ -134,7 +150,8 @@ class SluiceProcess:
 def vllm_on_demo(model_dir: Path, name: str, extra: Sequence[str], log_dir: Path) -> Iterator[str]:
     """vLLM's own OpenAI server on a demo model directory, with the engine flags
     `sluice serve` gives the demo model (server/engines/demo/model.py
-    demo_engine_kwargs) and `extra`: the reference a test compares Sluice with.
+    demo_engine_kwargs), eager as the tests' Sluice (SluiceProcess), and `extra`:
+    the reference a test compares Sluice with.
     Yields its base URL; stopped afterwards (its whole process group)."""
     from bench.report import VLLM
     from bench.servers import Server, server_command
@@ -152,6 +169,7 @@ def vllm_on_demo(model_dir: Path, name: str, extra: Sequence[str], log_dir: Path
         str(kw["max_model_len"]),
         "--kv-cache-memory-bytes",
         str(kw["kv_cache_memory_bytes"]),
+        "--enforce-eager",
         *extra,
     ]
     port = free_port()

@@ -16,9 +16,10 @@ def sluice_server(
 ) -> Iterator[SluiceProcess]:
     """One Sluice with the real engine on the demo model, for tests/integration: it
     stops when the package's tests end, so tests/system's own servers do not
-    start and run beside an idle one."""
+    start and run beside an idle one. Compiled, as `sluice serve` runs by default
+    (the tests' other servers start eager: tests/support.py SluiceProcess)."""
     log = tmp_path_factory.mktemp("logs") / "sluice.log"
     with SluiceProcess(
-        ["--log-format", "plain"], cache_dir=demo_cache_root, log_path=log
+        ["--no-enforce-eager", "--log-format", "plain"], cache_dir=demo_cache_root, log_path=log
     ).running() as proc:
         yield proc

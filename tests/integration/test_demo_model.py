@@ -57,7 +57,9 @@ async def engine(demo_model_dir: Path) -> AsyncIterator[Any]:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     before = {p.pid for p in _engine_children()}
-    args = AsyncEngineArgs(**demo_engine_kwargs(demo_model_dir, kv_cache_bytes=KV_CACHE_BYTES))
+    # Eager: no torch.compile to wait for (the shared server runs compiled).
+    kwargs = demo_engine_kwargs(demo_model_dir, kv_cache_bytes=KV_CACHE_BYTES)
+    args = AsyncEngineArgs(**kwargs, enforce_eager=True)
     llm = AsyncLLM.from_engine_args(args)
     try:
         yield llm

@@ -35,12 +35,13 @@ POOLING = ["--runner", "pooling", "--convert", "embed"]
 CHAT = "chat"  # the demo chat model beside it
 # The embedding model first: a request that names no model (vLLM's rerank shape
 # allows it) goes to the first. Its engine flags are `sluice serve`'s demo
-# defaults, as vLLM's server gets them (tests/support.py vllm_on_demo); the chat
-# model is small and eager (no torch.compile: a start in about 12 s).
+# defaults, eager, as vLLM's server gets them (tests/support.py vllm_on_demo); the
+# chat model is small and eager too (no torch.compile: a start in about 12 s).
 MODELS = f"""
 [models.{MODEL}]
 runner = "pooling"
 convert = "embed"
+enforce-eager = true
 
 [models.{CHAT}]
 kv-cache-memory-bytes = 67108864

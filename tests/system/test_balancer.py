@@ -41,9 +41,10 @@ pytestmark = [pytest.mark.engine, pytest.mark.system, pytest.mark.timeout(1500)]
 
 CONFIG = ROOT / "docs" / "haproxy.cfg"
 MODEL = "sluice-demo"
-# Long enough to outlast the shedding step and still run at SIGTERM (8,000
-# tokens take tens of seconds here, tests/system/test_shutdown.py).
-LONG = 4000
+# Long enough to outlast the shedding step and still run at SIGTERM, and no
+# longer: the drain waits for them. Two streams on each of two eager engines ran
+# 21-27 tokens/s each here (1,000 tokens: a 47 s drain), and steps 1-3 took 3-5 s.
+LONG = 1000
 A_ARGS = ["--max-pending-requests", "2", "--drain-timeout", "240"]
 B_ARGS = ["--drain-timeout", "240"]
 # An engine start here took over 240 s with two starting at once on these

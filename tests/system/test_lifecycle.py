@@ -110,8 +110,8 @@ async def test_sigterm_drains_streams_and_notifies(demo_cache_root: Path, tmp_pa
         assert any("READY=1" in d for d in seen)
 
         async with httpx.AsyncClient(timeout=120) as client:
-            streams = [asyncio.create_task(_stream(client, proc.base, 3000)) for _ in range(10)]
-            # Once all ten are admitted (3,000 tokens each take seconds on
+            streams = [asyncio.create_task(_stream(client, proc.base, 2000)) for _ in range(10)]
+            # Once all ten are admitted (2,000 tokens each take seconds on
             # two cores), ask for a drain.
             await _all_started(proc.base, 10)
             proc.signal(signal.SIGTERM)

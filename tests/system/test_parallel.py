@@ -10,7 +10,8 @@
   whose numbers Sluice reads unchanged (vLLM sizes its batch defaults by world
   size: 256 x 4,096 on CPU), and requests complete.
 
-Bounded: 768 and 16 requests; each engine starts in 45-70 s here.
+Bounded: 512 and 16 requests; each engine starts in 45-70 s here (eager:
+tests/support.py SluiceProcess).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ async def test_data_parallel_fills_both_ranks(demo_cache_root: Path, tmp_path: P
         await asyncio.to_thread(proc.wait_ready, START_S)
         ready = _ready_fields(proc)
         assert (ready["max_num_seqs"], ready["dp_ranks"]) == (128, 2), ready
-        load = asyncio.create_task(_load(proc.base, 256, 768))
+        load = asyncio.create_task(_load(proc.base, 256, 512))
         peak: dict[str, float] = {}
         async with httpx.AsyncClient(timeout=10) as client:
             deadline = time.monotonic() + 300
@@ -91,7 +92,7 @@ async def test_data_parallel_fills_both_ranks(demo_cache_root: Path, tmp_path: P
                     peak[k] = max(v, peak.get(k, 0.0))
                 await asyncio.sleep(0.2)
         statuses = await load
-        assert statuses == [200] * 768
+        assert statuses == [200] * 512
         # 2 x 128 slots; a sample may land while a freed slot is being refilled.
         assert peak["sluice_engine_requests_running"] >= 240, peak
         for rank in ("0", "1"):
