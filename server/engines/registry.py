@@ -61,8 +61,7 @@ from types import MappingProxyType
 from typing import Any
 
 from server.engines.driver import Driver
-from server.engines.interface import Engine, Service, refuse_kind
-from server.engines.interface import Kind as EngineKind
+from server.engines.interface import Engine, Kind, Service, refuse_kind
 from server.engines.lora import Adapter, AdapterAccess, AdapterRegistry, choose, model_not_found
 
 __all__ = [
@@ -79,22 +78,6 @@ __all__ = [
 ]
 
 
-class Kind(enum.Enum):
-    """What a model serves (rule 3)."""
-
-    GENERATE = "generate"
-    EMBED = "embed"
-    RERANK = "rerank"
-
-
-# The same kinds as the engine seam names them (server/engines/interface.py).
-_ENGINE_KIND: dict[Kind, EngineKind] = {
-    Kind.GENERATE: "generate",
-    Kind.EMBED: "embed",
-    Kind.RERANK: "rerank",
-}
-
-
 def model_kind(runner_type: str, convert_type: str, architectures: Iterable[str]) -> Kind:
     """A model's kind from vLLM's resolved runner and convert types (its
     ModelConfig `runner_type`, `convert_type`, `architectures`).
@@ -104,16 +87,16 @@ def model_kind(runner_type: str, convert_type: str, architectures: Iterable[str]
     cross-encoder such as BAAI/bge-reranker), scores pairs: that is a reranker.
     """
     if runner_type == "generate":
-        return Kind.GENERATE
+        return "generate"
     if runner_type != "pooling":
         raise ValueError(f"runner {runner_type!r} serves no API (generate or pooling)")
     if convert_type == "classify":
-        return Kind.RERANK
+        return "rerank"
     if convert_type == "none" and any(
         a.endswith("ForSequenceClassification") for a in architectures
     ):
-        return Kind.RERANK
-    return Kind.EMBED
+        return "rerank"
+    return "embed"
 
 
 class Load(enum.Enum):
@@ -145,7 +128,7 @@ class ModelSpec:
 
     name: str  # what clients put in `model`
     path: str = ""  # what the engine loads (a directory or a hub id)
-    kind: Kind = Kind.GENERATE
+    kind: Kind = "generate"
     load: Load = Load.START
     unload_after: float = 0.0  # seconds idle before an on-demand model unloads; 0: never
     footprint: int = 0  # bytes of the card it takes while loaded (0: not counted)
@@ -324,7 +307,7 @@ def require_kind(entry: ModelEntry, serves: Service) -> None:
     server/engines/interface.py `KIND_SERVES`)."""
     # Once loaded, the kind its engine resolved; before, the one its config gave.
     loaded = entry.state is State.LOADED
-    kind = entry.engine.info.kind if loaded else _ENGINE_KIND[entry.spec.kind]
+    kind = entry.engine.info.kind if loaded else entry.spec.kind
     refusal = refuse_kind(entry.name, kind, serves)
     if refusal is not None:
         raise refusal

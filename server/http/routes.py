@@ -74,7 +74,7 @@ def _card(entry: ModelEntry) -> dict[str, object]:
     card: dict[str, object] = {
         "created": info.created,
         "state": entry.state.value,
-        "kind": entry.spec.kind.value,
+        "kind": entry.spec.kind,
         "load": entry.spec.load.value,
     }
     if max_len := info.max_model_len or entry.spec.max_model_len:

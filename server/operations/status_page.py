@@ -150,7 +150,7 @@ def snapshot(app: web.Application) -> Snapshot:
             core = e.driver.core
             models[e.name] = ModelRow(
                 state=e.state.value,
-                kind=e.spec.kind.value,
+                kind=e.spec.kind,
                 load=e.spec.load.value,
                 loads=e.loads,
                 failures=e.failures,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from server.cli import parse_serve_args
-from server.engines.registry import Kind, Load
+from server.engines.registry import Load
 
 # Two demo models with small KV caches (the demo model's 1 KiB per token).
 TWO = """
@@ -51,7 +51,7 @@ def test_each_table_is_a_model_with_its_own_engine_flags(
     chat, spare = s.models  # type: ignore[attr-defined]
     assert (chat.name, chat.load, chat.unload_after) == ("chat", Load.START, 0.0)
     assert (spare.name, spare.load, spare.unload_after) == ("spare", Load.ON_DEMAND, 90.0)
-    assert chat.kind is Kind.GENERATE and chat.demo and spare.demo
+    assert chat.kind == "generate" and chat.demo and spare.demo
     # Each table's flags reached its own engine's arguments, and only its own.
     assert chat.engine_args.max_model_len == 4096 and chat.max_model_len == 4096
     assert spare.engine_args.max_num_seqs == 8 and spare.engine_args.enforce_eager
