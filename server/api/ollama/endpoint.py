@@ -59,6 +59,7 @@ from server.api.ollama.parse import (
 )
 from server.api.openai_chat.endpoint import ChatEncoder, Detokenize, chat_job, read_body
 from server.api.openai_chat.parse import check_context
+from server.api.pooling.endpoint import embed_job
 from server.engines.choice_reader import ChoiceReader
 from server.engines.interface import ChatParser, CompletionDelta, Pooled
 from server.engines.registry import ModelEntry as Served
@@ -331,20 +332,12 @@ async def _embed_job(
     engine (``truncate``, Ollama's default, cuts each to the context, as vLLM's
     ``truncate_prompt_tokens`` -1 does; off, an input past it is a 400)."""
     request.app[METRICS].ignored.record("ollama", req.ignored)
-    served = _served(request, req.name)
-    entry, adapter = await use_model(request, served, serves="embed")
-    engine = entry.engine
-    params = engine.pooling_params("embed", req.dimensions)
-    ids = await engine.tokenize_pooling(
-        req.inputs, truncate_prompt_tokens=-1 if req.truncate else None
-    )
-    job = PoolJob(
-        model=served,
-        entry=entry,
-        inputs=tuple(map(tuple, ids)),
-        params=(params,) * len(ids),
-        variant=("embed", req.dimensions, None),
-        adapter=adapter,
+    job = await embed_job(
+        request,
+        _served(request, req.name),
+        req.inputs,
+        dimensions=req.dimensions,
+        truncate_prompt_tokens=-1 if req.truncate else None,
     )
 
     def body(outs: Sequence[Pooled]) -> bytes:

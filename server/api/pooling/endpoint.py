@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import numpy as np
 from aiohttp import web
@@ -31,31 +32,62 @@ from server.http.models import use_model
 from server.http.pipeline import PoolJob, Trace
 from server.state import METRICS, MODELS
 
-__all__ = ["prepare_embeddings", "prepare_rerank"]
+__all__ = ["embed_job", "prepare_embeddings", "prepare_rerank"]
 
 Body = Callable[[Sequence[Pooled]], bytes]
+
+
+async def embed_job(
+    request: web.Request,
+    model: str,
+    inputs: Sequence[str | Sequence[int]],
+    *,
+    dimensions: int | None = None,
+    use_activation: bool | None = None,
+    add_special_tokens: bool = True,
+    truncate_prompt_tokens: int | None = None,
+    truncation_side: Literal["left", "right"] | None = None,
+    priority: int = 0,
+    user: str | None = None,
+) -> PoolJob:
+    """An embedding request's pooling job, whichever API it came in by (this one,
+    Ollama's /api/embed and /api/embeddings): the model checked (it must embed),
+    each input tokenized by its engine (a 400 naming the field), one engine request
+    per input."""
+    entry, adapter = await use_model(request, model, serves="embed")
+    engine = entry.engine
+    params = engine.pooling_params("embed", dimensions, use_activation)
+    ids = await engine.tokenize_pooling(
+        inputs,
+        add_special_tokens=add_special_tokens,
+        truncate_prompt_tokens=truncate_prompt_tokens,
+        truncation_side=truncation_side,
+    )
+    return PoolJob(
+        model=model,
+        entry=entry,
+        inputs=tuple(map(tuple, ids)),
+        params=(params,) * len(ids),
+        variant=("embed", dimensions, use_activation),
+        adapter=adapter,
+        priority=priority,
+        user=user,
+    )
 
 
 async def prepare_embeddings(request: web.Request, tr: Trace) -> tuple[PoolJob, Body]:
     req = parse_embeddings(await read_body(request))
     request.app[METRICS].ignored.record("embeddings", req.ignored)
     model = req.model or request.app[MODELS].default.name
-    entry, adapter = await use_model(request, model, serves="embed")
-    engine = entry.engine
-    params = engine.pooling_params("embed", req.dimensions, req.use_activation)
-    ids = await engine.tokenize_pooling(
+    job = await embed_job(
+        request,
+        model,
         req.inputs,
+        dimensions=req.dimensions,
+        use_activation=req.use_activation,
         add_special_tokens=req.add_special_tokens,
         truncate_prompt_tokens=req.truncation.tokens,
         truncation_side=req.truncation.side,
-    )
-    job = PoolJob(
-        model=model,
-        entry=entry,
-        inputs=tuple(map(tuple, ids)),
-        params=(params,) * len(ids),
-        variant=("embed", req.dimensions, req.use_activation),
-        adapter=adapter,
         priority=req.priority,
         user=req.user,
     )
