@@ -520,11 +520,13 @@ def parse_generate(body: bytes, limits: Limits) -> OllamaRequest:
 
 
 # A Go duration (time.ParseDuration): signed, one or more number-unit pairs.
-_DURATION: Final = re.compile(r"([+-]?)((?:\d+(?:\.\d*)?|\.\d+)(?:ns|us|µs|μs|ms|s|m|h))+")
-_PART: Final = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
 _UNIT: Final = {
     "ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0,
 }  # fmt: skip
+# One number-unit pair; the longer units first, so "ms" is not read as "m".
+_PAIR: Final = r"(\d+(?:\.\d*)?|\.\d+)(" + "|".join(sorted(_UNIT, key=len, reverse=True)) + ")"
+_PART: Final = re.compile(_PAIR)
+_DURATION: Final = re.compile(rf"([+-]?)(?:{_PAIR})+")
 
 
 def keep_alive(obj: dict[str, Any]) -> float | None:
