@@ -37,7 +37,7 @@ def _setters(cls: type[Any], names: tuple[str, ...]) -> tuple[_Setter, ...]:
 
 
 _E1, _E2, _E3, _E4, _E5 = _setters(Ended, ("request_id", "outcome", "queue_wait", "at", "caller"))
-_N1, _N2, _N3 = _setters(Entry, ("request", "subscribers", "order"))
+_N1, _N2, _N3, _N4 = _setters(Entry, ("request", "subscribers", "order", "rank"))
 _A1, _A2 = _setters(Admitted, ("request_id", "joined"))
 _B1, _B2, _B3, _B4, _B5, _B6 = _setters(
     Batch, ("id", "key", "entries", "reason", "released_at", "tokens")
@@ -57,11 +57,14 @@ def ended(request_id: str, outcome: Outcome, queue_wait: float, at: float, calle
     return o
 
 
-def entry(request: Request, subscribers: tuple[str, ...], order: Key) -> Entry:
+def entry(
+    request: Request, subscribers: tuple[str, ...], order: Key, rank: int | None = None
+) -> Entry:
     o = _new(Entry)
     _N1(o, request)
     _N2(o, subscribers)
     _N3(o, order)
+    _N4(o, rank)
     return o
 
 

@@ -171,6 +171,7 @@ class Gen:
         "key",
         "new",
         "ptok",
+        "rank",
         "reason",
         "request",
         "round",
@@ -209,6 +210,7 @@ class Gen:
         self.round = 0  # the due() call in which it became eligible
         self.bseq = 0  # its latest backlog entry; older heap entries are stale
         self.started = False  # the engine produced its first output
+        self.rank = 0  # the data-parallel rank it was placed on, once released
 
 
 class Group:

@@ -120,6 +120,7 @@ from .backlog import Backlog
 from .callers import Callers, CallerStats
 from .config import CoalescerConfig
 from .drain import DrainRate
+from .endings import Endings
 from .events import (
     Counters,
     DedupeHit,
@@ -129,7 +130,7 @@ from .events import (
     RoomCounters,
 )
 from .keys import GroupKey
-from .room import EngineCapacity, EngineView, Hold, Room, underfed
+from .room import EngineCapacity, EngineView, Hold, Room, place, underfed
 from .types import (
     AdmissionState,
     Admitted,
@@ -234,6 +235,11 @@ class Coalescer:
         self._spare_slots = 0.0
         self._spare_tokens = 0.0
         self._slot_bound = False  # the last round's feed ran short of slots, not budget
+        # Each rank's started generations by the step they end by: the slots the
+        # engine's next steps free (room.py rule 2), and the unstarted generations
+        # placed on it (rule 6's placement).
+        self._endings = [Endings(config.feed_steps - 1) for _ in range(config.engine.ranks)]
+        self._unstarted_rank = [0] * config.engine.ranks
         self._unstarted_n = 0  # released generations without a first output yet
         self._unstarted_tokens = 0  # their prompt tokens
         self._unstarted_feed = 0  # what the engine's next steps prefill of them (rule 2)
@@ -304,6 +310,15 @@ class Coalescer:
         self._unstarted_long = sum(1 for p in unstarted if multi(p, short))
         ranks = cfg.engine.ranks
         self._last_steps = (self._last_steps + [None] * ranks)[:ranks]
+        ahead = cfg.feed_steps - 1
+        self._endings = (self._endings + [Endings(ahead) for _ in range(ranks)])[:ranks]
+        for e in self._endings:
+            e.ahead = ahead
+        unstarted = [0] * ranks
+        for g in self._in_flight.values():
+            if not g.started and g.rank < ranks:
+                unstarted[g.rank] += 1
+        self._unstarted_rank = unstarted
 
     def _set_slots(self) -> None:
         """The engine's max_loras and the slot wait (rule 13); slots in flight stay."""
@@ -875,6 +890,10 @@ class Coalescer:
             prefilled += s.prefill_tokens
         self._prefilled = min(prefilled, self._unstarted_tokens)
         self._n_steps += len(steps)
+        endings = self._endings
+        for s in steps:
+            if 0 <= s.rank < len(endings):
+                endings[s.rank].advance(1.0)
         if not self._backlog.n:
             return
         self._n_steps_held += len(steps)
@@ -979,6 +998,7 @@ class Coalescer:
                 in_flight - self._unstarted_n,
                 self._spare_slots,
                 self._spare_tokens,
+                sum(self._ending()),
             ),
             self._kv_usage,
             self._prefilled,
@@ -991,6 +1011,16 @@ class Coalescer:
             self._unstarted_long,
             cfg.long_prefills if self._callers_busy() > 1 else 0,
         )
+
+    def _ending(self) -> list[int]:
+        """Each rank's running generations that end within the feed's steps
+        (endings.py), at most what its last step left running: more cannot end."""
+        last = self._last_steps
+        share = (len(self._in_flight) - self._unstarted_n) // max(1, len(last))
+        return [
+            min(e.soon, s.running if s is not None else share)
+            for e, s in zip(self._endings, last, strict=False)
+        ]
 
     def _callers_busy(self) -> int:
         """Callers with work in flight or queued (room.py rule 5), counted up to two."""
@@ -1087,6 +1117,9 @@ class Coalescer:
         size, steps = cfg.engine.feed_size, cfg.feed_steps
         multi, short = cfg.engine.multi_step, cfg.short_prompt_tokens
         nsubs = 0
+        unstarted = self._unstarted_rank
+        ranks = len(unstarted)
+        ending = self._ending() if ranks > 1 else []
         for g in gens:
             g.state = GONE
             req = g.request
@@ -1115,7 +1148,11 @@ class Coalescer:
             ptok += g.ptok
             feed += size(g.ptok, steps)
             longs += multi(g.ptok, short)
-            entries.append(_fast.entry(req, tuple(subs), g.key))
+            rank = None
+            if ranks > 1:
+                g.rank = rank = place(cfg.engine, self._last_steps, ending, unstarted, g.ptok)
+            unstarted[g.rank] += 1
+            entries.append(_fast.entry(req, tuple(subs), g.key, rank))
         self._q_reqs -= nsubs
         self._f_reqs += nsubs
         self._q_tokens -= tokens
@@ -1145,6 +1182,8 @@ class Coalescer:
         if gen is None or gen.started:
             return False
         gen.started = True
+        if gen.rank < len(self._endings):
+            self._endings[gen.rank].start(request_id, gen.request.max_new_tokens)
         self._leaves_engine_queue(gen, gen.ptok - min(max(0, cached), gen.ptok))
         return True
 
@@ -1153,6 +1192,8 @@ class Coalescer:
         engine prefilled `prefilled` of its prompt tokens."""
         cfg = self._config
         self._unstarted_n -= 1
+        if gen.rank < len(self._unstarted_rank):
+            self._unstarted_rank[gen.rank] -= 1
         self._unstarted_tokens -= gen.ptok
         self._unstarted_feed -= cfg.engine.feed_size(gen.ptok, cfg.feed_steps)
         self._unstarted_long -= cfg.engine.multi_step(gen.ptok, cfg.short_prompt_tokens)
@@ -1175,6 +1216,8 @@ class Coalescer:
         gen = self._in_flight.pop(request_id, None)
         if gen is None:
             return False
+        if gen.rank < len(self._endings):
+            self._endings[gen.rank].end(request_id)
         n = len(gen.subs)
         self._f_reqs -= n
         self._f_tokens -= gen.tokens

@@ -25,9 +25,10 @@ Rules:
   bulk request to end (issue 21: chat TTFT p95 534 ms at 0, 72 ms at 0.1, bulk
   throughput unchanged; 0.2 cost a 2,000-token flood 8%).
 * `feed_steps` (>= 1) sizes the engine's own queue (room.py rule 2): what this many
-  of its steps take, as its last step showed, plus the spare its under-fed steps
-  set. 2 by default: a release reaches the engine one step late (the driver hears
-  of step N when step N+1 is scheduled). Issue 21's room (released slots up to
+  of its steps take, as its last step showed (the slots it left free, and those its
+  running generations free by then; the budget its decodes left, this many times),
+  plus the spare its under-fed steps set. 2 by default: a release reaches the engine
+  one step late (the driver hears of step N when step N+1 is scheduled). Issue 21's room (released slots up to
   max_num_seqs + 1/16, unstarted prompt tokens up to one step's budget) left 89%
   of the steps under-fed at the c=384 spread (issue 27).
 * `long_prefills` (>= 0; 0 turns it off) bounds, while more than one caller has work,

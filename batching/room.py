@@ -17,9 +17,12 @@ engine number, and an unknown number never holds anything back):
    (released, no first output yet: waiting in vLLM, on its way there, or in its
    first prefill chunks). It may hold what the engine's next `feed_steps` steps
    can take, as its last step on each data-parallel rank showed: requests up to
-   `feed_steps` x the running slots the steps left free (`max_seqs` - running
-   after the step), prompt tokens up to `feed_steps` x the budget their decodes
-   left (`step_tokens` - decode tokens of the step); plus a spare of each that the
+   the running slots the steps left free (`max_seqs` - running after the step)
+   plus the running generations that end by the step a release reaches
+   (`EngineView.ending`, endings.py: vLLM decodes a token a step, so one whose
+   first output came at step s ends by step s + max_new_tokens - 1), prompt
+   tokens up to `feed_steps` x the budget their decodes left (`step_tokens` -
+   decode tokens of the step); plus a spare of each that the
    steps set (`EngineView.spare_*`, coalescer.py): a step under-fed while this rule
    held work adds what it left unused, of the dimension the rule ran short of (at
    most one engine's slots and budget), and a step after which the engine still
@@ -30,8 +33,16 @@ engine number, and an unknown number never holds anything back):
    chunked prefill takes it in pieces), if a slot is free for it. Two steps,
    because a release reaches the engine one step late: the driver hears of step N
    once the engine has scheduled step N+1, so what it releases then feeds step
-   N+2; the spare covers what that misses (steps that finish more requests than
-   the one before). Measured at the
+   N+2; the spare covers what that misses (generations that end early, on a stop
+   or EOS). Issue 27's first feed took `feed_steps` x the free slots, as if the
+   next step freed as many as the last: equal requests started together end
+   together, so one step frees a hundred slots and the next none, and the second
+   hundred then waited in vLLM's queue for the next group to end (seconds: a
+   quarter of the requests at data parallelism c=512, their TTFT p99 1.35x vLLM's
+   server; modelled, bench/room_sim.py dp, 3 seeds: TTFT p99 17.0-17.8 s against
+   11.9-12.1 s with the endings and rule 6's placement, vLLM's waiting queue 24 deep
+   on average against 2; at the c=384 spread under-fed steps 2.9% -> 1.8%, TTFT
+   p99 8.1 -> 8.2 s). Measured at the
    c=384 spread (one caller, 16-700-token prompts; one run on a loaded 2-core
    machine): issue 21's prediction (released slots up to max_num_seqs + 1/16,
    unstarted prompt tokens up to one step's budget) left 89% of the engine's
@@ -84,9 +95,9 @@ engine number, and an unknown number never holds anything back):
    35.3 req/s at 1 against 40.5 without.
 6. Data-parallel ranks (`ranks` > 1; vLLM's --data-parallel-size): each rank has
    its own scheduler and KV cache, and the capacity numbers are one rank's. Rule 2
-   adds up the ranks' own last steps (vLLM's coordinator places each request,
-   server/engines/vllm_adapter.py says why Sluice leaves it to it), and rule 5's bound is per
-   rank. KV adds up for the total in use (rule 3 on `ranks` x `kv_tokens`,
+   adds up the ranks' own last steps and endings, and each release names its rank
+   (`place`, below; vLLM's `data_parallel_rank`): the one with room for it; rule 5's
+   bound is per rank. KV adds up for the total in use (rule 3 on `ranks` x `kv_tokens`,
    `kv_usage` being the ranks' mean), but a prompt's blocks live on one rank: it
    also needs `kv_tokens` x (1 - the least-used rank's usage) free on that rank.
 7. LoRA slots (`max_loras` > 0; vLLM's --max-loras with --enable-lora): work on an
@@ -107,13 +118,13 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .adapters import AdapterSlots
 from .types import EngineStep
 
-__all__ = ["EngineCapacity", "EngineView", "Hold", "Room", "underfed"]
+__all__ = ["EngineCapacity", "EngineView", "Hold", "Room", "place", "underfed"]
 
 
 class Hold(enum.Enum):
@@ -174,6 +185,7 @@ class EngineView:
     free_tokens: int
     spare_slots: float = 0.0
     spare_tokens: float = 0.0
+    ending: int = 0  # running generations that end within the feed's steps (endings.py)
 
     @classmethod
     def of(
@@ -183,6 +195,7 @@ class EngineView:
         running: int,
         spare_slots: float = 0.0,
         spare_tokens: float = 0.0,
+        ending: int = 0,
     ) -> EngineView:
         """From each rank's latest step (None: none reported yet). A rank that has not
         reported gets its share of `running`, Sluice's own count of started and
@@ -196,7 +209,7 @@ class EngineView:
             dec = step.decode_tokens if step is not None else share
             slots += max(0, seqs - run)
             tokens += max(0, budget - dec)
-        return cls(slots if seqs else 0, tokens if budget else 0, spare_slots, spare_tokens)
+        return cls(slots if seqs else 0, tokens if budget else 0, spare_slots, spare_tokens, ending)
 
 
 class Room:
@@ -255,7 +268,7 @@ class Room:
         self.feed_size = capacity.feed_size
         # Rule 2: what the engine's next `feed_steps` steps take, and the spare.
         seqs, budget = capacity.max_seqs, capacity.step_tokens
-        self.feed_slots = feed_steps * view.free_slots + view.spare_slots if seqs else math.inf
+        self.feed_slots = view.free_slots + view.ending + view.spare_slots if seqs else math.inf
         self.feed_tokens = feed_steps * view.free_tokens + view.spare_tokens if budget else math.inf
         self.kv_tokens = kv = capacity.kv_tokens * capacity.ranks
         self.kv_rank_free = _rank_free(capacity, kv_usage, kv_usage_least)
@@ -377,3 +390,37 @@ def underfed(step: EngineStep, capacity: EngineCapacity, held: int) -> bool:
     if capacity.step_tokens and step.tokens + chunk > capacity.step_tokens:
         return False
     return not (capacity.kv_tokens and held > capacity.kv_tokens * (1.0 - step.kv_usage))
+
+
+def place(
+    capacity: EngineCapacity,
+    last: Sequence[EngineStep | None],
+    ending: Sequence[int],
+    unstarted: Sequence[int],
+    ptok: int,
+) -> int:
+    """Rule 6's placement: the data-parallel rank a released generation of `ptok`
+    prompt tokens goes to.
+
+    The rank with the most room: the running slots its last step left free, plus its
+    generations that end within the feed's steps (`ending`, endings.py), less the
+    unstarted work already placed on it; a rank whose KV cache has room for the whole
+    prompt first; ties to the lower rank. vLLM's own client balances this process's
+    unfinished requests per rank instead, which sends a release beside a rank whose
+    slots free next step to one whose requests all run for seconds more, where it
+    waits in that rank's queue: modelled (bench/room_sim.py dp, c=512, 64 in / 64 out,
+    3 seeds) TTFT p99 17.0-17.4 s against 11.9-12.4 s placed here, with everything sent
+    at once 11.8-11.9 s. A rank that has not reported a step counts as empty.
+    """
+    seqs, kv = capacity.max_seqs, capacity.kv_tokens
+    best = 0
+    best_key: tuple[bool, int, float] | None = None
+    for r, waiting in enumerate(unstarted):
+        step = last[r] if r < len(last) else None
+        running = step.running if step is not None else 0
+        room = (seqs - running if seqs else 0) + (ending[r] if r < len(ending) else 0) - waiting
+        kv_free = kv * (1.0 - step.kv_usage) if kv and step is not None else math.inf
+        key = (kv_free >= ptok, room, kv_free)
+        if best_key is None or key > best_key:
+            best, best_key = r, key
+    return best

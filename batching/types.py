@@ -138,6 +138,9 @@ class Entry:
     request: Request
     subscribers: tuple[str, ...]
     order: Key = (0, 0.0, 0)  # its release key (order.py)
+    # The data-parallel rank the engine should run it on (room.py `place`); None
+    # with one rank.
+    rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

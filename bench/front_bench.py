@@ -213,6 +213,7 @@ class StepEngine:
         priority: int,
         adapter: Any = None,
         cache_salt: str | None = None,
+        rank: int | None = None,
     ) -> Any:
         from vllm.v1.engine.output_processor import RequestOutputCollector
 

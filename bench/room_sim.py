@@ -45,7 +45,7 @@ from typing import Any
 
 BLOCK = 16
 FRONT_DELAY = 0.001  # the front hears of a step this long after it ended
-SCENARIOS = ("spread", "wide", "noisy", "three")
+SCENARIOS = ("spread", "wide", "noisy", "three", "dp")
 
 
 def step_time(tokens: int) -> float:
@@ -63,6 +63,7 @@ class Req:
     generated: int = 0
     blocks: int = 0
     released_at: float | None = None
+    rank: int = 0  # the data-parallel rank vLLM's client placed it on
     first_at: float | None = None
     done_at: float | None = None
 
@@ -162,15 +163,26 @@ def run(
     warm = 2.0
     rng = random.Random(seed)
     kv_tokens = 16384 if scenario in ("noisy", "three") else 524288
-    eng = Engine(kv_tokens=kv_tokens)
+    # "dp": two data-parallel ranks, each its own scheduler, step loop and KV cache,
+    # each request placed by vLLM's client (`place`).
+    ranks = 2 if scenario == "dp" else 1
+    # Two engines share the two cores there, beside the front: measured at c=512
+    # (bench/results/issue27-cpu.md) a step of 128 decodes took about 110 ms, 8x
+    # the one-engine model's.
+    slow = 8.0 if scenario == "dp" else 1.0
+    # And their steps vary, which keeps equal requests on two ranks from finishing
+    # in lockstep: +-10% a step there (seeded).
+    jitter = 0.1 if scenario == "dp" else 0.0
+    engs = [Engine(kv_tokens=kv_tokens) for _ in range(ranks)]
     names = {
         "noisy": ("chat", "batch"),
         "three": ("chat", "bulk_a", "bulk_b"),
         "spread": ("default",),
         "wide": ("default",),
+        "dp": ("default",),
     }[scenario]
     capacity = b.EngineCapacity(
-        max_seqs=128, step_tokens=2048, kv_tokens=kv_tokens, prefill_chunk=512
+        max_seqs=128, step_tokens=2048, kv_tokens=kv_tokens, prefill_chunk=512, ranks=ranks
     )
     config = b.CoalescerConfig(
         window=0.01,
@@ -199,40 +211,66 @@ def run(
     streams = {"noisy": [("batch", 2000, 128)] * 32, "spread": [("default", 0, 32)] * 384}
     streams["three"] = [("bulk_a", 1500, 128), ("bulk_b", 1500, 128)] * 16
     streams["wide"] = [("default", 64, 32)] * 512
+    streams["dp"] = [("default", 64, 64)] * 512
     for i, (caller, prompt, out) in enumerate(streams.get(scenario, [])):
         push(0.0001 * i, "arrive", (caller, prompt or rng.randint(16, 700), out, True))
 
     stop = warm + span
     loops: dict[str, tuple[str, int, int]] = {}
-    in_transit: list[Req] = []
+    in_transit: list[list[Req]] = [[] for _ in engs]
     reported: list[Any] = []
-    busy = False  # a step is running
+    busy = [False] * ranks  # a step is running on the rank
     per_step: list[tuple[int, int]] = []  # (tokens, waiting after)
+    inflight = [0] * ranks  # unfinished requests placed on each rank
+    first_rank = 0
+
+    def place(named: int | None) -> int:
+        """vLLM 0.32's DP client (core_client.py get_core_engine_for_request), one
+        client: the rank the request names (Sluice's placement, room.py `place`), or
+        the one with the fewest of its unfinished requests, ties rotating."""
+        nonlocal first_rank
+        if named is None:
+            best = min(range(ranks), key=lambda i: (inflight[(first_rank + i) % ranks], i))
+            named = (first_rank + best) % ranks
+            first_rank = (first_rank + 1) % ranks
+        inflight[named] += 1
+        return named
 
     def due(t: float) -> None:
-        load = b.EngineLoad(len(eng.running), len(eng.waiting), eng.kv_usage)
+        kv = [e.kv_usage for e in engs]
+        load = b.EngineLoad(
+            sum(len(e.running) for e in engs),
+            sum(len(e.waiting) for e in engs),
+            statistics.mean(kv),
+            min(kv) if ranks > 1 else None,
+        )
         batches = core.due(t, load, list(reported)) if steps_api else core.due(t, load)
         reported.clear()
         for batch in batches:
             for e in batch.entries:
                 r = reqs[e.request.id]
                 r.released_at = t
-                in_transit.append(r)
+                r.rank = place(getattr(e, "rank", None))
+                in_transit[r.rank].append(r)
         core.pop_events()
         deadline = core.next_deadline()
         if deadline is not None:
             push(max(deadline, t), "tick")
-        if in_transit and not busy:
-            push(t, "kick")
+        for rank in range(ranks):
+            if in_transit[rank] and not busy[rank]:
+                push(t, "kick", rank)
 
-    def start_step(t: float) -> None:
-        nonlocal busy
-        eng.waiting.extend(in_transit)
-        in_transit.clear()
+    def start_step(t: float, rank: int) -> None:
+        eng = engs[rank]
+        eng.waiting.extend(in_transit[rank])
+        in_transit[rank].clear()
         sched = eng.schedule()
-        busy = bool(sched)
+        busy[rank] = bool(sched)
         if sched:
-            push(t + step_time(sum(n for _, n, _ in sched)), "step_end", sched)
+            took = (
+                slow * step_time(sum(n for _, n, _ in sched)) * rng.uniform(1 - jitter, 1 + jitter)
+            )
+            push(t + took, "step_end", (rank, sched))
 
     n = 0
     while events:
@@ -250,20 +288,29 @@ def run(
         elif kind == "tick":
             due(t)
         elif kind == "kick":
-            if not busy:
-                start_step(t)
+            if not busy[payload]:
+                start_step(t, payload)
         elif kind == "step_end":
-            sched = payload
+            rank, sched = payload
+            eng = engs[rank]
             firsts, done = eng.finish(sched, t)
+            for r in done:
+                inflight[r.rank] -= 1
             prefill = sum(n for _, n, p in sched if p)
             decode = sum(n for _, n, p in sched if not p)
             step = None
             if steps_api:
                 step = b.EngineStep(
-                    0, prefill, decode, len(sched), len(eng.running), len(eng.waiting), eng.kv_usage
+                    rank,
+                    prefill,
+                    decode,
+                    len(sched),
+                    len(eng.running),
+                    len(eng.waiting),
+                    eng.kv_usage,
                 )
             per_step.append((prefill + decode, len(eng.waiting)))
-            start_step(t)  # the engine schedules its next step at once
+            start_step(t, rank)  # the rank schedules its next step at once
             push(t + FRONT_DELAY, "report", (firsts, done, step))
         elif kind == "report":
             firsts, done, step = payload
@@ -307,13 +354,20 @@ def _summary(
     if scenario == "three":
         a = sum(r.caller == "bulk_a" for r in work)
         out["bulk_b_per_a"] = sum(r.caller == "bulk_b" for r in work) / max(1, a)
-    if scenario in ("spread", "wide"):
-        ttft = [
-            1000 * (r.first_at - r.arrival)
+    if scenario in ("spread", "wide", "dp"):
+        timed = [
+            (r.first_at, r)
             for r in reqs.values()
-            if r.first_at and lo <= r.arrival <= hi
+            if r.first_at is not None and lo <= r.arrival <= hi
         ]
+        ttft = [1000 * (first - r.arrival) for first, r in timed]
+        out["ttft_p50_ms"] = _p(ttft, 0.5)
         out["ttft_p99_ms"] = _p(ttft, 0.99)
+        # From release to first token: the wait in vLLM's queue, where Sluice no
+        # longer decides the order.
+        engine_wait = [1000 * (first - (r.released_at or r.arrival)) for first, r in timed]
+        out["engine_wait_p50_ms"] = _p(engine_wait, 0.5)
+        out["engine_wait_p99_ms"] = _p(engine_wait, 0.99)
     mid = per_step[len(per_step) // 10 : -len(per_step) // 10 or None]
     out["tokens_per_step"] = statistics.mean(x for x, _ in mid)
     out["engine_waiting"] = statistics.mean(w for _, w in mid)

@@ -111,6 +111,7 @@ class FakeEngine:
     priorities: dict[str, int] = field(default_factory=dict)  # engine priority per request
     adapters: dict[str, str | None] = field(default_factory=dict)  # LoRA adapter per request
     salts: dict[str, str | None] = field(default_factory=dict)  # prefix-cache salt per request
+    ranks: dict[str, int | None] = field(default_factory=dict)  # data-parallel rank per request
     loaded: list[Adapter] = field(default_factory=list)  # load_adapter's, in order
     # Fault injection: load_adapter fails with this message, as the engine's load would.
     load_error: str | None = None
@@ -339,6 +340,7 @@ class FakeEngine:
         priority: int,
         adapter: Adapter | None = None,
         cache_salt: str | None = None,
+        rank: int | None = None,
     ) -> FakeCollector:
         if self._dead:
             raise SluiceError("the engine died; retry shortly", status=503, retry_after=5)
@@ -357,6 +359,7 @@ class FakeEngine:
         self.priorities[request_id] = priority
         self.adapters[request_id] = adapter.name if adapter is not None else None
         self.salts[request_id] = cache_salt
+        self.ranks[request_id] = rank
         self._producers[request_id] = asyncio.create_task(
             self._produce(request_id, params, collector)
         )

@@ -529,6 +529,7 @@ class Driver:
                     self._engine_priority(entry),
                     lead.adapter,
                     lead.cache_salt,
+                    entry.rank,
                 )
             except SluiceError as exc:
                 self._fail_entry(req.id, subscribers, exc)

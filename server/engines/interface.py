@@ -278,6 +278,9 @@ class Engine(Protocol):
         # The prefix-cache salt (vLLM's cache_salt): requests with different
         # salts never share cached blocks; None: the shared cache.
         cache_salt: str | None = None,
+        # The data-parallel rank to run it on (batching/room.py `place`); None:
+        # the engine's own choice.
+        rank: int | None = None,
     ) -> OutputStream: ...
     async def abort(self, request_ids: Sequence[str]) -> None: ...
     # Load a LoRA adapter into the engine now; SluiceError (400) naming the cause.

@@ -290,6 +290,15 @@ def dp_ranks(config: VllmConfig) -> int:
     return int(p.data_parallel_size_local if p.local_engines_only else p.data_parallel_size)
 
 
+def names_ranks(config: VllmConfig) -> bool:
+    """Does a request's `data_parallel_rank` name one of this client's ranks as the
+    core numbers them (0 .. dp_ranks - 1)? Only with vLLM's internal load balancer
+    over every rank: in hybrid or external-LB mode the client's engines are a slice
+    of the global ranks, and Sluice leaves placement to vLLM there."""
+    p = config.parallel_config
+    return p.data_parallel_rank_local is None and not p.local_engines_only and dp_ranks(config) > 1
+
+
 def lora_request(adapter: Adapter) -> LoRARequest:
     """vLLM's LoRARequest for an adapter: the one place that makes one.
 
@@ -387,6 +396,7 @@ class EngineAdapter:
         self._model_name = model_name
         self._stats = _StatsBox()
         self._llm: AsyncLLM | None = None
+        self._names_ranks = False  # set at start (names_ranks)
         # What a LoRA must fit (server/engines/lora.py rule 7), from the model's config at start.
         self._shapes: ModelShapes | None = None
         self._tokenizer: Any = None
@@ -430,6 +440,7 @@ class EngineAdapter:
         llm = await asyncio.to_thread(_build_engine, self._engine_args, factory)
         lighten_output_path(llm)
         self._llm = llm
+        self._names_ranks = names_ranks(llm.vllm_config)
         self._shapes = ModelShapes.from_config(llm.model_config.hf_config)
         for adapter in self._adapters:
             await self.load_adapter(adapter)
@@ -804,6 +815,7 @@ class EngineAdapter:
         priority: int,
         adapter: Adapter | None = None,
         cache_salt: str | None = None,
+        rank: int | None = None,
     ) -> Any:
         """Add one request; returns vLLM's per-request output collector.
 
@@ -814,11 +826,14 @@ class EngineAdapter:
         raw-prompt path. `cache_salt` rides in it as vLLM's server puts a
         request's `cache_salt` there: the engine mixes it into the hash of the
         prompt's first KV block, so prompts of different salts share no
-        cached block (vllm/v1/core/kv_cache_utils.py).
+        cached block (vllm/v1/core/kv_cache_utils.py). `rank` is the data-parallel
+        rank Sluice placed it on (batching/room.py `place`), passed as vLLM's
+        `data_parallel_rank` where that names the same rank (`names_ranks`).
         """
         if self._llm is None:
             raise SluiceError("engine not started", status=503, retry_after=5)
         lora = None if adapter is None else lora_request(adapter)
+        dp_rank = rank if self._names_ranks else None
         if isinstance(params, PoolingParams):
             # A pooling request: one output, its vector or score (vllm_pooling.py rule 5).
             collector = await self._llm.add_request(
@@ -827,6 +842,7 @@ class EngineAdapter:
                 params,
                 priority=priority,
                 lora_request=lora,
+                data_parallel_rank=dp_rank,
             )
             return PooledStream(collector)
         # A constraint from the first token: tell the engine's reasoning gate
@@ -838,6 +854,7 @@ class EngineAdapter:
             params,
             priority=priority,
             lora_request=lora,
+            data_parallel_rank=dp_rank,
             **({"reasoning_ended": True} if from_start else {}),
         )
 

@@ -159,7 +159,9 @@ def test_changing_the_chunk_rebooks_the_unstarted_prompts() -> None:
 def test_by_default_the_engine_queue_holds_two_steps_of_work() -> None:
     # Room rule 2: a release reaches the engine a step late, so by default its
     # queue holds what two steps take: of an idle engine (no step reported yet),
-    # two step budgets of prompts and twice its slots.
+    # two step budgets of prompts, and its slots (nothing runs that could end and
+    # free one; issue 27's first feed took twice the slots, and half of them then
+    # waited in vLLM's queue for a running request to end).
     assert CoalescerConfig().feed_steps == 2.0
     co = co_(step=100, feed_steps=2.0)
     for r in "abcdef":
@@ -168,7 +170,7 @@ def test_by_default_the_engine_queue_holds_two_steps_of_work() -> None:
     co = co_(seqs=32, feed_steps=2.0)
     for i in range(80):
         co.add(req(f"r{i}"), 0.0)
-    assert len(ids(co.due(0.0))) == 64
+    assert len(ids(co.due(0.0))) == 32
 
 
 def test_kv_room_counts_engine_usage_and_what_it_has_not_prefilled() -> None:

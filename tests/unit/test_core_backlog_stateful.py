@@ -581,9 +581,10 @@ class FairnessMachine(RuleBasedStateMachine):
         delay=st.sampled_from([0.0, 0.05, 10.0]),
     )
     def setup(self, seqs: int, step: int, kv: int, delay: float) -> None:
-        # The most generations in flight: the engine's queue holds two steps'
-        # worth of its free slots and a spare of at most its slots (room.py rule 2),
-        # so running plus queued stays within 3 x seqs.
+        # The most generations in flight: the engine's queue holds the slots its
+        # last step left free, those its running generations free within the feed's
+        # steps (at most what it runs) and a spare of at most its slots (room.py
+        # rule 2), so running plus queued stays within 3 x seqs.
         self.slots = 3 * seqs
         self.seqs = seqs
         self.co = Coalescer(

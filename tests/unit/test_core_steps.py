@@ -39,8 +39,8 @@ def step(
     return EngineStep(rank, prefill, decode, requests, running, waiting, kv)
 
 
-def req(rid: str, prompt: int = 100, caller: str = "a", now: float = 0.0) -> Request:
-    return Request(rid, M, tuple(range(prompt)), 8, now, caller=caller)
+def req(rid: str, prompt: int = 100, caller: str = "a", now: float = 0.0, new: int = 8) -> Request:
+    return Request(rid, M, tuple(range(prompt)), new, now, caller=caller)
 
 
 def co_(cap: EngineCapacity = CAP, **kw: object) -> Coalescer:
@@ -168,20 +168,30 @@ def test_the_engine_queue_holds_two_steps_of_the_budget_its_last_step_left() -> 
     assert len(got) == 19 and got[0] == "r20"
 
 
-def test_the_engine_queue_holds_two_steps_of_the_slots_its_last_step_left() -> None:
+def test_the_engine_queue_holds_the_free_slots_and_those_the_next_step_frees() -> None:
+    """Rule 2: the slots the last step left free, plus the running generations that
+    end by the step a release reaches (endings.py): one that started at step s ends
+    by step s + max_new_tokens - 1. Issue 27's first feed took twice the free slots,
+    whether or not anything was about to end."""
     co = co_(EngineCapacity(max_seqs=8, step_tokens=10_000))
     for i in range(20):
         co.add(req(f"r{i}", 10), 0.0)
-    assert len(ids(co.due(0.0))) == 16  # 2 x 8 free slots
+    assert len(ids(co.due(0.0))) == 8  # an idle engine's 8 slots
     for i in range(8):
-        co.started(f"r{i}", 0.1)
-    # The step ran 8, and 3 of them finished in it: 3 slots free for each of two
-    # steps, and 8 requests queued already.
-    assert ids(co.due(0.1, steps=[step(decode=8, requests=8, running=5)])) == []
+        co.started(f"r{i}", 0.1)  # at step 0: each ends by step 7
     for i in range(3):
-        co.finished(f"r{i}", 0.2)
-    got = ids(co.due(0.2, steps=[step(decode=5, requests=5, running=2)]))
-    assert got == ["r16", "r17", "r18", "r19"]  # 2 x 6 free, of which 8 queued
+        co.finished(f"r{i}", 0.1)
+    # The step ran 8, and 3 of them ended in it: 3 slots free; nothing else ends
+    # by step 2.
+    got = ids(co.due(0.1, steps=[step(decode=8, requests=8, running=5)]))
+    assert got == ["r8", "r9", "r10"]
+    for rid in got:
+        co.started(rid, 0.2)  # at step 1: each ends by step 8
+    full = step(decode=8, requests=8, running=8)
+    for k in range(4):  # steps 2-5: full, and nothing ends by step 6
+        assert ids(co.due(0.3 + k / 10, steps=[full])) == []
+    # Step 6: r3-r7 end by step 7, when a release made now reaches the engine.
+    assert ids(co.due(0.8, steps=[full])) == ["r11", "r12", "r13", "r14", "r15"]
 
 
 def test_a_long_prompt_counts_what_the_next_steps_prefill_of_it() -> None:
@@ -196,18 +206,44 @@ def test_a_long_prompt_counts_what_the_next_steps_prefill_of_it() -> None:
     assert co.backlog_generations == 0
 
 
-def test_the_feed_follows_each_ranks_own_step() -> None:
+def ranks(batches: list[Batch]) -> list[int | None]:
+    return [e.rank for b in batches for e in b.entries]
+
+
+def test_the_feed_follows_each_ranks_own_step_and_places_work_where_it_fits() -> None:
+    """Rules 2 and 6: each rank's free slots; each release names the rank with room
+    (vLLM's own client would balance unfinished requests instead)."""
     two = EngineCapacity(max_seqs=4, step_tokens=1000, ranks=2)
     co = co_(two)
     for i in range(30):
-        co.add(req(f"r{i}", 10), 0.0)
-    assert len(ids(co.due(0.0))) == 16  # 2 steps x 2 ranks x 4 slots
-    for i in range(16):
+        co.add(req(f"r{i}", 10, new=100), 0.0)
+    assert ranks(co.due(0.0)) == [0, 1] * 4  # 2 ranks x 4 slots, placed in turn
+    for i in range(8):
         co.started(f"r{i}", 0.1)
-    # Rank 0 full (4 running), rank 1 ran 4 and 3 of them finished: 3 free.
+    for rid in ("r1", "r3", "r5"):
+        co.finished(rid, 0.1)
+    # Rank 0 full (4 running), rank 1 ran 4 and 3 of them finished: 3 free, there.
     steps = [step(decode=4, requests=4, running=4), step(decode=4, requests=4, running=1, rank=1)]
-    got = ids(co.due(0.1, steps=steps))
-    assert len(got) == 6  # 2 x (0 + 3)
+    assert ranks(co.due(0.1, steps=steps)) == [1, 1, 1]
+
+
+def test_a_release_goes_to_the_rank_whose_running_work_ends_next() -> None:
+    """Both ranks full; rank 1's generations end by the step a release reaches: the
+    release goes there, not to rank 0 where it would wait for seconds."""
+    two = EngineCapacity(max_seqs=2, step_tokens=1000, ranks=2)
+    co = co_(two)
+    for i in range(10):
+        co.add(req(f"r{i}", 10, new=8), 0.0)
+    assert ranks(co.due(0.0)) == [0, 1, 0, 1]
+    for rid in ("r1", "r3"):
+        co.started(rid, 0.1)  # rank 1, at its step 0: they end by its step 7
+    on1 = step(decode=2, requests=2, running=2, rank=1)
+    for k in range(5):  # rank 1's steps 1-5
+        assert co.due(0.2 + k / 10, steps=[on1]) == []
+    for rid in ("r0", "r2"):
+        co.started(rid, 0.7)  # rank 0, at its step 0
+    on0 = step(decode=2, requests=2, running=2)
+    assert ranks(co.due(0.8, steps=[on0, on1])) == [1, 1]  # rank 1's step 6
 
 
 def test_replacing_the_engine_capacity_keeps_the_feed_count_exact() -> None:
@@ -227,7 +263,7 @@ def test_an_underfed_step_adds_what_it_left_to_the_feed_and_waiting_work_takes_i
     a 256th after each step that left the engine waiting work of its own."""
     co = co_(EngineCapacity(max_seqs=8, step_tokens=10_000), feed_steps=1.0)
     for i in range(30):
-        co.add(req(f"r{i}", 10), 0.0)
+        co.add(req(f"r{i}", 10, new=100), 0.0)  # nothing ends within the test
     assert len(ids(co.due(0.0))) == 8
     for i in range(8):
         co.started(f"r{i}", 0.1)

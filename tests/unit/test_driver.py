@@ -398,3 +398,22 @@ async def test_an_engine_step_reaches_the_core_and_releases_the_room_it_left(
         for t in tickets:
             t.leave()
         await settled(driver, engine)
+
+
+async def test_each_request_goes_to_the_rank_the_core_placed_it_on() -> None:
+    """Data parallelism: the core names a rank for each release (batching/room.py
+    `place`) and the driver hands it to the engine (vLLM's data_parallel_rank); with
+    one rank it names none."""
+    two = EngineCapacity(max_seqs=2, step_tokens=1000, ranks=2)
+    engine = FakeEngine(step=0.05)
+    async with running(engine, two, window=0) as (driver, engine):
+        tickets = [submit(driver, max_tokens=3) for _ in range(4)]
+        for t in tickets:
+            await t.wait()
+        assert [engine.ranks[t.id] for t in tickets] == [0, 1, 0, 1]
+        for t in tickets:
+            await read_all(t)
+    async with running(window=0) as (driver, engine):
+        t = submit(driver)
+        await read_all(t)
+        assert engine.ranks[t.id] is None

@@ -74,6 +74,7 @@ class FrontHalf:
         priority: int,
         lora_request: Any = None,
         reasoning_ended: bool | None = None,
+        data_parallel_rank: int | None = None,
     ) -> Any:
         # As AsyncLLM.add_request routes a rendered input (a dict with "type").
         assert isinstance(prompt, dict) and "type" in prompt
@@ -84,6 +85,7 @@ class FrontHalf:
             supported_tasks=self.tasks,
             priority=priority,
             lora_request=lora_request,
+            data_parallel_rank=data_parallel_rank,
         )
         if reasoning_ended is not None:  # as AsyncLLM.add_request sets it
             req.reasoning_ended = reasoning_ended

@@ -337,20 +337,19 @@ async def test_no_cached_result_outlives_its_adapters_name(
 
 
 async def test_unloading_finishes_queued_and_running_work(make_client: Any, tmp_path: Path) -> None:
-    """Rule 5: requests in the engine (one engine slot, and its own queue of what
-    the next `feed_steps` steps take: room.py rule 2) and one held in Sluice's
-    backlog all finish on the adapter after its unload."""
+    """Rule 5: a request in the engine (its one slot; nothing in it ends, so its own
+    queue takes no more: room.py rule 2) and two held in Sluice's backlog all finish
+    on the adapter after its unload."""
     gate = asyncio.Event()
     engine = FakeEngine(max_num_seqs=1, first_output=gate)
     client, app, _ = await admin_client(make_client, tmp_path, engine=engine, adapters=(ALPHA,))
-    in_engine = int(app[MODELS].default.driver.core.config.feed_steps)
     sent = [asyncio.ensure_future(client.post(CHAT, json=chat("alpha")))]
     await until(lambda: len(engine.held) == 1, what="the first request in the engine")
-    sent += [asyncio.ensure_future(client.post(CHAT, json=chat("alpha"))) for _ in range(in_engine)]
+    sent += [asyncio.ensure_future(client.post(CHAT, json=chat("alpha"))) for _ in range(2)]
     await until(
-        lambda: app[MODELS].default.driver.core.queued_requests == 1, what="the last in the backlog"
+        lambda: app[MODELS].default.driver.core.queued_requests == 2, what="two in the backlog"
     )
-    assert len(engine.held) == in_engine
+    assert len(engine.held) == 1
     resp = await client.post(UNLOAD, json={"lora_name": "alpha"}, headers=ADMIN)
     assert resp.status == 200
     await refused(await client.post(CHAT, json=chat("alpha")), 404)
@@ -358,7 +357,7 @@ async def test_unloading_finishes_queued_and_running_work(make_client: Any, tmp_
     for done in [await s for s in sent]:
         assert done.status == 200, await done.text()
         assert (await done.json())["model"] == "alpha"
-    assert list(engine.adapters.values()) == ["alpha"] * (in_engine + 1)
+    assert list(engine.adapters.values()) == ["alpha"] * 3
 
 
 # ------------------------------------------------------------ tensor shapes

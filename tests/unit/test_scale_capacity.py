@@ -30,7 +30,13 @@ from batching.pressure import RankStats
 from batching.room import EngineView, Room
 from server.cli import parse_serve_args
 from server.engines.interface import ModelInfo
-from server.engines.vllm_adapter import _stat_logger_factory, _StatsBox, dp_ranks, engine_config
+from server.engines.vllm_adapter import (
+    _stat_logger_factory,
+    _StatsBox,
+    dp_ranks,
+    engine_config,
+    names_ranks,
+)
 from server.operations.metrics import _rank_families
 from server.settings import engine_capacity
 from tests.unit.test_engine_config import _flags, _vllm_server
@@ -78,6 +84,9 @@ def test_replayed_layouts(layout: str, demo_model_dir: Path) -> None:
     flags = _flags(demo_model_dir, *extra)
     config = engine_config(parse_serve_args(flags, {}).engine_args)
     assert dp_ranks(config) == ranks
+    # Sluice names the rank of each request (room.py `place`) only where vLLM's
+    # client balances every rank itself; a hybrid client's ranks are a slice.
+    assert names_ranks(config) == (layout == "dp2")
     sched = config.scheduler_config
     # Each rank's (or the one scheduler's) numbers, as `vllm serve` resolves them.
     assert (sched.max_num_seqs, sched.max_num_batched_tokens) == _vllm_server(flags)
@@ -97,8 +106,9 @@ def test_replayed_layouts(layout: str, demo_model_dir: Path) -> None:
     assert cap.ranks == ranks
     assert cap.kv_tokens == blocks_per_rank * 16
     room = _room(cap)
-    # Room rule 2: two steps of every rank's free slots and budget (an idle engine).
-    assert room.feed_slots == 2.0 * ranks * sched.max_num_seqs
+    # Room rule 2: every rank's free slots (an idle engine: all) and two steps of
+    # its budget.
+    assert room.feed_slots == ranks * sched.max_num_seqs
     assert room.feed_tokens == 2.0 * ranks * sched.max_num_batched_tokens
     assert room.kv_tokens == ranks * blocks_per_rank * 16
 
