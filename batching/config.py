@@ -28,9 +28,9 @@ Rules:
   of its steps take, as its last step showed (the slots it left free, and those its
   running generations free by then; the budget its decodes left, this many times),
   plus the spare its under-fed steps set. 2 by default: a release reaches the engine
-  one step late (the driver hears of step N when step N+1 is scheduled). Issue 21's room (released slots up to
-  max_num_seqs + 1/16, unstarted prompt tokens up to one step's budget) left 89%
-  of the steps under-fed at the c=384 spread (issue 27).
+  one step late (the driver hears of step N when step N+1 is scheduled). Issue 21's
+  room (released slots up to max_num_seqs + 1/16, unstarted prompt tokens up to one
+  step's budget) left 89% of the steps under-fed at the c=384 spread (issue 27).
 * `long_prefills` (>= 0; 0 turns it off) bounds, while more than one caller has work,
   the unstarted prompts that take more than one step's prefill chunk (room.py rule 5,
   which gives the numbers): one by default, so a chat turn finds budget in the next

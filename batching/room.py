@@ -42,7 +42,10 @@ engine number, and an unknown number never holds anything back):
    server; modelled, bench/room_sim.py dp, 3 seeds: TTFT p99 17.0-17.8 s against
    11.9-12.1 s with the endings and rule 6's placement, vLLM's waiting queue 24 deep
    on average against 2; at the c=384 spread under-fed steps 2.9% -> 1.8%, TTFT
-   p99 8.1 -> 8.2 s). Measured at the
+   p99 8.1 -> 8.2 s). Measured (bench/results/issue27-place-cpu.md, 3 repetitions,
+   quiet): data parallelism c=512 TTFT p99 0.92x vLLM's server (was 1.35x), req/s
+   1.00x; the c=384 spread 1.08x req/s, TTFT p99 0.87x (was 1.08x), under-fed
+   steps 3.8% (was 5.1%). Measured at the
    c=384 spread (one caller, 16-700-token prompts; one run on a loaded 2-core
    machine): issue 21's prediction (released slots up to max_num_seqs + 1/16,
    unstarted prompt tokens up to one step's budget) left 89% of the engine's
