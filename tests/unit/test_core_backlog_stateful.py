@@ -62,6 +62,7 @@ from batching import (
     Request,
     group_key,
 )
+from batching.endings import GRACE
 from batching.room import EngineView, Room
 
 M = group_key("m")
@@ -91,7 +92,9 @@ class Flying:
     subs: int
     charge: int
     open_ended: bool
+    new: int  # max_new_tokens
     started: bool = False
+    end: float | None = None  # once started: the engine step it ends by (endings.py)
 
 
 def release_key(order: ReleaseOrder, r: Request, seq: int) -> tuple[int, float, int]:
@@ -167,6 +170,7 @@ class BacklogMachine(RuleBasedStateMachine):
         self.kv_usage = 0.0
         self.prefilled = 0  # prompt tokens the engine's steps prefilled of unstarted work
         self.last_step: EngineStep | None = None  # the engine's latest step reported
+        self.steps = 0  # the engine steps reported (endings.py's clock)
         self.queued_callers: set[str] = set()
         self.n = 0
         self.seq = 0
@@ -206,6 +210,13 @@ class BacklogMachine(RuleBasedStateMachine):
         ]
         cap, feed = self.cfg.engine, self.cfg.feed_steps
         running = sum(1 for f in self.flying.values() if f.started)
+        # Room rule 2's endings, modelled: started work that ends by the step a
+        # release reaches and is not late, at most what the last step ran.
+        horizon, late = self.steps + feed - 1, self.steps - GRACE
+        ending = sum(
+            1 for f in self.flying.values() if f.end is not None and late <= f.end <= horizon
+        )
+        ending = min(ending, self.last_step.running if self.last_step else running)
         short = self.cfg.short_prompt_tokens
         flew = {f.caller for gid, f in self.flying.items() if gid not in now_released}
         busy = len(flew | self.queued_callers)  # room.py rule 5: callers with work
@@ -216,7 +227,7 @@ class BacklogMachine(RuleBasedStateMachine):
             sum(f.ptok for f in unstarted),
             sum(cap.feed_size(f.ptok, feed) for f in unstarted),
             # The spare is the core's own (set by the steps it judged under-fed).
-            EngineView.of(cap, [self.last_step], running, *self.co.feed_spare),
+            EngineView.of(cap, [self.last_step], running, *self.co.feed_spare, ending),
             self.kv_usage,
             self.prefilled,
             self.cfg.kv_reserve_short,
@@ -366,6 +377,7 @@ class BacklogMachine(RuleBasedStateMachine):
             running = min(running, seqs) if seqs else running
             self.last_step = EngineStep(0, prefill, running * decode, running, running, waiting, kv)
             steps.append(self.last_step)
+            self.steps += 1
             unstarted = sum(f.ptok for f in self.flying.values() if not f.started)
             self.prefilled = min(self.prefilled + prefill, unstarted)
         batches = self.co.due(self.now, EngineLoad(len(self.flying), waiting, kv), steps)
@@ -390,7 +402,12 @@ class BacklogMachine(RuleBasedStateMachine):
         self._absorb(events)
         for g in released:
             self.flying[g.request.id] = Flying(
-                g.caller, g.ptok, len(g.subs), g.charge, g.request.open_ended
+                g.caller,
+                g.ptok,
+                len(g.subs),
+                g.charge,
+                g.request.open_ended,
+                g.request.max_new_tokens,
             )
         self.eligible = True
         if released and self.queued:
@@ -485,6 +502,7 @@ class BacklogMachine(RuleBasedStateMachine):
         gid = data.draw(st.sampled_from(sorted(g for g, f in self.flying.items() if not f.started)))
         assert self.co.started(gid, self.now, cached) is True
         f = self.flying[gid]
+        f.end = self.steps + max(0, f.new - 1)
         self._leaves_engine_queue(f, f.ptok - min(cached, f.ptok))
 
     @precondition(lambda self: bool(self.flying))
