@@ -301,24 +301,25 @@ class Coalescer:
 
     def _refeed(self) -> None:
         """The engine capacity or the feed steps changed: recount room.py rule 2's
-        unstarted tokens, and forget steps of ranks that are gone."""
+        unstarted tokens and each rank's unstarted generations, forget steps and
+        endings of ranks that are gone, and set the endings' look-ahead."""
         cfg = self._config
         size, steps = cfg.engine.feed_size, cfg.feed_steps
-        unstarted = [g.ptok for g in self._in_flight.values() if not g.started]
-        self._unstarted_feed = sum(size(p, steps) for p in unstarted)
         multi, short = cfg.engine.multi_step, cfg.short_prompt_tokens
-        self._unstarted_long = sum(1 for p in unstarted if multi(p, short))
         ranks = cfg.engine.ranks
+        unstarted = [g for g in self._in_flight.values() if not g.started]
+        self._unstarted_feed = sum(size(g.ptok, steps) for g in unstarted)
+        self._unstarted_long = sum(1 for g in unstarted if multi(g.ptok, short))
+        per_rank = [0] * ranks
+        for g in unstarted:
+            if g.rank < ranks:
+                per_rank[g.rank] += 1
+        self._unstarted_rank = per_rank
         self._last_steps = (self._last_steps + [None] * ranks)[:ranks]
-        ahead = cfg.feed_steps - 1
+        ahead = steps - 1
         self._endings = (self._endings + [Endings(ahead) for _ in range(ranks)])[:ranks]
         for e in self._endings:
             e.ahead = ahead
-        unstarted = [0] * ranks
-        for g in self._in_flight.values():
-            if not g.started and g.rank < ranks:
-                unstarted[g.rank] += 1
-        self._unstarted_rank = unstarted
 
     def _set_slots(self) -> None:
         """The engine's max_loras and the slot wait (rule 13); slots in flight stay."""
