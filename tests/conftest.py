@@ -24,6 +24,12 @@ from server.engines.demo.model import build_demo_model, default_demo_dir
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+# One OpenMP thread per engine process (inherited by every engine a test starts,
+# Sluice's and vLLM's own server alike). The demo model's matrices are tiny: on
+# two cores one thread ran 128 requests in 5.2-5.6 s where two threads took
+# 7.4-8.4 s, and beside a second engine (the suite's two workers, a balancer's
+# twin) two threads each spun on each other's core: 29-30 s against 6.6 s.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Speed is measured in benchmarks, not asserted in tests: hypothesis's per-example
 # deadline (200 ms) and its too-slow health check are timed assertions, and on a
