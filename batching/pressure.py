@@ -133,6 +133,10 @@ class EngineStats:
     # (whole prompts and chunks) and decode tokens.
     prefill_tokens_total: int = 0
     decode_tokens_total: int = 0
+    # Seconds those steps ran (iteration details' elapsed_ms: from the scheduled
+    # batch to its model output), summed over ranks: against the wall clock, how
+    # much of it the engine spent in steps rather than between them (issue 27).
+    step_seconds_total: float = 0.0
 
     @property
     def kv_usage_least(self) -> float | None:

@@ -382,6 +382,7 @@ def _live(app: web.Application) -> list[tuple[str | None, dict[str, Any]]]:
                     "engine_steps": stats.steps_total,
                     "prefill_tokens": stats.prefill_tokens_total,
                     "decode_tokens": stats.decode_tokens_total,
+                    "step_seconds": stats.step_seconds_total,
                     "room": core.room_counters,
                     "ready": ready,
                     "backlog": core.backlog_generations,
@@ -426,6 +427,7 @@ def engines_stats(registry: ModelRegistry) -> EngineStats:
         steps_total=sum(s.steps_total for _, s in loaded),
         prefill_tokens_total=sum(s.prefill_tokens_total for _, s in loaded),
         decode_tokens_total=sum(s.decode_tokens_total for _, s in loaded),
+        step_seconds_total=sum(s.step_seconds_total for _, s in loaded),
     )
 
 

@@ -183,6 +183,7 @@ class _StatsBox:
                 steps_total=s.steps_total + 1,
                 prefill_tokens_total=s.prefill_tokens_total + (step.prefill_tokens if step else 0),
                 decode_tokens_total=s.decode_tokens_total + (step.decode_tokens if step else 0),
+                step_seconds_total=s.step_seconds_total + step_seconds(scheduler_stats),
             )
             return step is not None
 
@@ -211,6 +212,16 @@ def engine_step(scheduler_stats: Any, rank_stats: RankStats, rank: int) -> Engin
         waiting=rank_stats.waiting + skipped,
         kv_usage=rank_stats.kv_cache_usage,
     )
+
+
+def step_seconds(scheduler_stats: Any) -> float:
+    """How long the step ran, in seconds: vLLM 0.32's iteration details time the step
+    from its scheduled batch to the model's output (EngineCore.capture_iteration_details,
+    elapsed_ms); 0 without details or for a dummy step."""
+    d = getattr(scheduler_stats, "iteration_details", None)
+    if d is None or d.is_dummy:
+        return 0.0
+    return float(d.elapsed_ms) / 1000.0
 
 
 def adapter_waited(scheduler_stats: Any) -> bool:

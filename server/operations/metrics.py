@@ -163,6 +163,13 @@ class _LiveCollector(Collector):
         tokens.add_metric(["prefill"], v.get("prefill_tokens", 0))
         tokens.add_metric(["decode"], v.get("decode_tokens", 0))
         yield tokens
+        yield CounterMetricFamily(
+            "sluice_engine_step_seconds",
+            "Seconds the engine's steps ran, from the scheduled batch to its output (vLLM's "
+            "iteration details, summed over DP ranks); its rate against 1 is the share of "
+            "time the engine spent in steps rather than between them",
+            value=v.get("step_seconds", 0.0),
+        )
         room = v.get("room")
         yield CounterMetricFamily(
             "sluice_engine_steps_held",

@@ -67,6 +67,7 @@ def test_a_step_with_iteration_details_becomes_an_engine_step() -> None:
     assert woken == [1]
     s = box.get()
     assert (s.steps_total, s.prefill_tokens_total, s.decode_tokens_total) == (1, 700, 40)
+    assert s.step_seconds_total == 0.0125  # elapsed_ms 12.5
 
 
 def test_steps_without_details_or_dummy_ones_are_no_engine_steps() -> None:
@@ -79,6 +80,7 @@ def test_steps_without_details_or_dummy_ones_are_no_engine_steps() -> None:
     assert box.take_steps() == [] and woken == []
     s = box.get()
     assert (s.steps_total, s.prefill_tokens_total) == (2, 0)  # stats still arrived
+    assert s.step_seconds_total == 0.0  # a dummy step's time is not a step's
 
 
 def test_each_rank_reports_its_own_steps() -> None:
@@ -146,10 +148,19 @@ def test_the_counters_are_exported_with_their_definitions() -> None:
         underfed_steps=3,
         held_seconds=(("feed", 1.5), ("kv", 0.25)),
     )
-    m.watch(lambda: {**_LIVE, "prefill_tokens": 900, "decode_tokens": 120, "room": room})
+    m.watch(
+        lambda: {
+            **_LIVE,
+            "prefill_tokens": 900,
+            "decode_tokens": 120,
+            "step_seconds": 2.5,
+            "room": room,
+        }
+    )
     text = m.render().decode()
     assert 'sluice_engine_step_tokens_total{kind="prefill"} 900.0' in text
     assert 'sluice_engine_step_tokens_total{kind="decode"} 120.0' in text
+    assert "sluice_engine_step_seconds_total 2.5" in text
     assert "sluice_engine_steps_held_total 40.0" in text
     assert "sluice_engine_underfed_steps_total 3.0" in text
     assert 'sluice_backlog_held_seconds_total{rule="feed"} 1.5' in text
