@@ -87,7 +87,34 @@ def test_build_leaves_no_temporary_directories(tmp_path: Path) -> None:
     demo_model.build_demo_model(tmp_path / "m")
     (tmp_path / "m" / "config.json").write_text("{}")
     demo_model.build_demo_model(tmp_path / "m")
-    assert [p.name for p in tmp_path.iterdir()] == ["m"]
+    # The builders' lock file stays (unlinking it would let a waiter and a
+    # newcomer hold two different locks); no directory but the model does.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".m.lock", "m"]
+
+
+def test_a_builder_that_looked_too_early_keeps_the_finished_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two test workers built the model at once: the second had looked (no model
+    # yet) before the first renamed its copy into place, then moved that copy
+    # aside as stale while the first one's engine loaded it (vLLM then read the
+    # vanished path as a hub repo id). A builder re-checks under the lock.
+    out = demo_model.build_demo_model(tmp_path / "m")
+    inode = out.stat().st_ino
+    real_is_complete = demo_model.is_complete
+    early_looks = [False]  # the look taken before the other builder finished
+
+    def is_complete(model_dir: Path, *, reranker: bool = False) -> bool:
+        if early_looks:
+            return early_looks.pop()
+        return real_is_complete(model_dir, reranker=reranker)
+
+    writes: list[Path] = []
+    monkeypatch.setattr(demo_model, "is_complete", is_complete)
+    monkeypatch.setattr(demo_model, "write_demo_model", lambda dest, **_: writes.append(dest))
+    assert demo_model.build_demo_model(out) == out
+    assert writes == []
+    assert out.stat().st_ino == inode
 
 
 def test_half_written_directory_is_not_complete(tmp_path: Path) -> None:

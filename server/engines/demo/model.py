@@ -21,7 +21,8 @@ needs neither torch nor a network: weights come from NumPy's frozen legacy
 trained by the ``tokenizers`` library, every JSON file has sorted keys. A build
 takes about a second, so it happens lazily: ``build_demo_model`` returns at once
 when a complete copy exists, and otherwise builds into a temporary directory and
-renames it into place, so a crash never leaves a half model that looks complete.
+renames it into place, so a crash never leaves a half model that looks complete;
+concurrent builders take turns under a lock file beside the model.
 
 This module reads no environment variables (settings are read once, in
 ``server/__main__.py``); the caller passes the cache root in. Building does
@@ -31,6 +32,7 @@ blocking file I/O: call it from a worker thread when an event loop is running.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -248,36 +250,51 @@ def build_demo_model(out_dir: Path, *, reranker: bool = False) -> Path:
     """Make sure a complete demo model (or its reranker sibling) is in *out_dir*;
     build it if not. Returns *out_dir*.
 
-    Safe against crashes and concurrent builders: the model is written into a
-    sibling temporary directory and renamed into place; if another process wins
-    the race, its copy is kept and ours discarded.
+    Safe against crashes and concurrent builders (the test suite's workers, two
+    `sluice serve` starting at once): builders take turns under a lock file
+    beside *out_dir* and look again once they hold it, so the second finds the
+    first's copy and keeps it. Without the turns, a builder that had looked
+    before the first finished moved the finished copy aside as stale, while
+    the first one's engine was loading it. The model is written into a sibling
+    temporary directory and renamed into place, so readers, who take no lock,
+    see a complete model or none.
     """
     out_dir = Path(out_dir)
     if is_complete(out_dir, reranker=reranker):
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        # mkdtemp creates 0700; the model is shared data, like the cache around it.
-        tmp.chmod(0o755)
-        write_demo_model(tmp, reranker=reranker)
-        if out_dir.exists():
-            # Incomplete or stale (a crash mid-copy by hand, an edited file):
-            # move it aside first, since rename() will not replace a non-empty
-            # directory.
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            with contextlib.suppress(FileNotFoundError):  # another builder moved it first
-                out_dir.rename(old / "model")
-            shutil.rmtree(old, ignore_errors=True)
+    with _builders_turn(out_dir):
+        if is_complete(out_dir, reranker=reranker):
+            return out_dir
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
         try:
+            # mkdtemp creates 0700; the model is shared data, like the cache around it.
+            tmp.chmod(0o755)
+            write_demo_model(tmp, reranker=reranker)
+            if out_dir.exists():
+                # Incomplete or stale (a crash mid-copy by hand, an edited file,
+                # an older recipe): move it aside first, since rename() will not
+                # replace a non-empty directory.
+                old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+                out_dir.rename(old / "model")
+                shutil.rmtree(old, ignore_errors=True)
             tmp.rename(out_dir)
-        except OSError:
-            # Another builder renamed its copy into place between our checks.
-            if not is_complete(out_dir, reranker=reranker):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+@contextlib.contextmanager
+def _builders_turn(out_dir: Path) -> Iterator[None]:
+    """Hold the build lock of *out_dir* (an flock on a hidden sibling file,
+    released by the kernel if the builder dies)."""
+    lock_path = out_dir.parent / f".{out_dir.name}.lock"
+    with lock_path.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def is_complete(model_dir: Path, *, reranker: bool = False) -> bool:
