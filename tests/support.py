@@ -128,13 +128,34 @@ class SluiceProcess:
         return [int(line.split()[0]) for line in out.splitlines() if "EngineCore" in line]
 
     def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM, wait, then kill the whole process group if needed."""
+        """SIGTERM, wait for the exit, then kill the whole process group if needed.
+
+        While it waits, an engine core whose workers have exited is killed: it
+        has nothing left but the interpreter's exit, a cyclic-GC scan of torch's
+        and vLLM's modules that took 2.5 s or more of a core here, and vLLM's
+        process manager kills it at 5 s anyway ("force killing remaining
+        processes", in every stop). Sluice's own shutdown still runs to its end
+        and exit code, and its resource tracker unlinks the shared memory the
+        core held (a warning in the log says so). The suite stops about 30
+        servers: 5.3 s each became 3.4 s (issue 29).
+        """
         if self.proc.poll() is None:
+            cores = [pid for pid in self.engine_core_pids() if _live_children(pid)]
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill_group()
+            deadline = time.monotonic() + timeout
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                for pid in [p for p in cores if not _live_children(p)]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                    cores.remove(pid)
+                time.sleep(0.05)
+            # What the killed core left in shared memory, multiprocessing's
+            # resource tracker unlinks once the server has exited: let it.
+            end = time.monotonic() + 5
+            while self.proc.poll() is not None and _group_alive(self.proc.pid):
+                if time.monotonic() > end:
+                    break
+                time.sleep(0.05)
         self.kill_group()
         self._log.close()
         return int(self.proc.returncode)
@@ -144,6 +165,37 @@ class SluiceProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
+
+
+def _stat(pid: int | str) -> list[str]:
+    """/proc/PID/stat's fields after the command: state, ppid, pgrp, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` is still running (its exited children,
+    reparented to an init that may reap late, left out)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                state, _, group = _stat(entry.name)[:3]
+                if group == str(pgid) and state not in "ZX":
+                    return True
+    return False
+
+
+def _live_children(pid: int) -> list[int]:
+    """The child processes of `pid` that have not exited (zombies left out)."""
+    kids: list[int] = []
+    for listing in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            kids += [int(k) for k in listing.read_text().split()]
+    live = []
+    for kid in kids:
+        with contextlib.suppress(OSError):
+            if _stat(kid)[0] not in "ZX":
+                live.append(kid)
+    return live
 
 
 @contextlib.contextmanager
