@@ -220,25 +220,17 @@ def test_bad_input(
 
 
 def test_context_overflow_names_both_numbers(sluice_server: SluiceProcess) -> None:
-    """A prompt alone over the context is a 400 naming both lengths; a
-    max_tokens above the room left is lowered to it (as vLLM does)."""
-    prompt = [7] * 41_000
+    """A prompt alone over the context is a 400 naming both lengths. (A max_tokens
+    above the room left is lowered to it: test_shedding.py, on a 1,024-token
+    context, where the engine prefills 1,019 tokens, not 40,955: 26 s here.)"""
     r = httpx.post(
         sluice_server.base + "/v1/completions",
-        json={"model": MODEL, "prompt": prompt, "max_tokens": 1},
+        json={"model": MODEL, "prompt": [7] * 41_000, "max_tokens": 1},
         timeout=30,
     )
     assert r.status_code == 400, r.text
     msg = r.json()["error"]["message"]
     assert "40960" in msg and "41000" in msg
-    r = httpx.post(
-        sluice_server.base + "/v1/completions",
-        json={"model": MODEL, "prompt": prompt[:40_955], "max_tokens": 100_000},
-        timeout=60,
-    )
-    assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
-    assert choice["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 5
 
 
 def test_body_too_large(sluice_server: SluiceProcess) -> None:

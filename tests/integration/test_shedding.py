@@ -1,11 +1,11 @@
 """The memory watchdog on the real CPU engine: a preemption storm in a small KV cache.
 
-A Sluice with an 8 MiB KV cache (8,192 tokens at 1 KiB/token for the demo
-model) is flooded with long generations that together outgrow the cache, so
-vLLM preempts running requests to make room. With a storm threshold of one
-preemption, new requests get 503 with Retry-After and /ready is 503 while it
-lasts; every admitted request still completes; afterwards Sluice is ready
-again by itself. Nothing hangs, nothing is lost. (A full cache without
+A Sluice with a 4 MiB KV cache (4,096 tokens at 1 KiB/token for the demo
+model) and a 1,024-token context is flooded with long generations that together
+outgrow the cache, so vLLM preempts running requests to make room. With a
+storm threshold of one preemption, new requests get 503 with Retry-After and
+/ready is 503 while it lasts; every admitted request still completes; afterwards
+Sluice is ready again by itself. Nothing hangs, nothing is lost. (A full cache without
 preemptions does not shed: tests/unit/test_pressure.py.)
 """
 
@@ -23,6 +23,8 @@ from tests.support import SluiceProcess
 
 pytestmark = pytest.mark.engine
 
+CONTEXT = 1024  # --max-model-len
+
 
 @pytest.fixture(scope="module")
 def small_kv_server(
@@ -31,9 +33,9 @@ def small_kv_server(
     with SluiceProcess(
         [
             "--kv-cache-memory-bytes",
-            str(8 * 2**20),
+            str(4 * 2**20),
             "--max-model-len",
-            "2048",
+            str(CONTEXT),
             "--kv-storm-usage",
             "0.5",
             "--kv-critical-usage",
@@ -58,16 +60,17 @@ def small_kv_server(
 
 
 FLOOD = 6
+LONG = 900
 
 
-def _long(i: int) -> dict[str, object]:
-    # A token-id prompt: 100 tokens, 1,900 to generate: 2,000 KV slots each,
-    # so six of them would need 12,000 of the 8,192-token cache: after about
-    # 1,250 tokens each the cache is full and vLLM preempts to go on.
+def _long(i: int, max_tokens: int = LONG) -> dict[str, object]:
+    # A token-id prompt: 100 tokens, 900 to generate: 1,000 KV slots each, so
+    # six of them would need 6,000 of the 4,096-token cache: after about 580
+    # tokens each the cache is full and vLLM preempts to go on.
     return {
         "model": "sluice-demo",
         "prompt": [(7 * i + k) % 1000 + 10 for k in range(100)],
-        "max_tokens": 1900,
+        "max_tokens": max_tokens,
         "ignore_eos": True,
     }
 
@@ -112,12 +115,28 @@ async def test_flood_sheds_and_recovers(small_kv_server: SluiceProcess) -> None:
         # the shedding began and completes in full.
         for r in results:
             assert r.status_code == 200, r.text
-            assert r.json()["usage"]["completion_tokens"] == 1900
+            assert r.json()["usage"]["completion_tokens"] == LONG
 
         # Recovery without a restart.
         deadline = time.monotonic() + 30
         while (await client.get(base + "/ready")).status_code != 200:
             assert time.monotonic() < deadline, "never became ready again"
             await asyncio.sleep(0.2)
-        ok = await client.post(base + "/v1/completions", json=_long(1))
-        assert ok.status_code == 200
+        ok = await client.post(base + "/v1/completions", json=_long(1, max_tokens=16))
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 16
+
+
+def test_max_tokens_past_the_context_is_lowered_to_the_room_left(
+    small_kv_server: SluiceProcess,
+) -> None:
+    """A prompt 5 tokens short of the context with max_tokens far above: the
+    engine generates the 5 and ends with `length`, as vLLM lowers it (the
+    400 for a prompt alone past the context: test_server.py)."""
+    r = httpx.post(
+        small_kv_server.base + "/v1/completions",
+        json={"model": "sluice-demo", "prompt": [7] * (CONTEXT - 5), "max_tokens": 100_000},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 5
