@@ -43,8 +43,9 @@ CONFIG = ROOT / "docs" / "haproxy.cfg"
 MODEL = "sluice-demo"
 # Long enough to outlast the shedding step and still run at SIGTERM, and no
 # longer: the drain waits for them. Two streams on each of two eager engines ran
-# 21-27 tokens/s each here (1,000 tokens: a 47 s drain), and steps 1-3 took 3-5 s.
-LONG = 1000
+# 21-27 tokens/s each here (1,000 tokens: a 47 s drain), and steps 1-2 took 3-5 s:
+# 600 tokens last 22-29 s at that pace.
+LONG = 600
 A_ARGS = ["--max-pending-requests", "2", "--drain-timeout", "240"]
 B_ARGS = ["--drain-timeout", "240"]
 # An engine start here took over 240 s with two starting at once on these
