@@ -91,8 +91,14 @@ def agents_server(
     tmp = tmp_path_factory.mktemp("agents-server")
     gen = _generation_config(demo_model_dir, tmp / "generation")
     args = ["--log-format", "plain", "--generation-config", str(gen)]
-    with SluiceProcess(args, cache_dir=demo_cache_root, log_path=tmp / "sluice.log").running() as s:
-        yield s
+    # Started, not waited for: its engine loads while agent_commands installs the
+    # agents (npm: about 25 s on a fresh machine, mostly waiting on the registry).
+    # test_one_turn asks for it first and waits for it to be ready.
+    proc = SluiceProcess(args, cache_dir=demo_cache_root, log_path=tmp / "sluice.log")
+    try:
+        yield proc
+    finally:
+        proc.stop()
 
 
 def _sse(body: bytes) -> list[Any]:
@@ -149,11 +155,12 @@ def _keep(exchanges: list[Exchange], folder: Path) -> Path:
 @pytest.mark.parametrize("agent", AGENTS, ids=[a.name for a in AGENTS])
 def test_one_turn(
     agent: Agent,
-    agent_commands: dict[str, tuple[str, Path]],
     agents_server: SluiceProcess,
+    agent_commands: dict[str, tuple[str, Path]],
     tmp_path: Path,
 ) -> None:
     version, exe = agent_commands[agent.name]
+    agents_server.wait_ready()
     with RecordingProxy(agents_server.base) as proxy:
         turn = run_turn(
             agent, exe, proxy.base, MODEL, tmp_path / "home", tmp_path / "work", TURN_TIMEOUT_S
