@@ -227,8 +227,9 @@ def vllm_on_demo(model_dir: Path, name: str, extra: Sequence[str], log_dir: Path
     port = free_port()
     srv = Server(VLLM, port, server_command(VLLM, port, flags), log_dir / "vllm.log")
     try:
-        # An engine start takes minutes on a loaded machine.
-        srv.start(dict(os.environ), timeout=540)
+        # An engine start takes minutes on a loaded machine. Unbound OpenMP
+        # threads, as SluiceProcess's engines run (see there).
+        srv.start({**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}, timeout=540)
         yield srv.base_url
     finally:
         srv.stop()
