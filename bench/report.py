@@ -68,6 +68,9 @@ METRIC_TITLES: dict[str, str] = {
     "running_peak": "engine running (peak)",
     "running_p50": "engine running (median)",
     "running_mean": "engine running (mean)",
+    "engine_steps": "engine steps (Sluice)",
+    "step_ms": "engine time per step (ms, Sluice)",
+    "in_steps": "engine time in steps per second of the point (Sluice, summed over ranks)",
     "held_steps": "engine steps beside a held backlog (Sluice)",
     "underfed_steps": "of those, under-fed (Sluice)",
     "underfed_share": "under-fed share of those steps (Sluice)",
@@ -558,6 +561,17 @@ def underfed_share(metrics: Mapping[str, float]) -> dict[str, float]:
     if not held:
         return {}
     return {"underfed_share": metrics.get("underfed_steps", 0.0) / held}
+
+
+def step_time(metrics: Mapping[str, float], elapsed: float) -> dict[str, float]:
+    """Issue 27: the engine's mean step time (ms) and its time in steps per second
+    of the point (`elapsed`), from Sluice's step counters over the point: a held
+    backlog's longer steps show in the first, gaps between steps in the second.
+    Empty when no step or no step time was counted."""
+    steps, seconds = metrics.get("engine_steps"), metrics.get("step_s")
+    if not steps or seconds is None or elapsed <= 0:
+        return {}
+    return {"step_ms": 1000.0 * seconds / steps, "in_steps": seconds / elapsed}
 
 
 def front_cpu(seconds: float, jobs: Iterable[Mapping[str, float]]) -> dict[str, float]:

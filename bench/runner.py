@@ -364,7 +364,8 @@ class Runner:
                     + shlex.join(a.replace(server.base_url, "http://127.0.0.1:PORT") for a in argv)
                 ),
             )
-        scrape = point.prefix_metrics or (point.counters and system == rp.SLUICE)
+        counted = point.counters and system in SLUICE_SYSTEMS
+        scrape = point.prefix_metrics or counted
         before = rp.parse_prometheus(server.metrics()) if scrape else {}
         assert self.pool is not None
         t0 = time.monotonic()
@@ -404,13 +405,13 @@ class Runner:
                     f"(see {result.with_suffix('.log').name})"
                 )
         metrics = _combine(point, per_role, logs)
-        if point.counters and system == rp.SLUICE:
+        if counted:
             time.sleep(1.0)  # let the engine's last step stats reach /metrics
             after = rp.parse_prometheus(server.metrics())
             for key, name in point.counters:
                 if name in after:
                     metrics = {**metrics, key: after[name] - before.get(name, 0.0)}
-            metrics = {**metrics, **rp.underfed_share(metrics)}
+            metrics = {**metrics, **rp.underfed_share(metrics), **rp.step_time(metrics, elapsed)}
         metrics = {
             **metrics,
             **rp.running_summary(running),
@@ -694,8 +695,19 @@ CLASS_METRICS = (
 # Each scenario's table, in SCENARIOS order; WINDOW and RAW_CEILING have
 # sections of their own.
 # Issue 27, on every saturated point: the engine's mean running count, and Sluice's
-# engine steps beside a held backlog, the under-fed ones and their share.
-UNDERFED_METRICS = ("held_steps", "underfed_steps", "underfed_share")
+# engine steps, their mean time and the share of the point spent in them (held and
+# --no-hold-backlog alike), the steps beside a held backlog, the under-fed ones and
+# their share.
+UNDERFED_METRICS = (
+    "engine_steps",
+    "step_ms",
+    "in_steps",
+    "held_steps",
+    "underfed_steps",
+    "underfed_share",
+)
+# The systems that are Sluice (held backlog or not): their counters are scraped.
+SLUICE_SYSTEMS = (rp.SLUICE, rp.NOHOLD)
 SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
     CONCURRENCY: (
         "req_s",
@@ -748,7 +760,6 @@ SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
         *(f"{c}_share" for c in LORA_CALLERS),
         "share_dev",
         "adapter_wait_steps",
-        "engine_steps",
         *UNDERFED_METRICS,
         "span_s",
     ),

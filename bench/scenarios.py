@@ -284,10 +284,14 @@ LORA_ENGINE = EngineProfile(
 ADAPTER_WAIT_COUNTER = "sluice_engine_adapter_wait_steps_total"
 ENGINE_STEPS_COUNTER = "sluice_engine_steps_total"  # the share's denominator
 
-# Issue 27: Sluice's engine steps beside a held backlog, and the under-fed ones
-# (batching/room.py, underfed), scraped around every saturated point; the report
-# gives their share (runner.py, underfed_share).
+# Issue 27: Sluice's engine steps, their time (vLLM's iteration details), the steps
+# beside a held backlog and the under-fed ones (batching/room.py, underfed),
+# scraped around every saturated point on both Sluice systems (held and
+# --no-hold-backlog); the report gives the under-fed share, the time per step and
+# the share of the point's time in steps (runner.py, underfed_share, step_time).
 UNDERFED_COUNTERS: tuple[tuple[str, str], ...] = (
+    ("engine_steps", ENGINE_STEPS_COUNTER),
+    ("step_s", "sluice_engine_step_seconds_total"),
     ("held_steps", "sluice_engine_steps_held_total"),
     ("underfed_steps", "sluice_engine_underfed_steps_total"),
 )
@@ -558,11 +562,7 @@ def _lora_point(sizes: Sizes) -> Point:
         LORA_POINT,
         jobs,
         engine=LORA_ENGINE,
-        counters=(
-            ("adapter_wait_steps", ADAPTER_WAIT_COUNTER),
-            ("engine_steps", ENGINE_STEPS_COUNTER),
-            *UNDERFED_COUNTERS,
-        ),
+        counters=(("adapter_wait_steps", ADAPTER_WAIT_COUNTER), *UNDERFED_COUNTERS),
     )
 
 

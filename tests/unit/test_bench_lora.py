@@ -39,6 +39,7 @@ def test_plan_four_callers_each_on_its_own_adapter() -> None:
     assert point.counters == (
         ("adapter_wait_steps", "sluice_engine_adapter_wait_steps_total"),
         ("engine_steps", "sluice_engine_steps_total"),
+        ("step_s", "sluice_engine_step_seconds_total"),
         ("held_steps", "sluice_engine_steps_held_total"),
         ("underfed_steps", "sluice_engine_underfed_steps_total"),
     )

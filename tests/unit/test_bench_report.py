@@ -1280,6 +1280,15 @@ def test_nohold_is_sluice_without_its_held_backlog() -> None:
     assert rp.RUNNING_METRICS[rp.NOHOLD] == rp.RUNNING_METRICS[rp.SLUICE]
 
 
+def test_step_time_is_the_mean_step_and_the_points_share_in_steps() -> None:
+    """Issue 27: 300 steps that ran 27 s in all, over a 30 s point: 90 ms a step,
+    0.9 of the point in steps (what tells longer steps from gaps between them)."""
+    counted = {"engine_steps": 300.0, "step_s": 27.0}
+    assert rp.step_time(counted, 30.0) == pytest.approx({"step_ms": 90.0, "in_steps": 0.9})
+    assert rp.step_time({"engine_steps": 0.0, "step_s": 0.0}, 30.0) == {}  # no step ran
+    assert rp.step_time({"engine_steps": 300.0}, 30.0) == {}  # an older Sluice: no time
+
+
 def test_front_cpu_is_the_server_process_cpu_per_completed_request() -> None:
     jobs = [{"completed": 300.0, "failed": 1.0}, {"completed": 100.0}]
     assert rp.front_cpu(2.0, jobs) == {"front_cpu_ms": 5.0}
