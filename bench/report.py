@@ -27,6 +27,8 @@ RAW = "raw"
 # queue (`--systems sluice,vllm,nohold`): what holding the backlog costs.
 NOHOLD = "nohold"
 SYSTEMS: tuple[str, ...] = (SLUICE, VLLM, RAW, NOHOLD)
+# The systems that are Sluice, held backlog or not: its flags, /ready, its counters.
+SLUICE_SYSTEMS: tuple[str, ...] = (SLUICE, NOHOLD)
 SYSTEM_TITLES: dict[str, str] = {
     SLUICE: "Sluice",
     VLLM: "vLLM server",

@@ -364,7 +364,7 @@ class Runner:
                     + shlex.join(a.replace(server.base_url, "http://127.0.0.1:PORT") for a in argv)
                 ),
             )
-        counted = point.counters and system in SLUICE_SYSTEMS
+        counted = point.counters and system in rp.SLUICE_SYSTEMS
         scrape = point.prefix_metrics or counted
         before = rp.parse_prometheus(server.metrics()) if scrape else {}
         assert self.pool is not None
@@ -439,7 +439,7 @@ class Runner:
     def _callers_flags(self, system: str, callers: Sequence[str]) -> list[str]:
         """`--callers FILE` for Sluice when the block's jobs name callers and this
         Sluice has the flag (issue 11); the file goes to the run's raw dir, 0600."""
-        if system not in (rp.SLUICE, rp.NOHOLD) or not callers:
+        if system not in rp.SLUICE_SYSTEMS or not callers:
             return []
         if self._sluice_callers is None:
             self._sluice_callers = sluice_has_flag("--callers", ROOT)
@@ -706,8 +706,6 @@ UNDERFED_METRICS = (
     "underfed_steps",
     "underfed_share",
 )
-# The systems that are Sluice (held backlog or not): their counters are scraped.
-SLUICE_SYSTEMS = (rp.SLUICE, rp.NOHOLD)
 SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
     CONCURRENCY: (
         "req_s",

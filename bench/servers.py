@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from bench.report import NOHOLD, SLUICE, VLLM
+from bench.report import NOHOLD, SLUICE_SYSTEMS, VLLM
 
 HOST = "127.0.0.1"
 
@@ -48,7 +48,7 @@ def server_command(
 ) -> list[str]:
     """The command line of one server; engine flags are passed unchanged to both.
     NOHOLD is Sluice with --no-hold-backlog."""
-    if system in (SLUICE, NOHOLD):
+    if system in SLUICE_SYSTEMS:
         hold = ["--no-hold-backlog"] if system == NOHOLD else []
         return [
             sys.executable,
@@ -118,7 +118,7 @@ def sluice_has_flag(flag: str, cwd: Path) -> bool:
 
 
 def ready_path(system: str) -> str:
-    return "/ready" if system in (SLUICE, NOHOLD) else "/health"
+    return "/ready" if system in SLUICE_SYSTEMS else "/health"
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
