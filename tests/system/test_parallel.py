@@ -47,11 +47,18 @@ def _gauges(text: str) -> dict[str, float]:
 
 
 def _ready_fields(proc: SluiceProcess) -> dict[str, object]:
-    for line in proc.log_path.read_text(errors="replace").splitlines():
-        if line.startswith("{") and '"msg":"ready"' in line:
-            fields: dict[str, object] = json.loads(line)
-            return fields
-    raise AssertionError(proc.tail())
+    """The fields of the server's `ready` log line. /ready answers 200 before the
+    logging thread has written that line (a fresh-clone run read the log in
+    between), so it is waited for, a few seconds at most."""
+    deadline = time.monotonic() + 10
+    while True:
+        for line in proc.log_path.read_text(errors="replace").splitlines():
+            if line.startswith("{") and '"msg":"ready"' in line:
+                fields: dict[str, object] = json.loads(line)
+                return fields
+        if time.monotonic() > deadline:
+            raise AssertionError(proc.tail())
+        time.sleep(0.05)
 
 
 async def _load(base: str, concurrency: int, prompts: int) -> list[int]:
