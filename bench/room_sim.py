@@ -26,6 +26,7 @@ at once (--nohold) 43.7 req/s (vLLM's server measured 43.1, Sluice's
 --no-hold-backlog 44.9).
 
     python -m bench.room_sim spread              # this checkout's core
+    python -m bench.room_sim spread --requests 1152   # the benchmark's count, tail included
     python -m bench.room_sim noisy --set long_prefills=0
     python -m bench.room_sim three --core /tmp/old   # an older `batching` package
 """
@@ -157,9 +158,13 @@ def run(
     nohold: bool = False,
     seed: int = 1,
     span: float = 35.0,
+    total: int = 0,
 ) -> dict[str, Any]:
     """One scenario point: `span` seconds of load after 2 s of warm-up (closed-loop
-    streams, a Poisson chat caller at 3 req/s where the bench has one)."""
+    streams, a Poisson chat caller at 3 req/s where the bench has one); or, with
+    `total`, the streams' first `total` requests, as `vllm bench serve` sends a
+    fixed number of prompts, req/s then over the whole run (first arrival to last
+    end: the benchmark's duration, tail included)."""
     warm = 2.0
     rng = random.Random(seed)
     kv_tokens = 16384 if scenario in ("noisy", "three") else 524288
@@ -277,7 +282,7 @@ def run(
         t, _, kind, payload = heapq.heappop(events)
         if kind == "arrive":
             caller, prompt, out, loop = payload
-            if loop and t > stop:
+            if loop and (n >= total if total else t > stop):
                 continue
             n += 1
             r = reqs[f"{caller}-{n}"] = Req(f"{caller}-{n}", prompt, out, caller, t)
@@ -325,6 +330,8 @@ def run(
             if step is not None:
                 reported.append(step)
             due(t)
+    if total:
+        return _summary(scenario, reqs, per_step, core, steps_api, 0.0, math.inf)
     return _summary(scenario, reqs, per_step, core, steps_api, warm, stop)
 
 
@@ -350,7 +357,13 @@ def _summary(
         out["chat_ttft_p50_ms"] = _p(chat, 0.5)
         out["chat_ttft_p95_ms"] = _p(chat, 0.95)
     work = [r for r in reqs.values() if r.caller != "chat" and r.done_at and lo <= r.done_at <= hi]
-    out["req_s"] = len(work) / (hi - lo)
+    if math.isinf(hi):  # a fixed count: over the whole run, as the benchmark's duration
+        ends = [r.done_at for r in work if r.done_at is not None]
+        out["req_s"] = len(work) / (max(ends) - min(r.arrival for r in work))
+        out["requests"] = len(work)
+        out["steps"] = len(per_step)
+    else:
+        out["req_s"] = len(work) / (hi - lo)
     if scenario == "three":
         a = sum(r.caller == "bulk_a" for r in work)
         out["bulk_b_per_a"] = sum(r.caller == "bulk_b" for r in work) / max(1, a)
@@ -391,6 +404,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--nohold", action="store_true", help="engine capacity unknown: hold nothing")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--requests",
+        type=int,
+        default=0,
+        help="send this many requests in all (as the benchmark does) instead of a span",
+    )
     ns = ap.parse_args(argv)
     if ns.core:
         sys.path.insert(0, ns.core)
@@ -398,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     import ast
 
     settings = {k: ast.literal_eval(v) for k, v in (s.split("=", 1) for s in ns.set)}
-    res = run(b, ns.scenario, settings, nohold=ns.nohold, seed=ns.seed)
+    res = run(b, ns.scenario, settings, nohold=ns.nohold, seed=ns.seed, total=ns.requests)
     print(
         ns.scenario,
         settings,

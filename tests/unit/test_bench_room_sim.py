@@ -32,3 +32,12 @@ def test_a_held_backlog_keeps_vllms_queue_short_and_nothing_held_keeps_it_long()
     assert held["engine_waiting"] < 20 < none["engine_waiting"]
     assert none["underfed_share"] == 0.0 and held["held_s"]["feed"] > 0
     assert held["req_s"] > 0 and none["req_s"] > 0
+
+
+def test_a_fixed_count_runs_every_request_to_its_end_and_counts_the_steps() -> None:
+    """--requests, as `vllm bench serve` sends its prompts: all of them end, and
+    req/s is over the whole run, tail included."""
+    got = run(batching, "spread", {}, total=200)
+    assert got["requests"] == 200
+    assert got["steps"] >= 32  # each decodes 32 tokens, one a step
+    assert got["req_s"] > 0
