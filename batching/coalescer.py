@@ -903,8 +903,10 @@ class Coalescer:
             return
         cap = self._config.engine
         fed = self._held_by is Hold.FEED
+        # Rule 3's pending KV, a rank's share (the core counts it over all ranks).
+        pending = max(0, self._unstarted_tokens - self._prefilled) // cap.ranks
         for s in steps:
-            if underfed(s, cap, held):
+            if underfed(s, cap, held, pending):
                 self._n_underfed += 1
                 if fed:
                     self._respare(s, self._slot_bound)

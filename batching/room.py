@@ -371,7 +371,7 @@ def _rank_free(capacity: EngineCapacity, kv_usage: float, least: float | None) -
     return capacity.kv_tokens * (1.0 - usage)
 
 
-def underfed(step: EngineStep, capacity: EngineCapacity, held: int) -> bool:
+def underfed(step: EngineStep, capacity: EngineCapacity, held: int, pending: int = 0) -> bool:
     """Was `step` under-fed: did it leave token budget and a running slot unused
     while Sluice held work that would have fit?
 
@@ -382,8 +382,11 @@ def underfed(step: EngineStep, capacity: EngineCapacity, held: int) -> bool:
     the whole prompt's KV: a running slot free (requests scheduled < max_seqs), its
     first prefill chunk (the prompt, or vLLM's per-prompt cap if smaller) within
     the token budget the step left, and KV for the whole prompt free after the step
-    (vLLM would start a prompt on its first chunk's blocks alone, and preempt when
-    a later chunk finds none: holding that prompt is not under-feeding). Work the
+    beside `pending`, what the step's rank has still to allocate for the prompts
+    released to it (rule 3's pending tokens: their later chunks): vLLM would start a
+    prompt on its first chunk's blocks alone, and preempt when a later chunk, its
+    own or an earlier prompt's, finds none, so holding that prompt is not
+    under-feeding. Work the
     short-prompt reserve or the long-prefill bound holds (rules 4-5) counts: they
     are Sluice's policy for a short turn's room, and their cost shows here and in
     the held time by rule. A step after which the engine
@@ -398,7 +401,8 @@ def underfed(step: EngineStep, capacity: EngineCapacity, held: int) -> bool:
     chunk = capacity.feed_size(held, 1.0)
     if capacity.step_tokens and step.tokens + chunk > capacity.step_tokens:
         return False
-    return not (capacity.kv_tokens and held > capacity.kv_tokens * (1.0 - step.kv_usage))
+    kv = capacity.kv_tokens
+    return not (kv and held + pending > kv * (1.0 - step.kv_usage))
 
 
 def place(

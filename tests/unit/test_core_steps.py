@@ -84,6 +84,27 @@ def test_a_long_prompt_needs_its_first_chunk_of_budget_and_all_its_kv() -> None:
     assert not underfed(step(kv=0.81), CAP, held=2000)
 
 
+def test_kv_still_to_come_for_the_prompts_in_prefill_is_not_free() -> None:
+    """Free KV after the step is not free for a held prompt where released prompts
+    have later chunks to come: their blocks are the engine's next, and a prompt that
+    took them would be preempted (room.py rule 3's pending tokens)."""
+    assert underfed(step(kv=0.2), CAP, held=2000)  # 8,000 free
+    assert underfed(step(kv=0.2), CAP, held=2000, pending=6000)
+    assert not underfed(step(kv=0.2), CAP, held=2000, pending=6500)
+
+
+def test_the_core_judges_a_step_beside_the_kv_its_released_prompts_still_take() -> None:
+    co = co_()
+    co.add(req("big", 8500), 0.0)
+    co.add(req("x", 2000), 0.0)
+    assert ids(co.due(0.0)) == ["big"]  # "x" waits for KV: 8,500 + 2,000 > 10,000
+    # The step prefilled big's first chunk: 250 tokens in KV, 8,250 still to come;
+    # x's 2,000 fit in the 9,750 free, not beside those.
+    co.due(0.1, steps=[step(prefill=250, decode=0, requests=1, running=1, kv=0.025)])
+    c = co.room_counters
+    assert (c.steps_held, c.underfed_steps) == (1, 0)
+
+
 def test_unknown_capacity_numbers_never_make_a_step_look_full() -> None:
     assert underfed(step(requests=500, prefill=10**6, kv=1.0), EngineCapacity(), held=100)
 
