@@ -130,7 +130,7 @@ from .events import (
     RoomCounters,
 )
 from .keys import GroupKey
-from .room import EngineCapacity, EngineView, Hold, Room, place, underfed
+from .room import POLICY, EngineCapacity, EngineView, Hold, Room, place, underfed
 from .types import (
     AdmissionState,
     Admitted,
@@ -257,6 +257,7 @@ class Coalescer:
         self._n_steps = 0
         self._n_steps_held = 0
         self._n_underfed = 0
+        self._n_underfed_policy = 0  # of those, beside work rules 4-5 held (room.POLICY)
         self._held_by: Hold | None = None  # the rule that held work since `_held_at`
         self._held_at = 0.0
         self._held_s: dict[Hold, float] = dict.fromkeys(Hold, 0.0)
@@ -403,6 +404,7 @@ class Coalescer:
             steps_held=self._n_steps_held,
             underfed_steps=self._n_underfed,
             held_seconds=tuple((h.value, s) for h, s in self._held_s.items()),
+            underfed_policy_steps=self._n_underfed_policy,
         )
 
     def callers(self) -> tuple[CallerStats, ...]:
@@ -898,16 +900,19 @@ class Coalescer:
         if not self._backlog.n:
             return
         self._n_steps_held += len(steps)
-        held = self._held_prompt(self._room(self._held_at))
+        room = self._room(self._held_at)
+        held = self._held_prompt(room)
         if not held:
             return
         cap = self._config.engine
         fed = self._held_by is Hold.FEED
+        policy = room.blocks(held) in POLICY
         # Rule 3's pending KV, a rank's share (the core counts it over all ranks).
         pending = max(0, self._unstarted_tokens - self._prefilled) // cap.ranks
         for s in steps:
             if underfed(s, cap, held, pending):
                 self._n_underfed += 1
+                self._n_underfed_policy += policy
                 if fed:
                     self._respare(s, self._slot_bound)
             elif s.waiting:

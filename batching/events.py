@@ -88,3 +88,6 @@ class RoomCounters:
     steps_held: int  # of those, steps that ran while the backlog held work
     underfed_steps: int  # of those, under-fed ones (room.underfed)
     held_seconds: tuple[tuple[str, float], ...]  # (room.Hold value, seconds) per rule
+    # Of the under-fed ones, those where Sluice's policy for a short turn's room held
+    # the smallest held prompt (room.py rules 4-5: the reserve, one long prefill).
+    underfed_policy_steps: int = 0

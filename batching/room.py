@@ -133,7 +133,7 @@ from dataclasses import dataclass
 from .adapters import AdapterSlots
 from .types import EngineStep
 
-__all__ = ["EngineCapacity", "EngineView", "Hold", "Room", "place", "underfed"]
+__all__ = ["POLICY", "EngineCapacity", "EngineView", "Hold", "Room", "place", "underfed"]
 
 
 class Hold(enum.Enum):
@@ -145,6 +145,11 @@ class Hold(enum.Enum):
     RESERVE = "reserve"  # rule 4
     ADAPTER = "adapter_slot"  # rule 7
     CALLER = "caller_limit"  # a caller's max_concurrency (backlog.py rule 4)
+
+
+# The rules that are Sluice's policy for a short turn's room rather than what the
+# engine would take (4 and 5): a step under-fed beside work they held is their cost.
+POLICY = frozenset((Hold.RESERVE, Hold.LONG))
 
 
 @dataclass(frozen=True, slots=True)

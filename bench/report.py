@@ -76,6 +76,10 @@ METRIC_TITLES: dict[str, str] = {
     "held_steps": "engine steps beside a held backlog (Sluice)",
     "underfed_steps": "of those, under-fed (Sluice)",
     "underfed_share": "under-fed share of those steps (Sluice)",
+    "underfed_policy_steps": (
+        "of the under-fed, beside work the reserve or the long-prefill bound held (Sluice)"
+    ),
+    "underfed_rest_share": "under-fed share beside work the other rules held (Sluice)",
     "prefill_tokens": "prefill tokens computed",
     "prefix_queries": "prompt tokens looked up",
     "prefix_hits": "prefix-cache hit tokens",
@@ -558,11 +562,15 @@ def running_summary(samples: Sequence[float]) -> dict[str, float]:
 
 def underfed_share(metrics: Mapping[str, float]) -> dict[str, float]:
     """Issue 27: the share of Sluice's engine steps beside a held backlog that were
-    under-fed (none when no step ran beside one)."""
+    under-fed, and that share less the steps beside work that only Sluice's policy
+    for a short turn's room held (room.py rules 4-5; none when no step ran beside a
+    held backlog)."""
     held = metrics.get("held_steps")
     if not held:
         return {}
-    return {"underfed_share": metrics.get("underfed_steps", 0.0) / held}
+    underfed = metrics.get("underfed_steps", 0.0)
+    rest = underfed - metrics.get("underfed_policy_steps", 0.0)
+    return {"underfed_share": underfed / held, "underfed_rest_share": rest / held}
 
 
 def step_time(metrics: Mapping[str, float], elapsed: float) -> dict[str, float]:

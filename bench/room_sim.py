@@ -387,6 +387,8 @@ def _summary(
     if steps_api:
         c = core.room_counters
         out["underfed_share"] = c.underfed_steps / max(1, c.steps_held)
+        policy = getattr(c, "underfed_policy_steps", 0)  # an older core has none
+        out["underfed_rest_share"] = (c.underfed_steps - policy) / max(1, c.steps_held)
         out["held_s"] = {k: round(v, 1) for k, v in c.held_seconds if v}
     return out
 

@@ -705,6 +705,8 @@ UNDERFED_METRICS = (
     "held_steps",
     "underfed_steps",
     "underfed_share",
+    "underfed_policy_steps",
+    "underfed_rest_share",
 )
 SCENARIO_METRICS: dict[str, tuple[str, ...]] = {
     CONCURRENCY: (

@@ -294,6 +294,7 @@ UNDERFED_COUNTERS: tuple[tuple[str, str], ...] = (
     ("step_s", "sluice_engine_step_seconds_total"),
     ("held_steps", "sluice_engine_steps_held_total"),
     ("underfed_steps", "sluice_engine_underfed_steps_total"),
+    ("underfed_policy_steps", "sluice_engine_underfed_policy_steps_total"),
 )
 
 

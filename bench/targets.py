@@ -504,6 +504,13 @@ def issue27(records: Sequence[rp.Record]) -> list[Row]:
             n = tab.get(point, rp.SLUICE, "underfed_steps")
             held = tab.get(point, rp.SLUICE, "held_steps")
             of = f" ({n.median:,.0f} of {held.median:,.0f})" if n and held else ""
+            rest = tab.get(point, rp.SLUICE, "underfed_rest_share")
+            if rest is not None and rest.median < share.median:
+                # The rest were beside work only rules 4-5 held: a short turn's room.
+                of += (
+                    f"; {rest.median:.1%} beside work the reserve and long-prefill bound "
+                    "did not hold"
+                )
             rows.append(
                 (
                     f"{point}: under-fed steps <= {UNDERFED_SHARE:.0%} of the steps beside a "

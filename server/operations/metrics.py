@@ -184,6 +184,13 @@ class _LiveCollector(Collector):
             "judged per DP rank",
             value=room.underfed_steps if room is not None else 0,
         )
+        yield CounterMetricFamily(
+            "sluice_engine_underfed_policy_steps",
+            "Of the under-fed steps, those beside work that Sluice's policy for a short "
+            "turn's room held (the short-prompt KV reserve, one long prefill beside "
+            "another caller's work; batching/room.py rules 4-5): that policy's cost",
+            value=room.underfed_policy_steps if room is not None else 0,
+        )
         held = CounterMetricFamily(
             "sluice_backlog_held_seconds",
             "Time Sluice's backlog held work, by the rule that held it (batching/room.py)",

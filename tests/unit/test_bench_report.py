@@ -1371,3 +1371,31 @@ def test_pooled_metrics_take_every_callers_requests() -> None:
     out = pooled_metrics(results, logs)
     assert out["req_s"] == 1.0  # 4 completions over the longest job
     assert out["ttft_p50"] == pytest.approx(200.0)  # 100, 200, 300 ms: the refused one left out
+
+
+def test_issue27_underfed_rows_say_how_much_the_policy_rules_held() -> None:
+    """Rules 4-5 (the reserve, one long prefill) hold work the engine would take for
+    a short turn's room: the row keeps the whole share as its verdict and says what
+    is left without them."""
+    from bench.scenarios import NOISY
+
+    rows = _issue27_records(300.0, 43.5, 44.0, 60.0)
+    flood = next(r for r in rows if r.scenario == NOISY)
+    flood.metrics.update(
+        underfed_policy_steps=290.0,
+        **rp.underfed_share({**flood.metrics, "underfed_policy_steps": 290.0}),
+    )
+    by = {t: (m, v) for t, m, v in tg.issue27(rows)}
+    row = f"{FLOOD_POINT}: under-fed steps <= 2% of the steps beside a held backlog (Sluice)"
+    assert by[row] == (
+        "30.0% (300 of 1,000); 1.0% beside work the reserve and long-prefill bound did not hold",
+        "MISSED",
+    )
+
+
+def test_underfed_share_less_the_policy_rules() -> None:
+    got = rp.underfed_share(
+        {"held_steps": 200.0, "underfed_steps": 20.0, "underfed_policy_steps": 15.0}
+    )
+    assert got == {"underfed_share": 0.1, "underfed_rest_share": 0.025}
+    assert rp.underfed_share({"underfed_steps": 3.0}) == {}

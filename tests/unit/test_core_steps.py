@@ -134,6 +134,28 @@ def test_the_core_counts_steps_beside_a_held_backlog_and_the_underfed_ones() -> 
     assert (c.steps, c.steps_held, c.underfed_steps) == (3, 2, 1)
 
 
+def test_underfed_steps_beside_work_the_policy_rules_held_are_counted_apart() -> None:
+    """Rules 4-5 hold work the engine would take, for a short turn's room: a step
+    under-fed beside it counts, and counts again as their cost (POLICY); a step
+    under-fed beside work the feed held does not."""
+    co = co_(kv_reserve_short=0.5, short_prompt_tokens=64)
+    co.add(req("a", 3000), 0.0)
+    co.add(req("b", 2500), 0.0)
+    assert ids(co.due(0.0)) == ["a"]  # "b" would pass half the KV cache: the reserve
+    # A step that prefilled a's first chunk and had room for b's: under-fed, by policy.
+    co.due(0.1, steps=[step(prefill=250, decode=0, requests=1, running=1, kv=0.03)])
+    c = co.room_counters
+    assert (c.underfed_steps, c.underfed_policy_steps) == (1, 1)
+
+    fed = co_(EngineCapacity(max_seqs=8, step_tokens=1000), feed_steps=1.0)
+    fed.add(req("x", 900), 0.0)
+    fed.add(req("y", 900), 0.0)
+    assert ids(fed.due(0.0)) == ["x"]
+    fed.due(0.1, steps=[step(prefill=0, decode=1, requests=1, running=1)])
+    c = fed.room_counters
+    assert (c.underfed_steps, c.underfed_policy_steps) == (1, 0)
+
+
 def test_work_held_by_its_callers_limit_leaves_no_step_underfed() -> None:
     callers = Callers((CallerPolicy("a", max_concurrency=1),))
     co = co_(callers=callers)

@@ -147,6 +147,7 @@ def test_the_counters_are_exported_with_their_definitions() -> None:
         steps_held=40,
         underfed_steps=3,
         held_seconds=(("feed", 1.5), ("kv", 0.25)),
+        underfed_policy_steps=2,
     )
     m.watch(
         lambda: {
@@ -163,6 +164,7 @@ def test_the_counters_are_exported_with_their_definitions() -> None:
     assert "sluice_engine_step_seconds_total 2.5" in text
     assert "sluice_engine_steps_held_total 40.0" in text
     assert "sluice_engine_underfed_steps_total 3.0" in text
+    assert "sluice_engine_underfed_policy_steps_total 2.0" in text
     assert 'sluice_backlog_held_seconds_total{rule="feed"} 1.5' in text
     assert 'sluice_backlog_held_seconds_total{rule="kv"} 0.25' in text
     assert "# HELP sluice_engine_underfed_steps_total Engine steps that left token budget" in text
