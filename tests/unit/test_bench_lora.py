@@ -42,6 +42,7 @@ def test_plan_four_callers_each_on_its_own_adapter() -> None:
         ("step_s", "sluice_engine_step_seconds_total"),
         ("held_steps", "sluice_engine_steps_held_total"),
         ("underfed_steps", "sluice_engine_underfed_steps_total"),
+        ("underfed_policy_steps", "sluice_engine_underfed_policy_steps_total"),
     )
     quick = build_plan((LORA,), QUICK, max_model_len=8192).points[0]
     assert quick.jobs[0].args[quick.jobs[0].args.index("--num-prompts") + 1] == "32"
