@@ -907,8 +907,8 @@ class Coalescer:
         cap = self._config.engine
         fed = self._held_by is Hold.FEED
         policy = room.blocks(held) in POLICY
-        # Rule 3's pending KV, a rank's share (the core counts it over all ranks).
-        pending = max(0, self._unstarted_tokens - self._prefilled) // cap.ranks
+        # Rule 3's pending KV, a rank's share (the room counts it over all ranks).
+        pending = room.kv_pending // cap.ranks
         for s in steps:
             if underfed(s, cap, held, pending):
                 self._n_underfed += 1
