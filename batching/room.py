@@ -308,6 +308,11 @@ class Room:
         return self.limited and self.in_flight > 0 and self.unstarted_n >= self.feed_slots
 
     @property
+    def reserved(self) -> float:
+        """Rule 4: the KV tokens kept for short prompts (0 without a reserve or KV size)."""
+        return self.kv_tokens - self.kv_long
+
+    @property
     def slot_bound(self) -> bool:
         """Rule 2 holds work for want of slots, not of budget."""
         return self.unstarted_n >= self.feed_slots

@@ -385,21 +385,74 @@ def test_no_head_of_line_blocking_within_a_caller() -> None:
 
 
 def test_a_blocked_caller_is_skipped_by_at_most_one_request_worth() -> None:
-    # Long prompts (> 100 tokens) may use half of the 2000-token cache, short ones all.
+    # A 2,000-token cache, no reserve: the long prompt waits for KV (room.py rule 3).
+    co = co_(kv=2000, kv_reserve_short=0.0, short_prompt_tokens=100)
+    co.add(req("x", prompt=10, caller="c"), 0.0)
+    release_all(co, 0.0)
+    co.add(req("big", 0.1, prompt=800, new=0, caller="a"), 0.1)  # costs 800
+    for i in range(10):
+        co.add(req(f"b{i}", 0.1, prompt=100, new=0, caller="b"), 0.1)
+    # a and b start at 0 (the counter c had before its charge). b0 is shorter; then a
+    # is the least but blocked (1,400 in use), and b may pass it only while b's
+    # counter < 0 + 800: six fit the 600 tokens free, then two more next round.
+    assert release_all(co, 0.1, EngineLoad(1, 0, 0.7)) == [f"b{i}" for i in range(6)]
+    busy = EngineLoad(7, 0, 0.65)  # 1,300 in use: big still does not fit, 7 b's would
+    assert release_all(co, 0.2, busy) == ["b6", "b7"]
+    assert release_all(co, 0.3, busy) == []  # room for b, but it is a's turn
+    a = co.caller("a")
+    assert a is not None and a.backlog == 1
+    assert release_all(co, 0.4, EngineLoad(9, 0, 0.1)) == ["big", "b8", "b9"]
+
+
+def test_a_caller_the_reserve_holds_is_passed_by_up_to_the_reserve_more() -> None:
+    """Backlog.py rule 3: the short-prompt reserve holds a long prompt to keep room
+    for short turns, so the turns it keeps room for may pass its caller by the
+    reserve's tokens beyond one request's worth; past that, the floor holds as for KV.
+    (Without the allowance, at three callers on a slow engine, a chat caller waited
+    behind a bulk caller the reserve held, while the reserve's room went unused.)"""
+    # Long prompts (> 100 tokens) may use half of the 2,000-token cache, short ones all.
     co = co_(kv=2000, kv_reserve_short=0.5, short_prompt_tokens=100)
     co.add(req("x", prompt=10, caller="c"), 0.0)
     release_all(co, 0.0)
     co.add(req("big", 0.1, prompt=600, new=0, caller="a"), 0.1)  # costs 600
-    for i in range(10):
+    for i in range(20):
         co.add(req(f"b{i}", 0.1, prompt=100, new=0, caller="b"), 0.1)
-    busy = EngineLoad(1, 0, 0.4)  # 800 in use: big does not fit, a dozen b's would
-    # a and b start at 0 (the counter c had before its charge). b0 is shorter; then a
-    # is the least but blocked, and b may pass it only while b's counter < 0 + 600.
-    assert release_all(co, 0.1, busy) == [f"b{i}" for i in range(6)]
-    assert release_all(co, 0.2, busy) == []  # room for b, but it is a's turn
-    a = co.caller("a")
-    assert a is not None and a.backlog == 1
-    assert release_all(co, 0.3, EngineLoad(7, 0, 0.1)) == ["big", "b6", "b7", "b8", "b9"]
+    busy = EngineLoad(1, 0, 0.4)  # 800 in use: over the line for big, not for b
+    # b may pass a while its counter < 0 + 600 + 1,000 (the reserve): twelve fit the
+    # 1,200 tokens free, then four more next round, then none.
+    assert release_all(co, 0.1, busy) == [f"b{i}" for i in range(12)]
+    assert release_all(co, 0.2, busy) == [f"b{i}" for i in range(12, 16)]
+    assert release_all(co, 0.3, busy) == []
+    assert release_all(co, 0.4, EngineLoad(17, 0, 0.1)) == [
+        "big",
+        *(f"b{i}" for i in range(16, 20)),
+    ]
+
+
+def test_a_caller_the_long_prefill_bound_holds_is_passed_by_up_to_the_reserve_too() -> None:
+    """Backlog.py rule 3: a caller whose long prompt waits for another long prompt's
+    prefill (room.py rule 5) is held for the same short turns, and is passed by as
+    much; it goes as soon as that prompt has started, its counter the least."""
+    co = co_(
+        64,
+        2048,
+        100_000,  # a tenth kept for short prompts: 10,000 tokens
+        chunk=512,
+        callers=(CallerPolicy("chat"), CallerPolicy("batch", 10.0)),
+    )
+    co.add(req("c0", prompt=64, new=0, caller="chat"), 0.0)
+    co.add(req("f0", prompt=2000, new=0, caller="batch"), 0.0)
+    co.add(req("f1", prompt=2000, new=0, caller="batch"), 0.0)
+    # f1 waits for f0's prefill. Batch's counter is 200 and one more request of its
+    # costs 200, the reserve 1,000 at its weight: chat may pass it up to 1,400.
+    assert ids(co.due(0.0)) == ["c0", "f0"]
+    for i in range(1, 25):
+        co.add(req(f"c{i}", 0.1, prompt=64, new=0, caller="chat"), 0.1)
+    # Chat wakes at batch's 200 and climbs 64 a turn: its 19th starts at 1,352.
+    assert ids(co.due(0.1)) == [f"c{i}" for i in range(1, 20)]
+    assert ids(co.due(0.15)) == []
+    co.started("f0", 0.2)
+    assert ids(co.due(0.2))[0] == "f1"  # then chat's, as far as the feed allows
 
 
 def test_a_later_short_prompt_overtakes_only_within_the_max_delay() -> None:
