@@ -29,6 +29,7 @@ at once (--nohold) 43.7 req/s (vLLM's server measured 43.1, Sluice's
     python -m bench.room_sim spread --requests 1152   # the benchmark's count, tail included
     python -m bench.room_sim noisy --set long_prefills=0
     python -m bench.room_sim three --core /tmp/old   # an older `batching` package
+    python -m bench.room_sim three --slower 3        # every step 3x longer
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ def run(
     seed: int = 1,
     span: float = 35.0,
     total: int = 0,
+    slower: float = 1.0,
 ) -> dict[str, Any]:
     """One scenario point: `span` seconds of load after 2 s of warm-up (closed-loop
     streams, a Poisson chat caller at 3 req/s where the bench has one); or, with
@@ -174,7 +176,7 @@ def run(
     # Two engines share the two cores there, beside the front: measured at c=512
     # (bench/results/issue27-cpu.md) a step of 128 decodes took about 110 ms, 8x
     # the one-engine model's.
-    slow = 8.0 if scenario == "dp" else 1.0
+    slow = (8.0 if scenario == "dp" else 1.0) * slower
     # And their steps vary, which keeps equal requests on two ranks from finishing
     # in lockstep: +-10% a step there (seeded).
     jitter = 0.1 if scenario == "dp" else 0.0
@@ -356,6 +358,14 @@ def _summary(
     if chat:
         out["chat_ttft_p50_ms"] = _p(chat, 0.5)
         out["chat_ttft_p95_ms"] = _p(chat, 0.95)
+        # Of that, the wait in Sluice's backlog (arrival to release): what the
+        # policy held, apart from the engine's own queue and steps.
+        queued = [
+            1000 * (r.released_at - r.arrival)
+            for r in reqs.values()
+            if r.caller == "chat" and r.first_at and r.released_at is not None
+        ]
+        out["chat_queue_p95_ms"] = _p(queued, 0.95)
     work = [r for r in reqs.values() if r.caller != "chat" and r.done_at and lo <= r.done_at <= hi]
     if math.isinf(hi):  # a fixed count: over the whole run, as the benchmark's duration
         ends = [r.done_at for r in work if r.done_at is not None]
@@ -412,6 +422,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="send this many requests in all (as the benchmark does) instead of a span",
     )
+    ap.add_argument(
+        "--slower",
+        type=float,
+        default=1.0,
+        help="every step this many times longer (a slower machine: 1.8 on an AVX2 one in float32)",
+    )
     ns = ap.parse_args(argv)
     if ns.core:
         sys.path.insert(0, ns.core)
@@ -419,7 +435,15 @@ def main(argv: list[str] | None = None) -> int:
     import ast
 
     settings = {k: ast.literal_eval(v) for k, v in (s.split("=", 1) for s in ns.set)}
-    res = run(b, ns.scenario, settings, nohold=ns.nohold, seed=ns.seed, total=ns.requests)
+    res = run(
+        b,
+        ns.scenario,
+        settings,
+        nohold=ns.nohold,
+        seed=ns.seed,
+        total=ns.requests,
+        slower=ns.slower,
+    )
     print(
         ns.scenario,
         settings,

@@ -41,3 +41,13 @@ def test_a_fixed_count_runs_every_request_to_its_end_and_counts_the_steps() -> N
     assert got["requests"] == 200
     assert got["steps"] >= 32  # each decodes 32 tokens, one a step
     assert got["req_s"] > 0
+
+
+def test_a_slower_machine_takes_longer_steps_and_the_chat_wait_splits_off_the_queue() -> None:
+    """--slower: every step that many times longer (a machine like an AVX2 one in
+    float32); the chat caller's TTFT and, apart, its wait in Sluice's backlog."""
+    quick = run(batching, "three", {}, span=4.0)
+    slow = run(batching, "three", {}, span=4.0, slower=3.0)
+    assert slow["req_s"] < quick["req_s"]
+    assert slow["chat_ttft_p50_ms"] > quick["chat_ttft_p50_ms"]
+    assert 0.0 <= slow["chat_queue_p95_ms"] <= slow["chat_ttft_p95_ms"]
