@@ -36,6 +36,11 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPILE_FLAGS = ("--enforce-eager", "--no-enforce-eager", "--models")
 
 
+# Starts of one SluiceProcess on its own free port, each after the last found it
+# taken (wait_ready).
+_BIND_TRIES = 3
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -62,6 +67,10 @@ class SluiceProcess:
         port: int | None = None,
     ) -> None:
         # A given port: a restarted instance takes its old place (behind a balancer).
+        # A free one may be taken by the time Sluice binds it, after its engine's
+        # start (tens of seconds, in which another test's engine opens its own
+        # ports): then wait_ready() starts it again on another (_BIND_TRIES).
+        self._own_port = port is None
         self.port = port or free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -80,20 +89,44 @@ class SluiceProcess:
         }
         if not any(a in COMPILE_FLAGS for a in args):
             args = ["--enforce-eager", *args]
+        self._args = list(args)
+        self._env = full_env
+        self._binds = 1
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server", "serve", "--port", str(self.port), *args],
+        self.proc = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "server", "serve", "--port", str(self.port), *self._args],
             cwd=ROOT,
-            env=full_env,
+            env=self._env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             process_group=0,
         )
 
+    def _rebind(self) -> bool:
+        """Start again on another free port if the last start exited because its
+        own port was taken meanwhile; False if it exited for anything else."""
+        if not self._own_port or self._binds >= _BIND_TRIES:
+            return False
+        if b"address already in use" not in self.log_path.read_bytes()[-4000:]:
+            return False
+        self.kill_group()
+        self._binds += 1
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self._log.write(f"\n[tests] port taken; starting again on {self.port}\n".encode())
+        self._log.flush()
+        self.proc = self._spawn()
+        return True
+
     def wait_ready(self, timeout: float = 240.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if self._rebind():
+                    continue
                 raise RuntimeError(f"sluice exited with {self.proc.returncode}:\n{self.tail()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.base + "/ready", timeout=2).status_code == 200:
