@@ -352,19 +352,14 @@ def _summary(
     hi: float,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    chat = [
-        1000 * (r.first_at - r.arrival) for r in reqs.values() if r.caller == "chat" and r.first_at
-    ]
+    answered = [r for r in reqs.values() if r.caller == "chat" and r.first_at]
+    chat = [1000 * (r.first_at - r.arrival) for r in answered if r.first_at]
     if chat:
         out["chat_ttft_p50_ms"] = _p(chat, 0.5)
         out["chat_ttft_p95_ms"] = _p(chat, 0.95)
         # Of that, the wait in Sluice's backlog (arrival to release): what the
         # policy held, apart from the engine's own queue and steps.
-        queued = [
-            1000 * (r.released_at - r.arrival)
-            for r in reqs.values()
-            if r.caller == "chat" and r.first_at and r.released_at is not None
-        ]
+        queued = [1000 * (r.released_at - r.arrival) for r in answered if r.released_at is not None]
         out["chat_queue_p95_ms"] = _p(queued, 0.95)
     work = [r for r in reqs.values() if r.caller != "chat" and r.done_at and lo <= r.done_at <= hi]
     if math.isinf(hi):  # a fixed count: over the whole run, as the benchmark's duration

@@ -384,14 +384,22 @@ def test_no_head_of_line_blocking_within_a_caller() -> None:
     assert release_all(co, 0.2, EngineLoad(2, 0, 0.3)) == ["long"]
 
 
-def test_a_blocked_caller_is_skipped_by_at_most_one_request_worth() -> None:
-    # A 2,000-token cache, no reserve: the long prompt waits for KV (room.py rule 3).
-    co = co_(kv=2000, kv_reserve_short=0.0, short_prompt_tokens=100)
+def _long_beside_shorts(reserve: float, big: int, shorts: int) -> Coalescer:
+    """A 2,000-token cache with work in flight (c's), prompts over 100 tokens long:
+    caller a's one long prompt of `big` tokens, caller b's `shorts` of 100, all
+    queued at 0.1, nothing new to generate (each costs its prompt)."""
+    co = co_(kv=2000, kv_reserve_short=reserve, short_prompt_tokens=100)
     co.add(req("x", prompt=10, caller="c"), 0.0)
     release_all(co, 0.0)
-    co.add(req("big", 0.1, prompt=800, new=0, caller="a"), 0.1)  # costs 800
-    for i in range(10):
+    co.add(req("big", 0.1, prompt=big, new=0, caller="a"), 0.1)
+    for i in range(shorts):
         co.add(req(f"b{i}", 0.1, prompt=100, new=0, caller="b"), 0.1)
+    return co
+
+
+def test_a_blocked_caller_is_skipped_by_at_most_one_request_worth() -> None:
+    # No reserve: the long prompt (costs 800) waits for KV (room.py rule 3).
+    co = _long_beside_shorts(reserve=0.0, big=800, shorts=10)
     # a and b start at 0 (the counter c had before its charge). b0 is shorter; then a
     # is the least but blocked (1,400 in use), and b may pass it only while b's
     # counter < 0 + 800: six fit the 600 tokens free, then two more next round.
@@ -410,13 +418,8 @@ def test_a_caller_the_reserve_holds_is_passed_by_up_to_the_reserve_more() -> Non
     reserve's tokens beyond one request's worth; past that, the floor holds as for KV.
     (Without the allowance, at three callers on a slow engine, a chat caller waited
     behind a bulk caller the reserve held, while the reserve's room went unused.)"""
-    # Long prompts (> 100 tokens) may use half of the 2,000-token cache, short ones all.
-    co = co_(kv=2000, kv_reserve_short=0.5, short_prompt_tokens=100)
-    co.add(req("x", prompt=10, caller="c"), 0.0)
-    release_all(co, 0.0)
-    co.add(req("big", 0.1, prompt=600, new=0, caller="a"), 0.1)  # costs 600
-    for i in range(20):
-        co.add(req(f"b{i}", 0.1, prompt=100, new=0, caller="b"), 0.1)
+    # Long prompts may use half of the cache, short ones all; the long one costs 600.
+    co = _long_beside_shorts(reserve=0.5, big=600, shorts=20)
     busy = EngineLoad(1, 0, 0.4)  # 800 in use: over the line for big, not for b
     # b may pass a while its counter < 0 + 600 + 1,000 (the reserve): twelve fit the
     # 1,200 tokens free, then four more next round, then none.

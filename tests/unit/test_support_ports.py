@@ -37,7 +37,7 @@ http.server.HTTPServer(("127.0.0.1", port), Ready).serve_forever()
 
 class _StandIn(SluiceProcess):
     def _spawn(self) -> subprocess.Popen[bytes]:
-        first = getattr(self, "_binds", 1) == 1
+        first = self._binds == 1
         return subprocess.Popen(
             [sys.executable, "-c", _STAND_IN, str(self.port), "1" if first else "0"],
             stdout=self._log,
