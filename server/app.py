@@ -51,26 +51,27 @@ from aiohttp import web
 from batching import AdmissionState, Coalescer, ResultCache
 from batching.pressure import ENGINE_IDLE, Decision, EngineStats, RankStats, State, Transition
 from server.api.lora_admin.endpoint import add_admin_routes
+from server.api.openai_responses.endpoint import RESPONSES
 from server.api.openai_responses.store import ResponseStore
+from server.callers import CallerDirectory, CallersError, load_callers, world_readable
 from server.engines.driver import Driver, Generation, order_priority, request_priority
 from server.engines.interface import Engine, EngineParams, ModelInfo
 from server.engines.loader import ModelLoader
 from server.engines.registry import Load, ModelEntry, ModelRegistry, ModelSpec
 from server.engines.registry import State as ModelState
 from server.errors import SluiceError
-from server.http.callers import CallerDirectory, CallersError, load_callers, world_readable
 from server.http.middleware import install as install_middlewares
 from server.http.middleware import server_options
-from server.http.routes import add_routes
+from server.http.status_page import add_status_routes, make_sampler
 from server.operations.metrics import Metrics
 from server.operations.sdnotify import SdNotify
-from server.operations.status_page import add_status_routes, make_sampler
 from server.operations.watchdog import (
     EngineReader,
     HostMemoryReader,
     NvmlReader,
     Watchdog,
 )
+from server.router import add_routes
 from server.settings import Settings
 from server.state import (
     CALLERS,
@@ -78,7 +79,6 @@ from server.state import (
     METRICS,
     MODELS,
     NOTIFIER,
-    RESPONSES,
     RESULTS,
     RUNTIME,
     SETTINGS,

@@ -341,7 +341,7 @@ def _add_runtime_lora_flags(parser: argparse.ArgumentParser) -> None:
 def _key_file(path: Path, flag: str, *, private: bool) -> str:
     """One key read from `path` once; ValueError with one line when unusable.
     `private`: refused when other users can read it (else a warning)."""
-    from server.http.callers import world_readable
+    from server.callers import world_readable
 
     try:
         key = path.read_text(encoding="utf-8").strip()
@@ -667,7 +667,7 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
     """Parse `sluice serve` arguments and the environment into Settings."""
     from batching import CoalescerConfig, ReleaseOrder
     from batching.pressure import PressureConfig
-    from server.http.callers import CallersError, load_callers, world_readable
+    from server.callers import CallersError, load_callers, world_readable
 
     parser = build_serve_parser()
     ns = parser.parse_args(list(argv))

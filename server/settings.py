@@ -14,11 +14,11 @@ from typing import Any
 
 from batching import CoalescerConfig, EngineCapacity
 from batching.pressure import PressureConfig
+from server.callers import CallerTable
 from server.engines.demo.model import default_cache_root
 from server.engines.interface import ModelInfo
 from server.engines.lora import Adapter
 from server.engines.registry import ModelSpec
-from server.http.callers import CallerTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +90,7 @@ class Settings:
     callers_file: Path | None = None
     caller_table: CallerTable | None = field(default=None, repr=False)
     # --shared-prefix-cache: every caller's prompts share the engine's prefix
-    # cache (no per-caller cache_salt; server/http/callers.py says what that leaks).
+    # cache (no per-caller cache_salt; server/callers.py says what that leaks).
     shared_prefix_cache: bool = False
     max_body_bytes: int = 4 * 1024 * 1024
     max_n: int = 8

@@ -1,8 +1,12 @@
 """The app's typed state: its life-cycle phase, run state and app keys.
 
-Why this module exists: the app (server/app.py), the HTTP routes and the
-generation pipeline all read the same state; keeping it here, below all of
-them, means none of them imports another to get at it (no import cycle).
+Why this module exists: the app (server/app.py), the router, the shell
+(server/http/) and the APIs all read the same state; keeping it here, below all
+of them, means none of them imports another to get at it (no import cycle).
+It stands above what it holds (the settings, the engines' registry and loader,
+the callers, operations' metrics, watchdog, systemd notifier and status
+samples), so every import here points down. A key whose value belongs to one
+API lives in that API (`RESPONSES`, server/api/openai_responses/endpoint.py).
 """
 
 from __future__ import annotations
@@ -16,10 +20,9 @@ from typing import Any
 from aiohttp import web
 
 from batching import AdmissionState, ResultCache
-from server.api.openai_responses.store import ResponseStore
+from server.callers import CallerDirectory
 from server.engines.loader import ModelLoader
 from server.engines.registry import ModelEntry, ModelRegistry
-from server.http.callers import CallerDirectory
 from server.operations.metrics import Metrics
 from server.operations.sdnotify import SdNotify
 from server.operations.status_samples import StatusSampler
@@ -39,7 +42,6 @@ __all__ = [
     "MODELS",
     "NOTIFIER",
     "REQUEST_ID",
-    "RESPONSES",
     "RESULTS",
     "RUNTIME",
     "SETTINGS",
@@ -112,8 +114,7 @@ NOTIFIER = web.AppKey("notifier", SdNotify)
 WATCHDOG = web.AppKey("watchdog", Watchdog)
 RESULTS = web.AppKey[ResultCache[CachedResult]]("results")  # --result-cache-ttl
 STATUS = web.AppKey("status", StatusSampler)  # the status page's ring buffer
-CALLERS = web.AppKey("callers", CallerDirectory)  # who is asking (server/http/callers.py)
-RESPONSES = web.AppKey("responses", ResponseStore)  # /v1/responses' stored responses
+CALLERS = web.AppKey("callers", CallerDirectory)  # who is asking (server/callers.py)
 CALLER = web.RequestKey("caller", str)  # set by the auth middleware when keys name callers
 ADMIN = web.RequestKey("admin", bool)  # /status.json with the admin key: the full view
 REQUEST_ID = web.RequestKey("request_id", str)  # set by the request middleware, every route

@@ -246,7 +246,7 @@ class _Pending:
     # subscriber of one generation: the adapter's name is part of the group
     # key (batching/keys.py), which the dedupe key includes.
     adapter: Adapter | None = None
-    # The prefix-cache salt (server/http/callers.py); equal for every subscriber of
+    # The prefix-cache salt (server/callers.py); equal for every subscriber of
     # one generation too: the dedupe fingerprint includes it.
     cache_salt: str | None = None
 

@@ -19,7 +19,7 @@ Rules:
 3. `resolve(model)`: the base model's served name or its path is None (the base
    weights); a registered adapter's name is that adapter; anything else is a 404
    `model_not_found`, the body vLLM's server sends for an unknown model.
-4. A caller's own rules (`AdapterAccess`, from the callers file, server/http/callers.py):
+4. A caller's own rules (`AdapterAccess`, from the callers file, server/callers.py):
    `adapters` absent means every adapter and the base; present, it names the
    adapters the caller may use and see. An adapter outside it is invisible: a 404
    exactly as for an unknown name, so one team cannot probe another's adapter

@@ -73,7 +73,6 @@ from server.wire.request import ChatRequest, Constraint, Message, Sampling, merg
 
 if TYPE_CHECKING:
     from server.engines.registry import ModelSpec
-    from server.settings import Settings
 
 log = logging.getLogger("sluice.engine")
 
@@ -425,11 +424,6 @@ class EngineAdapter:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-tok")
         self._batcher = Batcher(self._pool, self._tokenize_batch)
         self.info = ModelInfo(model_name, 0, None, int(time.time()))
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> EngineAdapter:
-        """The adapter `sluice serve --model` runs: its engine and parser flags."""
-        return cls.from_spec(settings.specs()[0])
 
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> EngineAdapter:

@@ -32,9 +32,8 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from aiohttp.http_exceptions import HttpProcessingError
 
-from server.api.lora_admin.endpoint import ADMIN_PATHS
+from server.callers import bearer_token, same_key
 from server.errors import SluiceError
-from server.http.callers import bearer_token, same_key
 from server.http.models import release_model
 from server.operations import logs
 from server.state import (
@@ -50,12 +49,15 @@ from server.state import (
 )
 
 __all__ = [
+    "ADMIN_PATHS",
     "ANTHROPIC_PREFIX",
+    "LOAD_PATH",
     "METRICS_PATH",
     "OLLAMA_PREFIX",
     "OPEN_PATHS",
     "PROTECTED_PREFIXES",
     "STATUS_PATH",
+    "UNLOAD_PATH",
     "auth_middleware",
     "error_middleware",
     "install",
@@ -78,6 +80,11 @@ PROTECTED_PREFIXES = ("/v1/", "/api/", "/tokenize", "/detokenize", "/status.json
 OPEN_PATHS = frozenset({"/api/hello", "/api/version"})
 STATUS_PATH = "/status.json"
 METRICS_PATH = "/metrics"
+# Runtime LoRA's routes: the admin key's, checked by their handler
+# (server/api/lora_admin/endpoint.py rule 2), not a caller's.
+LOAD_PATH = "/v1/load_lora_adapter"
+UNLOAD_PATH = "/v1/unload_lora_adapter"
+ADMIN_PATHS = frozenset({LOAD_PATH, UNLOAD_PATH})
 # Paths whose clients read Anthropic's error shape and statuses.
 ANTHROPIC_PREFIX = "/v1/messages"
 # Paths whose clients read Ollama's error shape (server/api/ollama/).
@@ -228,7 +235,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     `Authorization: Bearer` token; either names the same caller.
 
     The compare is constant-time and keys never reach a log line (see
-    server/http/callers.py); a refusal is counted, and logged (path and status
+    server/callers.py); a refusal is counted, and logged (path and status
     only) by the access line like any request. Without any keys everything is
     open and the pipeline names the caller from the `user` field.
     """
@@ -246,7 +253,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         bearer_token(request.headers.get("Authorization", "")),
         request.app[SETTINGS].admin_key,
     ):
-        request[ADMIN] = True  # the full view (server/operations/status_page.py)
+        request[ADMIN] = True  # the full view (server/http/status_page.py)
         return await handler(request)
     api_key = request.headers.get("x-api-key")
     caller = (

@@ -343,7 +343,7 @@ def _traced(
 async def _run(request: web.Request, tr: Trace, job: Job, enc: Encoder[Any]) -> web.StreamResponse:
     results = request.app[RESULTS]
     # The caller's prefix-cache salt (None: shared): the engine's cache, dedupe
-    # and the result cache share work only within it (server/http/callers.py).
+    # and the result cache share work only within it (server/callers.py).
     salt = request.app[CALLERS].cache_salt(tr.caller)
     key: Hashable = None
     if job.cacheable and not job.stream and job.sampling.deterministic and results.enabled:

@@ -12,7 +12,7 @@ configured adapter names): requests by endpoint and status.
 Fields the APIs accepted and ignored (server/wire/ignored.py), by API and
 field (label `field`, bounded: only names that module lists, else `other`).
 
-Per caller (label `caller`: only configured names, server/http/callers.py
+Per caller (label `caller`: only configured names, server/callers.py
 `CallerDirectory.label`; without keys every `user`-named caller is one label,
 `user`, since the name is the client's own string): requests by status (429
 included), queue wait, queued / backlogged / in-flight work, prompt and
@@ -323,7 +323,7 @@ def _caller_families(
 
 class Metrics:
     """Sluice's metrics; one instance per app. `caller_label` turns a caller's
-    name into its `caller` label (server/http/callers.py `CallerDirectory.label`);
+    name into its `caller` label (server/callers.py `CallerDirectory.label`);
     `models`: the served models' names with --models, whose series then carry
     a `model` label (None: no such label)."""
 

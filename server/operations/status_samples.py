@@ -1,7 +1,7 @@
 """The status page's data: one sample a second for 15 minutes, served as /status.json.
 
 Why it exists: most workstations have no Prometheus, and raw /metrics text is
-no picture. The page (server/operations/static/) plots what this ring buffer holds, and
+no picture. The page (server/http/static/) plots what this ring buffer holds, and
 reads nothing else.
 
 How it stays cheap:
@@ -28,7 +28,7 @@ How it stays cheap:
 * The JSON body is built at most once per sample (orjson) and cached: many
   browsers refreshing every second cost one build. So is each caller's view
   (`View`): a caller's key sees its own per-caller series and one total for
-  the rest, and only the adapters it may use (server/operations/status_page.py decides
+  the rest, and only the adapters it may use (server/http/status_page.py decides
   who gets which).
 * Measured on the 2-core test machine (tests/unit/test_status.py): about
   50 us per sample for a busy second (200 TTFTs, 40 batches), 0.5 ms to dump

@@ -1,4 +1,4 @@
-"""The status page (server/operations/static/) in a real browser: headless Chromium
+"""The status page (server/http/static/) in a real browser: headless Chromium
 (Debian's `chromium`) driven by Playwright.
 
 Each test opens the page, waits for a few refreshes, and checks that every
@@ -26,10 +26,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from batching.pressure import RankStats
-from server.http.callers import CallerDirectory
+from server.callers import CallerDirectory
 from server.http.middleware import install
+from server.http.status_page import add_status_routes, index
 from server.operations.metrics import Metrics
-from server.operations.status_page import add_status_routes, index
 from server.operations.status_samples import Snapshot, StatusSampler
 from server.settings import Settings
 from server.state import CALLERS, METRICS, SETTINGS, STATUS
@@ -222,7 +222,7 @@ def page_app(sampler: StatusSampler, key: str | None = None) -> web.Application:
     app[METRICS] = Metrics()
     app[STATUS] = sampler
     add_status_routes(app)
-    # `/` is the app's (server/http/routes.py `root`: the page for a browser,
+    # `/` is the app's (server/router.py `root`: the page for a browser,
     # Ollama's probe for its clients); here, the page.
     app.router.add_get("/", index)
     return app

@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.api.openai_chat.endpoint import ChatEncoder
-from server.http.callers import CallerDirectory
+from server.callers import CallerDirectory
 from server.http.middleware import install
 from server.operations import logs
 from server.operations.metrics import Metrics

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from server.http.callers import CallersError, parse_callers
+from server.callers import CallersError, parse_callers
 from tests.fakes import FakeEngine
 from tests.unit.test_handlers import CHAT, chat
 

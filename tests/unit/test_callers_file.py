@@ -1,4 +1,4 @@
-"""The callers file and the ways a request gets its caller name (server/http/callers.py)."""
+"""The callers file and the ways a request gets its caller name (server/callers.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from batching import DEFAULT_CALLER, CallerPolicy
-from server.http.callers import (
+from server.callers import (
     MAX_USER_NAMES,
     OTHER_CALLER,
     CallerDirectory,

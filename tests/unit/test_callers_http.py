@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from server.app import reload_callers
-from server.http.callers import load_callers, parse_callers
+from server.callers import load_callers, parse_callers
 from server.state import MODELS
 from tests.fakes import FakeEngine
 from tests.support import until

@@ -244,7 +244,7 @@ def test_toml_examples_parse(block: Block) -> None:
 
 
 def test_the_callers_example_is_a_callers_file_sluice_reads(tmp_path: Path) -> None:
-    from server.http.callers import load_callers
+    from server.callers import load_callers
 
     (block,) = [b for b in all_blocks("toml") if "[callers." in b.text]
     (tmp_path / "callers.toml").write_text(block.text)

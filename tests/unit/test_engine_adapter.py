@@ -266,7 +266,7 @@ async def test_the_tool_call_parser_flag_reaches_the_parsers(demo_model_dir: Pat
     )
     mp = pytest.MonkeyPatch()
     mp.setattr(engine_mod.AsyncLLM, "from_vllm_config", lambda config, **_: FrontHalf(config))
-    a = EngineAdapter.from_settings(settings)
+    a = EngineAdapter.from_spec(settings.specs()[0])
     try:
         await a.start()
         body = {

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from server.callers import CallersError, parse_callers
 from server.engines.lora import (
     Adapter,
     AdapterAccess,
@@ -20,7 +21,6 @@ from server.engines.lora import (
     choose,
 )
 from server.errors import SluiceError
-from server.http.callers import CallersError, parse_callers
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
+from server.callers import parse_callers
 from server.cli import parse_serve_args
 from server.engines.demo.lora_adapter import write_demo_adapter
 from server.engines.demo.model import ARCHITECTURE, write_safetensors
 from server.engines.lora import Adapter, ModelShapes, check_shapes
-from server.http.callers import parse_callers
 from server.state import MODELS
 from tests.fakes import FakeEngine
 from tests.support import until

@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from server.api.anthropic_messages import endpoint as messages
-from server.http.callers import parse_callers
+from server.callers import parse_callers
 from server.state import RUNTIME, Phase
 from tests.fakes import FakeEngine
 from tests.unit.test_tools_http import AUTO_SCRIPT, PARAMS

@@ -16,8 +16,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from server.app import build_app
+from server.callers import parse_callers
 from server.engines.registry import Load, ModelSpec, State
-from server.http.callers import parse_callers
 from server.http.middleware import server_options
 from server.settings import Settings
 from server.state import MODELS, RUNTIME, Phase

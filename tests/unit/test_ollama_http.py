@@ -18,7 +18,7 @@ import ollama
 import orjson
 import pytest
 
-from server.http.callers import parse_callers
+from server.callers import parse_callers
 from server.state import MODELS, RUNTIME, Phase
 from tests.fakes import FakeEngine
 from tests.support import until

@@ -18,7 +18,7 @@ from openai.lib.streaming.responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from server.http.callers import parse_callers
+from server.callers import parse_callers
 from tests.fakes import FakeEngine
 
 pytestmark = pytest.mark.timeout(60)

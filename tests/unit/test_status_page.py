@@ -1,4 +1,4 @@
-"""The status page wired into the app (server/operations/status_page.py): routes, key,
+"""The status page wired into the app (server/http/status_page.py): routes, key,
 and snapshots of the live app, with the fake engine."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 from batching import DEFAULT_CALLER, AdmissionState
 from batching.pressure import EngineStats
 from server.app import drain, on_admission
-from server.operations.status_page import engine_label, snapshot
+from server.http.status_page import engine_label, snapshot
 from server.state import STATUS
 from tests.fakes import FakeEngine
 from tests.unit.test_scale_capacity import dp_stat_loggers

@@ -16,9 +16,9 @@ from typing import Any
 import orjson
 import pytest
 
+from server.callers import parse_callers
 from server.cli import parse_serve_args
 from server.engines.lora import Adapter
-from server.http.callers import parse_callers
 from server.state import STATUS
 
 pytestmark = pytest.mark.timeout(30)

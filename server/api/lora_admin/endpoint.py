@@ -49,19 +49,16 @@ from typing import Any
 
 from aiohttp import web
 
+from server.callers import bearer_token, same_key
 from server.engines.lora import Adapter, adapter_rank, check_base, under_root
 from server.errors import SluiceError
-from server.http.callers import bearer_token, same_key
+from server.http.middleware import LOAD_PATH, UNLOAD_PATH
 from server.state import CALLERS, METRICS, MODELS, RESULTS, SETTINGS
 from server.wire.fields import load_object
 
-__all__ = ["ADMIN_PATHS", "LOAD_PATH", "UNLOAD_PATH", "add_admin_routes", "check_admin"]
+__all__ = ["add_admin_routes", "check_admin"]
 
 log = logging.getLogger("sluice.lora")
-
-LOAD_PATH = "/v1/load_lora_adapter"
-UNLOAD_PATH = "/v1/unload_lora_adapter"
-ADMIN_PATHS = frozenset({LOAD_PATH, UNLOAD_PATH})
 
 _LOCK = web.AppKey("lora_admin_lock", asyncio.Lock)  # rule 6
 

@@ -36,11 +36,15 @@ from server.engines.choice_reader import ChoiceReader
 from server.engines.interface import CompletionDelta, Engine
 from server.errors import SluiceError
 from server.http.pipeline import Encoder, Job, Trace, json_response
-from server.state import CALLER, RESPONSES, RUNTIME
+from server.state import CALLER, RUNTIME
 from server.wire.output import ChatChoice, TokenLogprob, Usage
 from server.wire.request import ChatRequest, Message
 
-__all__ = ["delete_response", "get_response", "prepare_responses"]
+__all__ = ["RESPONSES", "delete_response", "get_response", "prepare_responses"]
+
+# The app's stored responses (server/app.py fills it): beside the one API that
+# reads it, above the shell, so the app's state (server/state.py) imports no API.
+RESPONSES = web.AppKey("responses", ResponseStore)  # /v1/responses' stored responses
 
 
 def _not_found(response_id: str, param: str | None = None) -> SluiceError:

@@ -64,6 +64,11 @@ model says nothing of its share on another.
 
 Caller names (and `cache_group` names) are 1-64 characters of letters,
 digits, `_`, `-` and `.` (they become metric labels and log fields).
+
+It imports no aiohttp and stands below what holds it: the settings
+(`CallerTable`, read once at start), the app's state (the `CALLERS` key) and
+the shell, whose middleware (server/http/middleware.py) reads the headers
+and asks it who is asking.
 """
 
 from __future__ import annotations

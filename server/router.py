@@ -1,6 +1,8 @@
 """The HTTP surface: which path runs what.
 
-Why this module exists: one table of routes. The generation endpoints are
+Why this module exists: one table of routes, at the top of the house beside
+the app (server/app.py): it imports every API (server/api/) and the shell they
+all use (server/http/), so neither of those imports the other upward. The generation endpoints are
 the pipeline (server/http/pipeline.py) with their API's preparation
 (server/api/*/endpoint.py), the pooling ones its pooling twin
 (server/api/pooling/endpoint.py); the rest (models, probes, metrics, tokenizer,
@@ -34,8 +36,8 @@ from server.http.pipeline import (
     json_response,
     pooling_endpoint,
 )
+from server.http.status_page import index
 from server.operations.metrics import CONTENT_TYPE
-from server.operations.status_page import index
 from server.state import CALLER, CALLERS, METRICS, MODELS, RUNTIME, SETTINGS, Phase
 from server.wire.fields import load_object
 

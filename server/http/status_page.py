@@ -3,9 +3,9 @@
 Why this module exists: server/operations/status_samples.py is the ring buffer and knows nothing
 of the app; this module builds its once-a-second snapshot from the app's live
 objects (metrics, driver, engine stats, watchdog readings, run state) and
-serves the page (server/operations/static/, package data: no build step, no CDN).
+serves the page (server/http/static/, package data: no build step, no CDN).
 
-`/` (routed in server/http/routes.py, which also answers Ollama's probe
+`/` (routed in server/router.py, which also answers Ollama's probe
 there) and `/static/` carry no data and stay open; `/status.json` is behind the
 API key like `/v1/` (server/http/middleware.py). The page asks for the key once and
 sends it as an Authorization header. What it gets depends on the key: a
@@ -242,7 +242,7 @@ async def status_json(request: web.Request) -> web.Response:
 
 
 def add_status_routes(app: web.Application) -> None:
-    # `/` itself is server/http/routes.py's: it serves `index` to a browser
+    # `/` itself is server/router.py's: it serves `index` to a browser
     # and Ollama's probe to Ollama's clients.
     app.router.add_get("/status.json", status_json)
     app.router.add_static("/static", STATIC)
