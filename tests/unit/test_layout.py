@@ -13,6 +13,10 @@ the module and the import.
 3. Nothing in server/api/ imports vLLM; the engine seam (interface.py), the
    driver and LoRA's registry (server/engines/) import no vLLM and no aiohttp.
 4. Every module opens with a docstring saying why it exists.
+5. Every import points down the house: each room has a floor (`FLOORS`,
+   docs/DESIGN.md "The floors"), and a module imports only rooms on floors
+   below its own room's (or its own room), so no import runs up and none
+   goes round in a circle.
 """
 
 from __future__ import annotations
@@ -64,7 +68,15 @@ ENGINE_SEAM = [
     ROOT / "server/engines/driver.py",
     ROOT / "server/engines/lora.py",
 ]
-SHELL = ("server.http", "server.engines", "server.operations", "server.app", "server.state")
+SHELL = (
+    "server.http",
+    "server.callers",  # server/http/callers.py until issue 40
+    "server.router",  # server/http/routes.py until issue 40
+    "server.engines",
+    "server.operations",
+    "server.app",
+    "server.state",
+)
 
 
 def _id(path: Path) -> str:
@@ -108,3 +120,54 @@ def test_the_engine_seam_imports_no_vllm(path: Path) -> None:
 def test_every_module_says_why_it_exists(path: Path) -> None:
     doc = ast.get_docstring(ast.parse(path.read_text()))
     assert doc and doc.strip(), f"{_id(path)} has no docstring"
+
+
+# Rule 5: the house's rooms by module prefix, and their floors (docs/DESIGN.md).
+FLOORS = {
+    "server.__main__": 10,
+    "server.app": 9,
+    "server.cli": 9,
+    "server.router": 8,
+    "server.api": 7,
+    "server.http": 6,
+    "server.state": 5,
+    "server.settings": 4,
+    "server.callers": 3,
+    "server.operations": 3,
+    "server.engines": 2,
+    "server.wire": 1,
+    "server.errors": 0,
+    "server": 0,  # the package's face: its version only
+    "batching": 0,
+}
+
+
+def _room(module: str) -> str | None:
+    """The room (a key of FLOORS) a module name belongs to; None outside the house."""
+    rooms = [r for r in FLOORS if module == r or module.startswith(r + ".")]
+    return max(rooms, key=len) if rooms else None
+
+
+def _module(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+HOUSE = _modules("server/**/*.py", "batching/**/*.py")
+
+
+@pytest.mark.parametrize("path", HOUSE, ids=_id)
+def test_every_module_stands_in_a_room_with_a_floor(path: Path) -> None:
+    # A new top-level module must be given its floor, not fall into the package's face.
+    assert _room(_module(path)) not in (None, "server") or path == ROOT / "server/__init__.py"
+
+
+@pytest.mark.parametrize("path", HOUSE, ids=_id)
+def test_every_import_points_down(path: Path) -> None:
+    room = _room(_module(path))
+    assert room is not None
+    up = sorted(
+        name
+        for name in _imports(path)
+        if (target := _room(name)) is not None and target != room and FLOORS[target] >= FLOORS[room]
+    )
+    assert up == [], f"{_id(path)} (floor {FLOORS[room]}) imports on its floor or above: {up}"
