@@ -169,7 +169,7 @@ class Readings:
 
 @dataclass(frozen=True, slots=True)
 class PressureConfig:
-    """Thresholds; the CLI has one flag per field (server/cli.py).
+    """Thresholds; the CLI has one flag per field (server/options.py).
 
     Defaults, and why:
 

@@ -1,6 +1,7 @@
 """The command line: `sluice serve`, `sluice make-demo-model` and `make-demo-adapter`.
 
-Sluice's own flags are declared here; every engine flag comes from vLLM's own
+Sluice's own flags are rows of a table (server/options.py), put on the parser
+and read back into Settings here; every engine flag comes from vLLM's own
 argument definitions (`AsyncEngineArgs.add_cli_args`), so quantization, prefix
 caching, parallelism, Ray and whatever vLLM adds next work unchanged; the
 tool-call and reasoning parser names come from vLLM's registries through
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -24,6 +24,15 @@ from server.engines.demo.model import DEMO_MODEL_NAME
 from server.engines.lora import Adapter
 from server.engines.models_file import ModelTable
 from server.engines.registry import ModelSpec
+from server.options import (
+    MODEL_OPTIONS,
+    OPTIONS,
+    SERVER_OPTIONS,
+    add_options,
+    check_ranges,
+    field_values,
+    settings_from,
+)
 from server.settings import EnvView, Settings
 
 log = logging.getLogger("sluice")
@@ -61,281 +70,8 @@ commands:
 
 
 def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
-    d = Settings()
-    c = d.core
-    o = c.order
-    g = parser.add_argument_group("Sluice (HTTP front, coalescer, watchdog)")
-    g.add_argument("--host", default=d.host, help="address to bind (default: %(default)s)")
-    g.add_argument("--port", type=int, default=d.port, help="port (default: %(default)s)")
-    g.add_argument(
-        "--window-ms",
-        type=float,
-        default=c.window * 1000,
-        help="coalescing window in ms; 0 releases every request at once (default: %(default)s)",
-    )
-    g.add_argument(
-        "--adaptive-window",
-        action=argparse.BooleanOptionalAction,
-        default=c.adaptive,
-        help="skip the window when waiting buys nothing: the engine is idle, or the request "
-        "follows a quiet spell longer than the window (default: %(default)s)",
-    )
-    g.add_argument(
-        "--max-batch-seqs",
-        type=int,
-        default=None,
-        help="sequence cap of one coalesced batch (default: the engine's max_num_seqs)",
-    )
-    g.add_argument(
-        "--max-batch-tokens",
-        type=int,
-        default=None,
-        help="prompt-token cap of one batch (default: the engine's per-step budget)",
-    )
-    g.add_argument(
-        "--hold-backlog",
-        action=argparse.BooleanOptionalAction,
-        default=d.hold_backlog,
-        help="keep the backlog in Sluice and release it as the engine has room (slots, one "
-        "step of prefill, KV cache); off releases every eligible request at once "
-        "(default: %(default)s)",
-    )
-    g.add_argument(
-        "--engine-priority",
-        choices=("request", "order"),
-        default=d.engine_priority,
-        help="the priority each request gets in the engine: its own `priority`, or "
-        "Sluice's release key (priority, then short-first with aging: batching/order.py; "
-        "for vLLM's --scheduling-policy priority) (default: %(default)s)",
-    )
-    g.add_argument(
-        "--kv-reserve-short",
-        type=float,
-        default=c.kv_reserve_short,
-        help="share of the KV cache that prompts longer than --short-prompt-tokens may not "
-        "use, kept for short requests; 0 = off (default: %(default)s)",
-    )
-    g.add_argument(
-        "--short-prompt-tokens",
-        type=int,
-        default=c.short_prompt_tokens,
-        help="a prompt this long or shorter counts as short (default: %(default)s)",
-    )
-    g.add_argument(
-        "--backlog-feed-steps",
-        type=float,
-        default=c.feed_steps,
-        help="the engine's own queue holds what this many of its steps take, as its last "
-        "step showed: free running slots and the token budget its decodes left "
-        "(default: %(default)s)",
-    )
-    g.add_argument(
-        "--backlog-long-prefills",
-        type=int,
-        default=c.long_prefills,
-        help="while more than one caller has work: how many released prompts longer than "
-        "one prefill chunk may be unstarted at once, so a short turn finds room in the "
-        "engine's next step; 0 = no bound (default: %(default)s)",
-    )
-    g.add_argument(
-        "--backlog-adapter-wait",
-        type=float,
-        default=c.adapter_wait,
-        help="with --enable-lora: seconds the least-served caller may wait for a LoRA "
-        "slot (--max-loras) before the adapter held longest is drained for it "
-        "(default: %(default)s)",
-    )
-    g.add_argument(
-        "--short-first-rate",
-        type=float,
-        default=o.exchange_rate,
-        help="short-first exchange rate: prompt tokens one second of waiting is worth; a "
-        "prompt N tokens longer waits about N / rate seconds more (default: %(default)s)",
-    )
-    g.add_argument(
-        "--short-first-max-delay",
-        type=float,
-        default=o.max_delay,
-        help="seconds: the most a request falls behind first-come-first-served within "
-        "its caller and priority, however long its prompt; 0 = first-come-first-served "
-        "(default: %(default)s)",
-    )
-    g.add_argument(
-        "--max-pending-requests",
-        type=int,
-        default=c.max_pending_requests,
-        help="admission limit: queued + running requests (default: %(default)s)",
-    )
-    g.add_argument(
-        "--max-pending-tokens",
-        type=int,
-        default=c.max_pending_tokens,
-        help="admission limit: queued + running prompt+max_tokens (default: %(default)s)",
-    )
-    g.add_argument(
-        "--queue-timeout",
-        type=float,
-        default=d.queue_timeout,
-        help="seconds a request may wait in Sluice's queue (default: %(default)s)",
-    )
-    g.add_argument(
-        "--dedupe",
-        action=argparse.BooleanOptionalAction,
-        default=c.dedupe,
-        help="share one generation among identical deterministic requests (default: %(default)s)",
-    )
-    g.add_argument(
-        "--result-cache-ttl",
-        type=float,
-        default=d.result_cache_ttl,
-        help="seconds to cache deterministic non-thinking results; 0 = off",
-    )
-    g.add_argument(
-        "--api-key-file",
-        type=Path,
-        default=None,
-        help="file holding the bearer API key (or set SLUICE_API_KEY): one caller; "
-        "none and no --callers = open, the OpenAI `user` field names the caller",
-    )
-    g.add_argument(
-        "--callers",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="TOML file of callers: [callers.NAME] key, weight, max_concurrency, "
-        "max_queued, tokens_per_minute (see docs/queue.md); reloaded on SIGHUP",
-    )
-    g.add_argument(
-        "--shared-prefix-cache",
-        action="store_true",
-        help="let every caller's prompts share the engine's prefix cache; by default, "
-        "with a callers file or an API key, each caller (or cache_group) has its own, so "
-        "no caller can tell from cached tokens or timing what another sent",
-    )
-    g.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=d.max_body_bytes,
-        help="largest request body accepted (default: %(default)s)",
-    )
-    g.add_argument("--max-n", type=int, default=d.max_n, help="largest n (default: %(default)s)")
-    g.add_argument(
-        "--log-format",
-        choices=("json", "plain"),
-        default="json",  # read by __main__ before parsing, to set up logging first
-        help="request log format (default: %(default)s)",
-    )
-    g.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=d.drain_timeout,
-        help="seconds to let in-flight work finish on SIGTERM (default: %(default)s)",
-    )
-    g.add_argument(
-        "--warmup",
-        action=argparse.BooleanOptionalAction,
-        default=d.warmup,
-        help="run one generation before reporting ready (default: %(default)s)",
-    )
-    g.add_argument(
-        "--watchdog-interval-ms",
-        type=float,
-        default=d.watchdog_interval * 1000,
-        help="memory poll interval (default: %(default)s)",
-    )
-    g.add_argument(
-        "--demo-cache-dir",
-        type=Path,
-        default=None,
-        help="cache root under which the demo model is built "
-        "(default: $SLUICE_CACHE_DIR, else $XDG_CACHE_HOME, else ~/.cache)",
-    )
-    g.add_argument(
-        "--models",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="TOML file of the models to serve, one [models.NAME] table each with its "
-        "engine flags and load = start | on-demand (docs/models.md); instead of --model",
-    )
-    g.add_argument(
-        "--load-timeout",
-        type=float,
-        default=d.load_timeout,
-        help="seconds a request for an on-demand model waits for its engine to start, "
-        "then 503 with Retry-After (default: %(default)s)",
-    )
-    _add_pressure_flags(parser)
-    _add_runtime_lora_flags(parser)
-    _add_model_flags(parser)
-
-
-def _add_model_flags(parser: argparse.ArgumentParser) -> None:
-    """Sluice's flags that belong to one model (beside vLLM's engine flags): a
-    models file's table may give them too."""
-    from server.engines import vllm_parsers as parser_names
-
-    d = Settings()
-    g = parser.add_argument_group("Sluice, per model (a models file's table may give these)")
-    g.add_argument(
-        "--default-thinking",
-        action=argparse.BooleanOptionalAction,
-        default=None,  # resolved by default_thinking(): it depends on the model
-        help="Qwen3 thinking mode when a request does not say (default: on, off for the "
-        "demo model, whose random weights never close a thought)",
-    )
-    g.add_argument(
-        "--tool-call-parser",
-        default=d.tool_call_parser,
-        metavar="{" + ",".join(parser_names.tool_parsers()) + "}",
-        help="vLLM's tool-call parser that reads the model's calls into OpenAI tool_calls, "
-        "as with `vllm serve` (default: %(default)s, for Qwen3)",
-    )
-    g.add_argument(
-        "--enable-auto-tool-choice",
-        action=argparse.BooleanOptionalAction,
-        default=d.enable_auto_tool_choice,
-        help="let the model decide when to call a tool (tool_choice auto) through "
-        "--tool-call-parser, as with `vllm serve`; off refuses tool_choice auto with a 400 "
-        "(default: %(default)s)",
-    )
-
-
-def _add_runtime_lora_flags(parser: argparse.ArgumentParser) -> None:
-    """Runtime LoRA loading (server/api/lora_admin/endpoint.py): off unless asked for, and
-    then only with an admin key and a root directory (checked in `_runtime_lora`);
-    and the keys of the operator's views (/status.json in full, /metrics)."""
-    g = parser.add_argument_group("runtime LoRA loading (/v1/load_lora_adapter) and admin keys")
-    g.add_argument(
-        "--allow-runtime-lora",
-        action="store_true",
-        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
-        "bodies); needs --enable-lora, --lora-root and --admin-key-file",
-    )
-    g.add_argument(
-        "--lora-root",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="runtime loads take adapter directories under DIR only (symlinks resolved)",
-    )
-    g.add_argument(
-        "--admin-key-file",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="file holding the admin bearer key (not readable by other users): it opens the "
-        "runtime LoRA endpoints and the full /status.json (every caller's series); no "
-        "caller key opens them",
-    )
-    g.add_argument(
-        "--metrics-key-file",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="file holding the bearer key /metrics then needs (Prometheus: "
-        "authorization.credentials_file); default: /metrics is open",
-    )
+    """Every option of Sluice's own (server/options.py), per-model ones included."""
+    add_options(parser, OPTIONS)
 
 
 def _key_file(path: Path, flag: str, *, private: bool) -> str:
@@ -380,32 +116,6 @@ def _runtime_lora(ns: argparse.Namespace) -> tuple[Path | None, str | None]:
     if not root.is_dir():
         raise ValueError(f"--lora-root {ns.lora_root} is not a directory")
     return root, admin_key
-
-
-def _add_pressure_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per field of the watchdog's PressureConfig, so the policy's
-    documented defaults are the CLI's defaults and nothing is declared twice."""
-    from batching.pressure import PressureConfig
-
-    g = parser.add_argument_group("memory watchdog thresholds (batching/pressure.py)")
-    defaults = PressureConfig()
-    for f in dataclasses.fields(PressureConfig):
-        value = getattr(defaults, f.name)
-        # A switch for a bool (checked first: a bool is an int), else a number.
-        kind: dict[str, Any]
-        if isinstance(value, bool):
-            kind = {"action": argparse.BooleanOptionalAction}
-        elif isinstance(value, int | float):
-            kind = {"type": type(value)}
-        else:
-            continue
-        g.add_argument(
-            "--" + f.name.replace("_", "-"),
-            dest=f"pressure_{f.name}",
-            default=value,
-            help=f"(default: {value})",
-            **kind,
-        )
 
 
 def _set_step_flags(engine_args: Any, config: Any) -> None:
@@ -517,7 +227,7 @@ def build_model_parser() -> argparse.ArgumentParser:
             raise ValueError(message)
 
     parser = _Raising(prog="[models.NAME]", add_help=False)
-    _add_model_flags(parser)
+    add_options(parser, MODEL_OPTIONS)
     _add_engine_flags(parser)
     result: argparse.ArgumentParser = parser
     return result
@@ -665,15 +375,9 @@ def _models_file(
 
 def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     """Parse `sluice serve` arguments and the environment into Settings."""
-    from batching import CoalescerConfig, ReleaseOrder
-    from batching.pressure import PressureConfig
-    from server.callers import CallersError, load_callers, world_readable
-
     parser = build_serve_parser()
     ns = parser.parse_args(list(argv))
     env = EnvView.from_mapping(environ)
-    cache_root = ns.demo_cache_dir or env.cache_root
-
     several = ns.models is not None
     tables: list[tuple[_Model, ModelTable]] = []
     budget: int | None = None
@@ -683,91 +387,31 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
     else:
         models = [_Model(ns, "")]
     try:
-        _check_ranges(ns)
+        check_ranges(ns, OPTIONS)
     except ValueError as exc:
         parser.error(str(exc))
     for m in models:
         try:
             _model_args(
-                m, cache_root=cache_root, engine_priority=ns.engine_priority, several=several
+                m,
+                cache_root=ns.demo_cache_dir or env.cache_root,
+                engine_priority=ns.engine_priority,
+                several=several,
             )
         except ValueError as exc:
             parser.error(m.where + str(exc))
     try:
         _unique_names(models)
-        lora_root, admin_key = _runtime_lora(ns)
-    except ValueError as exc:
-        parser.error(str(exc))
-    first = models[0]
-    served = first.name
-    adapter_names = [a.name for m in models for a in m.adapters]
-    api_key = env.api_key
-    if ns.api_key_file is not None:
-        try:
-            api_key = ns.api_key_file.read_text().strip() or None
-        except (OSError, UnicodeDecodeError) as exc:
-            parser.error(f"--api-key-file: {exc}")
-    callers = None
-    if ns.callers is not None:
-        if ns.api_key_file is not None:
-            parser.error("--callers and --api-key-file: give one (each caller has its key)")
-        try:
-            callers = load_callers(
-                ns.callers,
-                adapters=adapter_names,
-                base=served,
-                models=[m.name for m in models] if several else (),
-            )
-        except CallersError as exc:
-            parser.error(str(exc))
-        if world_readable(ns.callers):
-            log.warning(
-                "the callers file is readable by other users; it holds API keys",
-                extra={"fields": {"path": str(ns.callers)}},
-            )
-        if api_key is not None:
-            log.warning("SLUICE_API_KEY is ignored: the callers file names the keys")
-            api_key = None
-    metrics_key: str | None = None
-    if ns.metrics_key_file is not None:
-        try:
-            metrics_key = _key_file(ns.metrics_key_file, "--metrics-key-file", private=False)
-        except ValueError as exc:
-            parser.error(str(exc))
-    for given, flag in ((admin_key, "--admin-key-file"), (metrics_key, "--metrics-key-file")):
-        if given is not None and (
-            given == api_key or (callers is not None and callers.identify(given))
-        ):
-            parser.error(f"{flag} holds a caller's key; that key must be its own")
-    if admin_key is not None and admin_key == metrics_key:
-        parser.error("--metrics-key-file holds the admin key; the metrics key must be its own")
-
-    pressure_kwargs: dict[str, Any] = {
-        f.name: getattr(ns, f"pressure_{f.name}")
-        for f in dataclasses.fields(PressureConfig)
-        if hasattr(ns, f"pressure_{f.name}")
-    }
-    try:
-        core = CoalescerConfig(
-            window=ns.window_ms / 1000.0,
-            adaptive=ns.adaptive_window,
-            release_lone=ns.adaptive_window,
-            max_pending_requests=ns.max_pending_requests,
-            max_pending_tokens=ns.max_pending_tokens,
-            dedupe=ns.dedupe,
-            callers=callers.policies if callers is not None else CoalescerConfig().callers,
-            order=ReleaseOrder(ns.short_first_rate, ns.short_first_max_delay),
-            kv_reserve_short=ns.kv_reserve_short,
-            short_prompt_tokens=ns.short_prompt_tokens,
-            feed_steps=ns.backlog_feed_steps,
-            long_prefills=ns.backlog_long_prefills,
-            adapter_wait=ns.backlog_adapter_wait,
+        settings = settings_from(
+            {
+                **field_values(ns, SERVER_OPTIONS),
+                **_model_fields(models[0]),
+                **_keys(ns, env, models, several=several),
+                "env": env,
+            }
         )
-        pressure = PressureConfig(**pressure_kwargs)
     except ValueError as exc:
         parser.error(str(exc))
-    specs: tuple[ModelSpec, ...] = ()
-    memory_budget = 0
     if several:
         # Last, as the step flags below: resolving each model's config takes
         # about 0.45 s and reads its files, which a bad value of Sluice's own
@@ -781,51 +425,88 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
 
         if (why := check_fit(specs, memory_budget)) is not None:
             parser.error(f"models file {ns.models}: {why}")
-    elif first.auto_step:
+        return dataclasses.replace(settings, models=specs, memory_budget=memory_budget)
+    if models[0].auto_step:
         # Last: it resolves the engine's config (about 0.45 s, and vLLM logs),
         # which a bad value of Sluice's own should not wait for.
         from server.engines.vllm_adapter import engine_config
 
-        _set_step_flags(first.engine_args, engine_config(first.engine_args))
-    return Settings(
-        host=ns.host,
-        port=ns.port,
-        model_name=served,
-        model_path=first.ns.model,
-        demo_model=first.demo,
-        adapters=first.adapters,
-        max_lora_rank=first.ns.max_lora_rank,
-        allow_runtime_lora=ns.allow_runtime_lora,
-        lora_root=lora_root,
-        admin_key=admin_key,
-        metrics_key=metrics_key,
-        core=core,
-        max_batch_seqs=ns.max_batch_seqs,
-        max_batch_tokens=ns.max_batch_tokens,
-        hold_backlog=ns.hold_backlog,
-        engine_priority=ns.engine_priority,
-        queue_timeout=ns.queue_timeout,
-        result_cache_ttl=ns.result_cache_ttl,
-        api_key=api_key,
-        callers_file=ns.callers,
-        caller_table=callers,
-        shared_prefix_cache=ns.shared_prefix_cache,
-        max_body_bytes=ns.max_body_bytes,
-        max_n=ns.max_n,
-        default_thinking=default_thinking(first.ns.default_thinking, demo=first.demo),
-        tool_call_parser=first.ns.tool_call_parser,
-        enable_auto_tool_choice=first.ns.enable_auto_tool_choice,
-        drain_timeout=ns.drain_timeout,
-        warmup=ns.warmup,
-        watchdog_interval=ns.watchdog_interval_ms / 1000.0,
-        pressure=pressure,
-        env=env,
-        engine_args=first.engine_args,
-        models_file=ns.models,
-        models=specs,
-        memory_budget=memory_budget,
-        load_timeout=ns.load_timeout,
+        _set_step_flags(models[0].engine_args, engine_config(models[0].engine_args))
+    return settings
+
+
+def _model_fields(m: _Model) -> dict[str, Any]:
+    """What Settings holds of the first (or only) model: its per-model options'
+    fields (server/options.py), its name, engine flags and adapters."""
+    return {
+        **field_values(m.ns, MODEL_OPTIONS),
+        "model_name": m.name,
+        "model_path": m.ns.model,
+        "demo_model": m.demo,
+        "adapters": m.adapters,
+        "max_lora_rank": m.ns.max_lora_rank,
+        "default_thinking": default_thinking(m.ns.default_thinking, demo=m.demo),
+        "engine_args": m.engine_args,
+    }
+
+
+def _keys(
+    ns: argparse.Namespace, env: EnvView, models: Sequence[_Model], *, several: bool
+) -> dict[str, Any]:
+    """The keys and callers Settings holds (field: value), each file read once;
+    ValueError with one line when one is unusable, or one key opens two doors."""
+    lora_root, admin_key = _runtime_lora(ns)
+    values = {"lora_root": lora_root, "admin_key": admin_key, **_callers(ns, env, models, several)}
+    api_key, callers = values["api_key"], values["caller_table"]
+    metrics_key = (
+        None
+        if ns.metrics_key_file is None
+        else _key_file(ns.metrics_key_file, "--metrics-key-file", private=False)
     )
+    for given, flag in ((admin_key, "--admin-key-file"), (metrics_key, "--metrics-key-file")):
+        if given is not None and (
+            given == api_key or (callers is not None and callers.identify(given))
+        ):
+            raise ValueError(f"{flag} holds a caller's key; that key must be its own")
+    if admin_key is not None and admin_key == metrics_key:
+        raise ValueError("--metrics-key-file holds the admin key; the metrics key must be its own")
+    return {**values, "metrics_key": metrics_key}
+
+
+def _callers(
+    ns: argparse.Namespace, env: EnvView, models: Sequence[_Model], several: bool
+) -> dict[str, Any]:
+    """Who may call: one API key (--api-key-file, else SLUICE_API_KEY), or the
+    callers file's table and the coalescer's caller policies from it."""
+    from server.callers import CallersError, load_callers, world_readable
+
+    api_key = env.api_key
+    if ns.api_key_file is not None:
+        try:
+            api_key = ns.api_key_file.read_text().strip() or None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--api-key-file: {exc}") from None
+    if ns.callers is None:
+        return {"api_key": api_key, "caller_table": None}
+    if ns.api_key_file is not None:
+        raise ValueError("--callers and --api-key-file: give one (each caller has its key)")
+    try:
+        callers = load_callers(
+            ns.callers,
+            adapters=[a.name for m in models for a in m.adapters],
+            base=models[0].name,
+            models=[m.name for m in models] if several else (),
+        )
+    except CallersError as exc:
+        raise ValueError(str(exc)) from None
+    if world_readable(ns.callers):
+        log.warning(
+            "the callers file is readable by other users; it holds API keys",
+            extra={"fields": {"path": str(ns.callers)}},
+        )
+    if api_key is not None:
+        log.warning("SLUICE_API_KEY is ignored: the callers file names the keys")
+    return {"api_key": None, "caller_table": callers, "core.callers": callers.policies}
 
 
 def _unique_names(models: Sequence[_Model]) -> None:
@@ -950,33 +631,3 @@ def default_thinking(flag: bool | None, *, demo: bool) -> bool:
     if flag is not None:
         return flag
     return not demo
-
-
-# Sluice's numeric flags and what each must be; a value outside is a usage
-# error (exit 2) rather than a failure at start. The coalescer's and the
-# watchdog's own checks (CoalescerConfig, PressureConfig) cover theirs.
-_RANGES: tuple[tuple[str, str, float, bool], ...] = (
-    # (dest, flag, bound, the bound itself allowed)
-    ("port", "--port", 0, True),
-    ("queue_timeout", "--queue-timeout", 0, False),
-    ("load_timeout", "--load-timeout", 0, False),
-    ("result_cache_ttl", "--result-cache-ttl", 0, True),
-    ("max_body_bytes", "--max-body-bytes", 1, True),
-    ("max_n", "--max-n", 1, True),
-    ("drain_timeout", "--drain-timeout", 0, True),
-    ("watchdog_interval_ms", "--watchdog-interval-ms", 0, False),
-    ("max_batch_seqs", "--max-batch-seqs", 1, True),
-    ("max_batch_tokens", "--max-batch-tokens", 1, True),
-)
-
-
-def _check_ranges(ns: argparse.Namespace) -> None:
-    for dest, flag, bound, inclusive in _RANGES:
-        value = getattr(ns, dest)
-        if value is None:
-            continue  # not given: the engine's own value (the batch caps)
-        if math.isnan(value) or value < bound or (value == bound and not inclusive):
-            relation = ">=" if inclusive else ">"
-            raise ValueError(f"{flag} must be {relation} {bound:g}, got {value}")
-    if ns.port > 65535:
-        raise ValueError(f"--port must be <= 65535, got {ns.port}")

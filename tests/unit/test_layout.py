@@ -128,6 +128,7 @@ FLOORS = {
     "server.app": 9,
     "server.cli": 9,
     "server.router": 8,
+    "server.options": 8,
     "server.api": 7,
     "server.http": 6,
     "server.state": 5,
