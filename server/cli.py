@@ -569,13 +569,13 @@ def _spec(
 ) -> ModelSpec:
     """A models-file model's spec, its config resolved as vLLM resolves it: its
     kind, context, generation defaults and footprint (and Sluice's step flags)."""
-    from server.engines.registry import ModelSpec, model_kind
+    from server.engines.registry import ModelSpec, configured_kind
     from server.engines.vllm_adapter import engine_config, generation_defaults
 
     args = m.engine_args
     try:
         config = engine_config(args)
-        kind = model_kind(
+        kind = configured_kind(
             str(config.model_config.runner_type),
             str(config.model_config.convert_type),
             config.model_config.architectures or (),

@@ -65,22 +65,23 @@ from server.engines.interface import Engine, Kind, Service, refuse_kind
 from server.engines.lora import Adapter, AdapterAccess, AdapterRegistry, choose, model_not_found
 
 __all__ = [
-    "Kind",
     "Load",
     "ModelEntry",
     "ModelRegistry",
     "ModelSpec",
     "State",
     "check_fit",
+    "configured_kind",
     "idle_deadline",
-    "model_kind",
     "plan_room",
 ]
 
 
-def model_kind(runner_type: str, convert_type: str, architectures: Iterable[str]) -> Kind:
-    """A model's kind from vLLM's resolved runner and convert types (its
-    ModelConfig `runner_type`, `convert_type`, `architectures`).
+def configured_kind(runner_type: str, convert_type: str, architectures: Iterable[str]) -> Kind:
+    """The kind a models-file model is served as, from vLLM's resolved runner
+    and convert types (its ModelConfig `runner_type`, `convert_type`,
+    `architectures`), before its engine starts. Once it runs, the engine's own
+    answer is server/engines/vllm_pooling.py `model_kind` (its pooling task).
 
     vLLM's generate runner generates. Its pooling runner embeds, or, with
     `--convert classify` or a sequence-classification architecture (a
