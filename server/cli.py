@@ -24,6 +24,7 @@ from server.engines.demo.model import DEMO_MODEL_NAME
 from server.engines.lora import Adapter
 from server.engines.models_file import ModelTable
 from server.engines.registry import ModelSpec
+from server.engines.restarts import RestartPolicy
 from server.settings import EnvView, Settings
 
 log = logging.getLogger("sluice")
@@ -264,6 +265,39 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
         default=d.load_timeout,
         help="seconds a request for an on-demand model waits for its engine to start, "
         "then 503 with Retry-After (default: %(default)s)",
+    )
+    # A dead engine's restarts (server/engines/restarts.py; issue 41).
+    g.add_argument(
+        "--engine-restarts",
+        type=int,
+        default=d.restarts.restarts,
+        metavar="N",
+        help="restarts of a model's dead engine per restart window; a death beyond "
+        "them leaves the model failed (for the one model, or a model marked essential: "
+        "the process exits 1) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--engine-restart-window",
+        type=float,
+        default=d.restarts.window,
+        metavar="SECONDS",
+        help="the window in which the restarts are counted (default: %(default)s)",
+    )
+    g.add_argument(
+        "--engine-restart-backoff-max",
+        type=float,
+        default=d.restarts.cap,
+        metavar="SECONDS",
+        help="the longest wait before a restart: 1 s after a first death, doubled "
+        "for each restart in the window, up to this (default: %(default)s)",
+    )
+    g.add_argument(
+        "--engine-health-timeout",
+        type=float,
+        default=d.health_timeout,
+        metavar="SECONDS",
+        help="an engine that does not answer its health check (every 2 s) within "
+        "this is hung: its processes are ended and it restarts (default: %(default)s)",
     )
     _add_pressure_flags(parser)
     _add_runtime_lora_flags(parser)
@@ -825,6 +859,12 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
         models=specs,
         memory_budget=memory_budget,
         load_timeout=ns.load_timeout,
+        restarts=RestartPolicy(
+            restarts=ns.engine_restarts,
+            window=ns.engine_restart_window,
+            cap=max(1.0, ns.engine_restart_backoff_max),
+        ),
+        health_timeout=ns.engine_health_timeout,
     )
 
 
@@ -911,6 +951,7 @@ def _spec(
         kind=kind,
         load=table.load,
         unload_after=table.unload_after,
+        essential=table.essential,
         footprint=footprint(
             kv_cache_bytes=args.kv_cache_memory_bytes,
             memory_fraction=float(args.gpu_memory_utilization),
@@ -967,6 +1008,10 @@ _RANGES: tuple[tuple[str, str, float, bool], ...] = (
     ("watchdog_interval_ms", "--watchdog-interval-ms", 0, False),
     ("max_batch_seqs", "--max-batch-seqs", 1, True),
     ("max_batch_tokens", "--max-batch-tokens", 1, True),
+    ("engine_restarts", "--engine-restarts", 0, True),
+    ("engine_restart_window", "--engine-restart-window", 0, False),
+    ("engine_restart_backoff_max", "--engine-restart-backoff-max", 1, True),
+    ("engine_health_timeout", "--engine-health-timeout", 0, False),
 )
 
 
