@@ -91,6 +91,9 @@ class StepEngine:
     async def check_health(self) -> None:
         pass
 
+    def processes(self) -> tuple[tuple[int, int | None], ...]:
+        return ()
+
     def stats(self) -> Any:
         from batching.pressure import EngineStats
 

@@ -40,8 +40,18 @@ def _run(argv: Sequence[str]) -> int:
     import logging
 
     from server.cli import parse_serve_args
+    from server.listen import BindError, address, bind
+    from server.settings import Settings
 
     log = logging.getLogger("sluice")
+    # Bind first (issue 41): a taken port fails here, before vLLM is even imported.
+    defaults = Settings()
+    given = address(argv, defaults.host, defaults.port)
+    try:
+        sock = bind(*given) if given is not None else None
+    except BindError as exc:
+        sys.stderr.write(f"sluice serve: error: {exc}\n")
+        return 2
     settings = parse_serve_args(argv, os.environ)
     # systemd's notify socket is for this process alone: vLLM's engine
     # processes inherit the environment and must not speak for the service.
@@ -73,7 +83,9 @@ def _run(argv: Sequence[str]) -> int:
             settings.env.watchdog_usec,
             watchdog_pid=settings.env.watchdog_pid,
         )
-        return await serve(settings, EngineAdapter.from_spec, notifier, watchdog_factory(settings))
+        return await serve(
+            settings, EngineAdapter.from_spec, notifier, watchdog_factory(settings), sock=sock
+        )
 
     return uvloop.run(main())
 

@@ -10,11 +10,12 @@ enters an `asyncio.TaskGroup` that owns every background task:
     models    with on-demand models: their loads and idle unloads
               (server/engines/loader.py; each load is a task of the group too);
     watchdog  memory polling (server/operations/watchdog.py) -> admission state;
-    monitor   engine liveness: a dead engine (any loaded model's) fails every
-              caller at once, turns /health to 503 and, a second later, stops
-              the process with a non-zero code (systemd restarts it: an engine
-              core that dies has usually lost its device); while alive, it
-              pings the systemd watchdog and updates STATUS=;
+    supervisor  engine liveness, per model (server/engines/supervisor.py): a
+              dead or hung engine fails its own model's requests and starts
+              again with back-off, within its restart budget; an essential
+              model (the one --model) that is failed stops the process with
+              exit code 1 (systemd restarts it), after the others drain;
+    monitor   pings the systemd watchdog and updates STATUS=;
     status    one sample a second for the status page (server/operations/status_samples.py).
 
 A background task that crashes stops the server with exit code 1 (systemd
@@ -42,6 +43,8 @@ import functools
 import gc
 import logging
 import signal
+import socket
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
@@ -59,10 +62,13 @@ from server.engines.interface import Engine, EngineParams, ModelInfo
 from server.engines.loader import ModelLoader
 from server.engines.registry import Load, ModelEntry, ModelRegistry, ModelSpec
 from server.engines.registry import State as ModelState
+from server.engines.restarts import RestartPolicy
+from server.engines.supervisor import Supervisor
 from server.errors import SluiceError
 from server.http.middleware import install as install_middlewares
 from server.http.middleware import server_options
 from server.http.status_page import add_status_routes, make_sampler
+from server.listen import BindError, bind
 from server.operations.metrics import Metrics
 from server.operations.sdnotify import SdNotify
 from server.operations.watchdog import (
@@ -169,6 +175,7 @@ def _engine_up(app: web.Application, entry: ModelEntry) -> None:
     core.config = dataclasses.replace(
         settings.core_for(entry.engine.info), callers=core.config.callers
     )
+    entry.driver.revive()  # after a restart: its driver takes work again
 
 
 def model_limits(settings: Settings, spec: ModelSpec, info: ModelInfo | None = None) -> Limits:
@@ -218,11 +225,10 @@ async def warmup(engine: Engine) -> None:
 
 
 async def _monitor(app: web.Application) -> None:
-    """Engine liveness (every loaded model's), the systemd watchdog and STATUS= lines."""
-    registry = app[MODELS]
+    """The systemd watchdog and STATUS= lines (engine liveness is the
+    supervisor's, per model: server/engines/supervisor.py)."""
     rt = app[RUNTIME]
     notifier = app[NOTIFIER]
-    several = app[SETTINGS].several
     interval = 0.5
     if notifier.watchdog_interval is not None:
         interval = min(interval, notifier.watchdog_interval)
@@ -233,28 +239,6 @@ async def _monitor(app: web.Application) -> None:
         if rt.phase in (Phase.STARTING, Phase.STOPPED):
             continue
         if rt.phase is Phase.DEAD:
-            return
-        why = None
-        for entry in registry:
-            if entry.state is not ModelState.LOADED:
-                continue
-            whose = f" of {entry.name}" if several else ""
-            if entry.engine.errored:
-                why = f"engine core process{whose} died"
-            else:
-                try:
-                    await asyncio.wait_for(entry.engine.check_health(), timeout=5)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    why = f"engine health check{whose} failed: {exc}"
-            if why is not None:
-                break
-        if why is not None:
-            _engine_died(app, why)
-            # Give the handlers a moment to write their 503s, then stop.
-            await asyncio.sleep(_DEAD_EXIT_DELAY)
-            rt.stop.set()
             return
         notifier.watchdog()
         now = time.monotonic()
@@ -273,14 +257,19 @@ def _drivers(app: web.Application) -> list[Driver]:
     return [e.driver for e in app[MODELS] if e.attached]
 
 
-def _engine_died(app: web.Application, why: str) -> None:
+async def _give_up(app: web.Application, why: str) -> None:
+    """An essential model is failed (server/engines/restarts.py rule 5): the
+    process stops with exit code 1 (systemd restarts it), after the other
+    models' work drains; /health is 503 from now on."""
     rt = app[RUNTIME]
-    log.error("engine died; failing all callers and exiting", extra={"fields": {"why": why}})
+    log.error("an essential model failed; stopping", extra={"fields": {"why": why}})
     rt.phase = Phase.DEAD
     rt.engine_error = why
     rt.exit_code = 1
-    for driver in _drivers(app):
-        driver.engine_died(RuntimeError(why))
+    await drain(app, app[SETTINGS].drain_timeout)
+    # Give the handlers a moment to write their 503s, then stop.
+    await asyncio.sleep(_DEAD_EXIT_DELAY)
+    rt.stop.set()
 
 
 async def _guarded(rt: Runtime, name: str, coro: Coroutine[Any, Any, None]) -> None:
@@ -329,12 +318,22 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
                 warmup=warmup if settings.warmup else None,
             )
             metrics.watch(lambda: _live(app))
+            supervisor = Supervisor(
+                registry,
+                app[LOADER],
+                # One engine object for the process (a test's): it cannot start again.
+                settings.restarts if app[_RESTARTABLE] else RestartPolicy(restarts=0),
+                health_timeout=settings.health_timeout,
+                give_up=functools.partial(_give_up, app),
+                counted=metrics.engine_event,
+            )
             jobs: dict[str, Coroutine[Any, Any, None]] = {}
             for entry in registry:
                 name = f"driver-{entry.name}" if settings.several else "driver"
                 jobs[name] = entry.driver.run()
             jobs["boot"] = _boot(app)
             jobs["monitor"] = _monitor(app)
+            jobs["supervisor"] = supervisor.run()
             if any(e.spec.load is Load.ON_DEMAND for e in registry):
                 jobs["models"] = app[LOADER].run()
             if WATCHDOG in app:
@@ -490,6 +489,8 @@ def watchdog_factory(settings: Settings) -> WatchdogFactory:
 # What makes each model's engine object (build_app's `engines`): the loader
 # makes a fresh one after every unload.
 _ENGINES = web.AppKey[EngineFactory]("engines")
+# Whether that factory makes a fresh engine each time (a dead one can restart).
+_RESTARTABLE = web.AppKey("restartable", bool)
 
 
 def build_app(
@@ -515,6 +516,7 @@ def build_app(
     registry = ModelRegistry.build(settings.specs(), engines, path_names=not settings.several)
     app[MODELS] = registry
     app[_ENGINES] = engines
+    app[_RESTARTABLE] = engine is None
     app[CALLERS] = CallerDirectory(
         settings.caller_table, settings.api_key, shared_cache=settings.shared_prefix_cache
     )
@@ -546,6 +548,8 @@ async def drain(app: web.Application, timeout: float) -> None:
         rt.phase = Phase.DRAINING
     for driver in drivers:
         driver.set_state(AdmissionState.DRAINING)
+    if LOADER in app:
+        app[LOADER].stopping = True  # a restart in its back-off stops there
     app[NOTIFIER].stopping()
     log.info(
         "draining",
@@ -615,8 +619,19 @@ async def serve(
     engines: EngineFactory,
     notifier: SdNotify,
     watchdog_factory: WatchdogFactory | None = None,
+    *,
+    sock: socket.socket | None = None,
 ) -> int:
-    """Run until a signal or engine death; return the process exit code."""
+    """Run until a signal or an essential model's failure; return the process
+    exit code. `sock`: the listening socket, bound before the settings were
+    read (server/listen.py); else bound here, still before any engine starts
+    (a taken port: exit code 2, with one line naming it)."""
+    if sock is None:
+        try:
+            sock = bind(settings.host, settings.port)
+        except BindError as exc:
+            sys.stderr.write(f"sluice serve: error: {exc}\n")
+            return 2
     app = build_app(settings, engines=engines, notifier=notifier, watchdog_factory=watchdog_factory)
     runner = web.AppRunner(
         app,
@@ -630,7 +645,7 @@ async def serve(
     rt = app[RUNTIME]
     loop = asyncio.get_running_loop()
     try:
-        site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
+        site = web.SockSite(runner, sock)
         await site.start()
         log.info(
             "listening",

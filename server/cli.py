@@ -592,6 +592,7 @@ def _spec(
         kind=kind,
         load=table.load,
         unload_after=table.unload_after,
+        essential=table.essential,
         footprint=footprint(
             kv_cache_bytes=args.kv_cache_memory_bytes,
             memory_fraction=float(args.gpu_memory_utilization),

@@ -265,6 +265,30 @@ OPTIONS: tuple[Option, ...] = (
         help="seconds a request for an on-demand model waits for its engine to start, "
         "then 503 with Retry-After (default: %(default)s)",
     ),
+    # A dead engine's restarts (server/engines/restarts.py; issue 41).
+    Option(
+        "--engine-restarts", type=int, fills="restarts.restarts", ge=0, metavar="N",
+        help="restarts of a model's dead engine per restart window; a death beyond "
+        "them leaves the model failed (for the one model, or a model marked essential: "
+        "the process exits 1) (default: %(default)s)",
+    ),
+    Option(
+        "--engine-restart-window", type=float, fills="restarts.window", gt=0,
+        metavar="SECONDS",
+        help="the window in which the restarts are counted (default: %(default)s)",
+    ),
+    Option(
+        "--engine-restart-backoff-max", type=float, fills="restarts.cap", ge=1,
+        metavar="SECONDS",
+        help="the longest wait before a restart: 1 s after a first death, doubled "
+        "for each restart in the window, up to this (default: %(default)s)",
+    ),
+    Option(
+        "--engine-health-timeout", type=float, fills="health_timeout", gt=0,
+        metavar="SECONDS",
+        help="an engine that does not answer its health check (every 2 s) within "
+        "this is hung: its processes are ended and it restarts (default: %(default)s)",
+    ),
     *_watchdog_rows(),
     # Runtime LoRA loading (server/api/lora_admin/endpoint.py): off unless asked
     # for, and then only with an admin key and a root directory (checked in

@@ -86,8 +86,9 @@ def _card(entry: ModelEntry) -> dict[str, object]:
 
 async def health(request: web.Request) -> web.Response:
     rt = request.app[RUNTIME]
-    if rt.phase is Phase.DEAD or any(
-        e.state is ModelState.LOADED and e.engine.errored for e in request.app[MODELS]
+    if rt.phase is Phase.DEAD or any(  # one model's death is its own (engines/supervisor.py)
+        e.spec.essential and e.state is ModelState.LOADED and e.engine.errored
+        for e in request.app[MODELS]
     ):
         raise SluiceError(
             f"engine dead: {rt.engine_error or 'errored'}",
@@ -115,11 +116,21 @@ async def hello(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
+    """200 while serving and every essential model (the one --model) is
+    loaded; the body, and a 503's message, give each model's state."""
     rt = request.app[RUNTIME]
-    if not rt.ready:
+    registry = request.app[MODELS]
+    states = {e.name: e.state.value for e in registry}
+    down = [e.name for e in registry if e.spec.essential and e.state is not ModelState.LOADED]
+    if not rt.ready or down:
         why = rt.phase.value if rt.phase is not Phase.READY else rt.admission.name.lower()
-        raise SluiceError(f"not ready: {why}", status=503, retry_after=5, code="not_ready")
-    return json_response(orjson.dumps({"status": "ready"}))
+        if rt.ready:
+            why = states[down[0]]
+        shown = ", ".join(f"{name}: {state}" for name, state in states.items())
+        raise SluiceError(
+            f"not ready: {why} ({shown})", status=503, retry_after=5, code="not_ready"
+        )
+    return json_response(orjson.dumps({"status": "ready", "models": states}))
 
 
 async def metrics(request: web.Request) -> web.Response:

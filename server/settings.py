@@ -19,6 +19,7 @@ from server.engines.demo.model import default_cache_root
 from server.engines.interface import ModelInfo
 from server.engines.lora import Adapter
 from server.engines.registry import ModelSpec
+from server.engines.restarts import RestartPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +122,11 @@ class Settings:
     models: tuple[ModelSpec, ...] = ()
     memory_budget: int = 0
     load_timeout: float = 120.0
+    # A dead engine's restarts (server/engines/restarts.py): --engine-restarts
+    # per --engine-restart-window, the back-off's cap, and how long a health
+    # check may go unanswered before the engine counts as hung.
+    restarts: RestartPolicy = field(default_factory=RestartPolicy)
+    health_timeout: float = 10.0
 
     @property
     def several(self) -> bool:
@@ -142,6 +148,7 @@ class Settings:
                 tool_call_parser=self.tool_call_parser,
                 enable_auto_tool_choice=self.enable_auto_tool_choice,
                 default_thinking=self.default_thinking,
+                essential=True,  # the one model: its final failure ends the process
             ),
         )
 

@@ -184,6 +184,9 @@ class FakeEngine:
         if self._dead:
             raise RuntimeError("dead")
 
+    def processes(self) -> tuple[tuple[int, int | None], ...]:
+        return ()
+
     def stats(self) -> EngineStats:
         return self.stats_value
 

@@ -110,7 +110,7 @@ class SluiceProcess:
         own port was taken meanwhile; False if it exited for anything else."""
         if not self._own_port or self._binds >= _BIND_TRIES:
             return False
-        if b"address already in use" not in self.log_path.read_bytes()[-4000:]:
+        if b"address already in use" not in self.log_path.read_bytes()[-4000:].lower():
             return False
         self.kill_group()
         self._binds += 1

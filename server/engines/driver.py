@@ -400,10 +400,19 @@ class Driver:
         log.error("generation failed: %r", exc)
         return SluiceError("generation failed", status=500)
 
-    def engine_died(self, exc: BaseException) -> None:
+    def engine_died(self, exc: BaseException, error: SluiceError | None = None) -> None:
+        """The engine is gone: fail what is queued and running (with `error`,
+        else a plain 503) and refuse new work until `revive`."""
         self._dead = exc
-        self.fail_queued(SluiceError("the engine died; retry shortly", status=503, retry_after=5))
-        self.fail_running(SluiceError("the engine died; retry shortly", status=503, retry_after=5))
+        err = error or SluiceError("the engine died; retry shortly", status=503, retry_after=5)
+        self.fail_queued(err)
+        self.fail_running(err)
+
+    def revive(self) -> None:
+        """A fresh engine runs again (a restart: server/engines/supervisor.py)."""
+        self._dead = None
+        self._aborts.clear()
+        self._wake()
 
     @property
     def queued(self) -> int:

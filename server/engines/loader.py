@@ -116,6 +116,8 @@ class ModelLoader:
         self._loads: dict[str, asyncio.Future[SluiceError | None]] = {}
         self._load_started: dict[str, float] = {}
         self._changed = _Signal()
+        # Set by the drain: a restart in its back-off does not start its engine.
+        self.stopping = False
 
     # -- a request's side ---------------------------------------------------
 
@@ -172,7 +174,7 @@ class ModelLoader:
         outcome, None or the refusal every waiter raises."""
         if entry.state is not State.UNLOADING:  # else the load waits for it first
             self._set(entry, State.WAITING)
-        result: asyncio.Future[SluiceError | None] = asyncio.get_running_loop().create_future()
+        result = self._track(entry)
 
         async def load() -> None:
             try:
@@ -187,30 +189,104 @@ class ModelLoader:
                         SluiceError("server stopping", status=503, retry_after=5, code="draining")
                     )
 
-        self._loads[entry.name] = result
         self._spawn(load(), f"load-{entry.name}")
         return result
 
     async def start_now(self, entry: ModelEntry) -> None:
         """Load a `load = "start"` model at boot, in the caller's task; raises
-        what the engine raised."""
+        what the engine raised. Requests for it meanwhile (the port is open
+        from the start) wait for this load, as for an on-demand one."""
         self._set(entry, State.WAITING)
-        await self._load(entry, "start", raise_engine_errors=True)
+        result = self._track(entry)
+        try:
+            await self._load(entry, "start", raise_engine_errors=True)
+            result.set_result(None)
+        except BaseException:
+            result.set_result(
+                _load_failed(entry, self._retry_failed)
+                if entry.state is State.FAILED
+                else SluiceError("server stopping", status=503, retry_after=5, code="draining")
+            )
+            raise
+        finally:
+            self._loads.pop(entry.name, None)
+
+    def _track(self, entry: ModelEntry) -> asyncio.Future[SluiceError | None]:
+        """The outcome future that requests for `entry` wait on (`_ready`)."""
+        result: asyncio.Future[SluiceError | None] = asyncio.get_running_loop().create_future()
+        self._loads[entry.name] = result
+        return result
+
+    def restart(
+        self,
+        entry: ModelEntry,
+        delay: float,
+        end: Callable[[], Awaitable[None]],
+        done: Callable[[SluiceError | None], None],
+    ) -> None:
+        """Start a dead model's engine again (server/engines/supervisor.py): `end`
+        ends the dead one's processes and waits until they are gone, then after
+        `delay` seconds the model loads again with the same flags. The model is
+        `restarting` until then; requests for it wait as for a load (bounded by
+        --load-timeout). `done` gets the outcome: None, or the refusal its
+        requests now get (the model is `failed`)."""
+        self._set(entry, State.RESTARTING)
+        result = self._track(entry)
+
+        async def run() -> None:
+            try:
+                await end()
+                await asyncio.sleep(delay)
+                if self.stopping:  # a drain began (SIGTERM): no new engine start
+                    entry.error = "the server is stopping; not restarted"
+                    entry.retry_at = float("inf")
+                    self._set(entry, State.FAILED)
+                    raise SluiceError(
+                        "server shutting down; retry elsewhere",
+                        status=503,
+                        retry_after=5,
+                        code="draining",
+                    )
+                await self._load(entry, "restart", restarting=True)
+                result.set_result(None)
+            except SluiceError as err:
+                result.set_result(err)
+            finally:
+                self._loads.pop(entry.name, None)
+                if not result.done():  # cancelled: the app is stopping
+                    result.set_result(
+                        SluiceError("server stopping", status=503, retry_after=5, code="draining")
+                    )
+            done(result.result())
+
+        self._spawn(run(), f"restart-{entry.name}")
 
     async def _load(
-        self, entry: ModelEntry, why: str, *, raise_engine_errors: bool = False
+        self,
+        entry: ModelEntry,
+        why: str,
+        *,
+        raise_engine_errors: bool = False,
+        restarting: bool = False,
     ) -> None:
+        """`restarting`: the model stays `restarting` until it is loaded or failed."""
         async with self._card:
             while entry.state is State.UNLOADING:  # an idle unload still under way
                 await entry.changed()
             wake = entry.asleep
-            self._set(entry, State.WAITING)
+            self._set(entry, State.RESTARTING if restarting else State.WAITING)
             try:
                 await self._make_room(entry, self._clock() + self.load_timeout)
             except SluiceError:
-                self._set(entry, State.SLEEPING if wake else State.UNLOADED)
+                if restarting:
+                    entry.error = "no room on the card to start it again"
+                    entry.failures += 1
+                    entry.retry_at = self._clock() + self._retry_failed
+                    self._set(entry, State.FAILED)
+                else:
+                    self._set(entry, State.SLEEPING if wake else State.UNLOADED)
                 raise
-            self._set(entry, State.LOADING)
+            self._set(entry, State.RESTARTING if restarting else State.LOADING)
             t0 = self._clock()
             self._load_started[entry.name] = t0
             log.info(
@@ -237,7 +313,7 @@ class ModelLoader:
                 raise
             except Exception as exc:
                 took = self._clock() - t0
-                await self._discard(entry)
+                await self.discard(entry)
                 entry.error = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 entry.failures += 1
                 entry.retry_at = self._clock() + self._retry_failed
@@ -262,6 +338,7 @@ class ModelLoader:
             entry.load_seconds = took
             entry.loaded_at = time.time()
             entry.error = None
+            entry.gave_up = False
             entry.last_used = self._clock()
             self._set(entry, State.LOADED)
             log.info(
@@ -272,6 +349,8 @@ class ModelLoader:
                         "load_s": round(took, 2),
                         "wake": wake,
                         "loads": entry.loads,
+                        # its engine core processes: what an operator ends, not a name
+                        "pids": [pid for pid, _ in entry.engine.processes()],
                     }
                 },
             )
@@ -329,7 +408,7 @@ class ModelLoader:
             except Exception:
                 log.exception("model sleep failed; stopping its engine instead")
         if not slept:
-            await self._discard(entry)
+            await self.discard(entry)
         entry.asleep = slept
         entry.unloads += 1
         self._set(entry, State.SLEEPING if slept else State.UNLOADED)
@@ -345,7 +424,7 @@ class ModelLoader:
             },
         )
 
-    async def _discard(self, entry: ModelEntry) -> None:
+    async def discard(self, entry: ModelEntry) -> None:
         """Stop the engine (its process and memory go) and put a fresh one in place."""
         try:
             await asyncio.to_thread(entry.engine.shutdown)
@@ -367,6 +446,13 @@ class ModelLoader:
 
 
 def _load_failed(entry: ModelEntry, retry_after: float) -> SluiceError:
+    if entry.gave_up:  # its engine kept dying (server/engines/restarts.py rule 3)
+        return SluiceError(
+            f"the model `{entry.name}` failed: {entry.error}",
+            status=503,
+            retry_after=max(1.0, retry_after),
+            code="model_failed",
+        )
     return SluiceError(
         f"the model `{entry.name}` failed to load: {entry.error}",
         status=503,

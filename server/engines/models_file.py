@@ -31,7 +31,7 @@ Rules:
 
 1. Keys are spelt as the flags (`max-model-len`); `max_model_len` is the same
    key, and giving both is an error. A key that is neither Sluice's (`load`,
-   `unload-after`) nor an engine flag is an error naming it, and so is a
+   `unload-after`, `essential`) nor an engine flag is an error naming it, and so is a
    server-wide flag (`port`, `window-ms`: the command line's) and
    `served-model-name` (the table's name is the served name).
 2. Values become arguments: a string or number `--key value`; `true` the
@@ -42,6 +42,10 @@ Rules:
 3. `unload-after` is Ollama's keep_alive in seconds or a duration ("90s",
    "10m", "1h30m"), except that 0 means never (Ollama's 0 unloads at once);
    it applies to on-demand models only. Default: 5 minutes, Ollama's.
+3a. `essential = true`: a model without which the server is of no use. When
+   its engine dies past its restart budget (or cannot start again) the whole
+   process exits 1, for systemd to restart (server/engines/restarts.py rule
+   5). Default false: one model's failure leaves the others serving.
 4. Names are 1-128 characters: letters, digits and `_ . - : / @ +`, starting
    with a letter or digit (a name becomes a metric label and a log field).
 5. The file is read once, at start: a change is a restart (server/cli.py says why
@@ -76,7 +80,7 @@ __all__ = [
 DEFAULT_UNLOAD_AFTER = 300.0
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/@+\-]{0,127}")
-_SLUICE_KEYS = frozenset({"load", "unload-after"})
+_SLUICE_KEYS = frozenset({"load", "unload-after", "essential"})
 _TOP_KEYS = frozenset({"memory-budget", "models"})
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -106,6 +110,8 @@ class ModelTable:
     load: Load
     unload_after: float
     argv: tuple[str, ...]
+    # Its engine's final failure stops the process (server/engines/restarts.py rule 5).
+    essential: bool = False
 
     @property
     def where(self) -> str:
@@ -222,6 +228,9 @@ def _table(name: str, spec: Any, flags: Flags) -> ModelTable:
                 "a model loaded at start stays"
             )
         unload_after = parse_duration(f"{where}.unload-after", items.pop("unload-after"))
+    essential = items.pop("essential", False)
+    if not isinstance(essential, bool):
+        raise ModelsError(f"{where}.essential must be true or false, got {essential!r}")
     argv: list[str] = []
     for key, value in items.items():
         if key == "served-model-name":
@@ -230,15 +239,15 @@ def _table(name: str, spec: Any, flags: Flags) -> ModelTable:
             why = (
                 "a server-wide flag: give it on the command line"
                 if flags.server(key)
-                else "neither a key of the models file (load, unload-after) nor an engine "
-                "flag of `sluice serve`"
+                else "neither a key of the models file (load, unload-after, essential) nor "
+                "an engine flag of `sluice serve`"
             )
             raise ModelsError(f"{where}: unknown key {key!r}: {why}")
         if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
             argv += [f"--{key}", *(json.dumps(v) for v in value)]
         else:
             argv += _argv(where, key, value, flags)
-    return ModelTable(name, load, unload_after, tuple(argv))
+    return ModelTable(name, load, unload_after, tuple(argv), essential=essential)
 
 
 def parse_models(text: str, flags: Flags) -> ModelsFile:

@@ -31,7 +31,10 @@ Rules:
    on it) -> loading (the engine starts) -> loaded -> unloading -> unloaded,
    or sleeping (vLLM's sleep mode: weights in host memory, the card free) ->
    loading (wake up) -> loaded; a load that fails is `failed` until its
-   retry time, and the next request after it tries again.
+   retry time, and the next request after it tries again. A loaded model
+   whose engine dies is `restarting` (its processes ended, the back-off, the
+   new start: server/engines/restarts.py) -> loaded, or `failed` when the
+   restart fails or its budget is spent.
 5. Room: each model has a footprint on the card (bytes, from its own flags:
    server/cli.py `footprint`), and the models that occupy it (loading,
    loaded, unloading) must fit the budget together. The models file is
@@ -117,10 +120,11 @@ class State(enum.Enum):
     UNLOADING = "unloading"
     SLEEPING = "sleeping"
     FAILED = "failed"
+    RESTARTING = "restarting"  # its engine died; started again (restarts.py)
 
 
 # States in which a model takes its footprint on the card (rule 5).
-OCCUPYING = frozenset({State.LOADING, State.LOADED, State.UNLOADING})
+OCCUPYING = frozenset({State.LOADING, State.LOADED, State.UNLOADING, State.RESTARTING})
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +141,9 @@ class ModelSpec:
     # (weights to host memory) rather than stopped (server/engines/loader.py).
     sleep: bool = False
     demo: bool = False  # the offline demo model
+    # Its engine's final failure stops the process (server/engines/restarts.py
+    # rule 5): the one --model, or a models-file table's `essential = true`.
+    essential: bool = False
     # vLLM's engine flags, as parsed by vLLM's argument definitions (an
     # AsyncEngineArgs); opaque here, read by server/engines/vllm_adapter.py.
     engine_args: Any = field(default=None, repr=False, compare=False)
@@ -181,6 +188,14 @@ class ModelEntry:
     # The idle time the last Ollama request asked for (rule 7; seconds, negative:
     # never unload); None: the spec's `unload_after`.
     keep_alive: float | None = None
+    # Its engine's deaths (server/engines/supervisor.py): how many, the times of
+    # the restarts they caused (restarts.py's budget), the last one's wall
+    # clock and cause, and the time from the last death to serving again.
+    deaths: int = 0
+    restart_times: tuple[float, ...] = ()
+    last_death: tuple[float, str] | None = None
+    back_in_s: float | None = None
+    gave_up: bool = False  # failed because its restart budget is spent (not a load)
     _driver: Driver | None = None
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 

@@ -560,9 +560,25 @@ class EngineAdapter:
         return self._llm is not None and bool(self._llm.errored)
 
     async def check_health(self) -> None:
+        """vLLM's own check (the engine is not known dead), then a round trip
+        through each engine core (a utility call its busy loop answers between
+        steps): a core that is stopped or stuck does not answer, and the caller's
+        timeout calls it hung (server/engines/supervisor.py)."""
         if self._llm is None:
             raise SluiceError("engine not started", status=503)
         await self._llm.check_health()
+        await self._llm.is_sleeping()
+
+    def processes(self) -> tuple[tuple[int, int | None], ...]:
+        """(pid, exit code or None while it runs) of each engine core process
+        this engine started, from vLLM's own process handles (never by name);
+        () before the start or for an engine without local processes."""
+        llm = self._llm
+        if llm is None:
+            return ()
+        manager = getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
+        procs = getattr(manager, "processes", None) or ()
+        return tuple((int(p.pid), p.exitcode) for p in procs if p.pid is not None)
 
     def stats(self) -> EngineStats:
         return self._stats.get()

@@ -258,6 +258,11 @@ def check_accepting(request: web.Request) -> None:
     rt = request.app[RUNTIME]
     if rt.phase is Phase.READY:
         return
+    if rt.phase is Phase.STARTING and request.app[SETTINGS].several:
+        # The port opens before the engines start: a models file's request waits
+        # for its model's load as for an on-demand one (server/http/models.py).
+        # (With --model, the request's limits come from its engine: 503 until then.)
+        return
     request.app[METRICS].reject(rt.phase.value)
     if rt.phase is Phase.STARTING:
         raise SluiceError(

@@ -165,6 +165,9 @@ def snapshot(app: web.Application) -> Snapshot:
                     stats[e.name].kv_cache_usage if e.state is ModelState.LOADED else None
                 ),
                 requests=per_model.get(e.name, 0.0),
+                deaths=e.deaths,
+                last_death=e.last_death,
+                back_in_s=e.back_in_s,
             )
     one = stats[entries[0].name] if len(entries) == 1 else None
     # The engine steps beside a held backlog, the under-fed ones and the time

@@ -226,7 +226,16 @@ class _LiveCollector(Collector):
 
 
 # The model states sluice_model_state spells out (server/engines/registry.py State).
-_STATES = ("unloaded", "waiting", "loading", "loaded", "unloading", "sleeping", "failed")
+_STATES = (
+    "unloaded",
+    "waiting",
+    "loading",
+    "loaded",
+    "unloading",
+    "sleeping",
+    "failed",
+    "restarting",
+)
 
 
 def _model_families(entries: Sequence[Any]) -> Iterable[Metric]:
@@ -234,7 +243,7 @@ def _model_families(entries: Sequence[Any]) -> Iterable[Metric]:
     state = GaugeMetricFamily(
         "sluice_model_state",
         "1 for the state the model is in (unloaded, waiting, loading, loaded, unloading, "
-        "sleeping, failed), 0 for the others",
+        "sleeping, failed, restarting), 0 for the others",
         labels=["model", "state"],
     )
     loads = CounterMetricFamily(
@@ -399,6 +408,21 @@ class Metrics:
         self.prompt_tokens = Counter(
             "sluice_prompt_tokens", "Prompt tokens of answered requests", m, registry=r
         )
+        # A dead engine and its restarts (server/engines/supervisor.py).
+        self.engine_deaths = Counter(
+            "sluice_engine_deaths",
+            "Engine deaths, by cause: the signal that ended its core (SIGKILL, ...), "
+            "exit_N (its exit code), health_check (no answer: hung)",
+            ["cause", *m],
+            registry=r,
+        )
+        self.engine_restarts = Counter(
+            "sluice_engine_restarts",
+            "Restarts of a dead engine, by outcome: ok, failed (its start failed), "
+            "budget_spent (not tried: --engine-restarts per window used up)",
+            ["outcome", *m],
+            registry=r,
+        )
         self.ignored = IgnoredFields(
             Counter(
                 "sluice_ignored_fields",
@@ -422,6 +446,11 @@ class Metrics:
         """A metric whose only label (with --models) is `model`: its child for
         `model`, or the metric itself without labels."""
         return metric.labels(model or "") if self.per_model else metric
+
+    def engine_event(self, kind: str, model: str, label: str) -> None:
+        """A death ("death", its cause) or a restart ("restart", its outcome)."""
+        metric = self.engine_deaths if kind == "death" else self.engine_restarts
+        metric.labels(label, *self.model(model)).inc()
 
     def reject(self, reason: str, model: str | None = None) -> None:
         self.rejections.labels(reason, *self.model(model)).inc()

@@ -75,6 +75,11 @@ class ModelRow:
     running: float = 0.0
     kv_cache_usage: float | None = None
     requests: float = 0.0  # finished generation requests (cumulative)
+    # Its engine's deaths (server/engines/supervisor.py): how many, the last
+    # one's wall clock and cause, and the time it took to serve again.
+    deaths: int = 0
+    last_death: tuple[float, str] | None = None
+    back_in_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -472,6 +477,10 @@ def _model_row(name: str, m: ModelRow) -> dict[str, Any]:
         "loaded_at": None if m.loaded_at is None else round(m.loaded_at, 3),
         "error": m.error,
         "held": m.held,
+        "deaths": m.deaths,
+        "died_at": None if m.last_death is None else round(m.last_death[0], 3),
+        "death": None if m.last_death is None else m.last_death[1],
+        "back_in_s": None if m.back_in_s is None else round(m.back_in_s, 1),
     }
 
 

@@ -138,6 +138,7 @@ FLOORS = {
     "server.engines": 2,
     "server.wire": 1,
     "server.errors": 0,
+    "server.listen": 0,
     "server": 0,  # the package's face: its version only
     "batching": 0,
 }

@@ -66,6 +66,7 @@ async def serve_models() -> AsyncIterator[Make]:
     async def make(
         specs: tuple[ModelSpec, ...],
         engine: Callable[[ModelSpec], FakeEngine] | None = None,
+        wait_ready: bool = True,
         **overrides: Any,
     ) -> Served:
         made: dict[str, list[FakeEngine]] = {s.name: [] for s in specs}
@@ -87,7 +88,8 @@ async def serve_models() -> AsyncIterator[Make]:
         client: TestClient[Any, Any] = TestClient(server)
         await client.start_server()
         clients.append(client)
-        await until(lambda: app[RUNTIME].phase is Phase.READY, what="ready")
+        if wait_ready:
+            await until(lambda: app[RUNTIME].phase is Phase.READY, what="ready")
         return Served(client, app, made)
 
     yield make

@@ -276,7 +276,10 @@
     for (const m of models) {
       const row = body.insertRow();
       const cells = [m.name, m.state, m.kind, m.load, m.loads, m.unloads, m.failures,
-        m.load_s == null ? "–" : `${fmt(m.load_s)} s`, m.held, m.error || ""];
+        m.load_s == null ? "–" : `${fmt(m.load_s)} s`, m.held, m.deaths,
+        m.died_at == null ? "–" : `${new Date(m.died_at * 1000).toLocaleTimeString()}: ${m.death}` +
+          (m.back_in_s == null ? "" : `, back in ${fmt(m.back_in_s)} s`),
+        m.error || ""];
       for (const v of cells) row.insertCell().textContent = String(v);
     }
     probe.models = models.length;

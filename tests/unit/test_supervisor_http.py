@@ -1,0 +1,164 @@
+"""One model's engine dies, the others serve and it comes back (issue 41): the
+real app on a loopback socket, one fake engine per model (tests/fakes.py), the
+death injected (`FakeEngine.kill`, a health check that never answers).
+server/engines/supervisor.py and restarts.py; the real engines killed by
+their pids are tests/integration/test_faults.py."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from server.engines.registry import ModelSpec, State
+from server.engines.restarts import RestartPolicy
+from server.state import MODELS, RUNTIME, Phase
+from tests.fakes import FakeEngine
+from tests.support import until
+from tests.unit.test_handlers import CHAT, assert_error, events, retry_after
+from tests.unit.test_models_http import Make, ask, serve_models, spec
+
+__all__ = ["serve_models"]  # the fixture, used by name
+
+pytestmark = pytest.mark.timeout(30)
+
+FAST = RestartPolicy(restarts=2, window=600.0, base=0.05, cap=0.05)
+
+
+async def _metrics(s: Any) -> str:
+    return str(await (await s.client.get("/metrics")).text())
+
+
+async def _stream(s: Any, model: str) -> Any:
+    resp = await s.client.post(CHAT, json=ask(model, max_tokens=200, stream=True, temperature=1))
+    assert resp.status == 200
+    return resp
+
+
+async def test_a_dead_engine_fails_its_own_streams_only_and_restarts(serve_models: Make) -> None:
+    s = await serve_models(
+        (spec("a"), spec("b")), engine=lambda _: FakeEngine(step=0.01), restarts=FAST
+    )
+    a = await _stream(s, "a")
+    b = await _stream(s, "b")
+    a_head = await a.content.readline()
+    b_head = await b.content.readline()
+    dead = s.engine("b")
+    dead.kill()
+    b_events = events((b_head + await b.content.read()).decode())
+    errors = [e for e in b_events if "error" in e]
+    assert len(errors) == 1 and b_events[-1] is errors[0]
+    a_events = events((a_head + await a.content.read()).decode())
+    assert not any("error" in e for e in a_events)
+    assert a_events[-1]["choices"][0]["finish_reason"] == "length"
+    # b comes back on a fresh engine; a request meanwhile waits for it.
+    resp = await s.client.post(CHAT, json=ask("b"))
+    assert resp.status == 200, await resp.text()
+    assert s.state("b") is State.LOADED and s.engine("b") is not dead and dead.shut_down
+    entry = s.app[MODELS].get("b")
+    assert entry.deaths == 1 and entry.back_in_s is not None
+    text = await _metrics(s)
+    assert 'sluice_engine_deaths_total{cause="unknown",model="b"} 1.0' in text
+    assert 'sluice_engine_restarts_total{model="b",outcome="ok"} 1.0' in text
+    assert s.app[RUNTIME].phase is Phase.READY
+    assert (await s.client.get("/health")).status == 200
+
+
+class _Hanging(FakeEngine):
+    """A fake whose health check stops answering once `hang` is set."""
+
+    hang = False
+
+    async def check_health(self) -> None:
+        if self.hang:
+            await asyncio.Event().wait()
+        await super().check_health()
+
+
+async def test_a_hung_engine_is_dead_and_restarts(serve_models: Make) -> None:
+    s = await serve_models(
+        (spec("a"), spec("b")),
+        engine=lambda _: _Hanging(step=0.01),
+        restarts=FAST,
+        health_timeout=0.2,
+    )
+    hung = s.engine("b")
+    assert isinstance(hung, _Hanging)
+    hung.hang = True
+    await until(lambda: s.app[MODELS].get("b").deaths == 1, timeout=10, what="the hang seen")
+    await until(lambda: s.state("b") is State.LOADED, timeout=10, what="b back")
+    assert s.engine("b") is not hung and hung.shut_down
+    assert 'cause="health_check"' in await _metrics(s)
+    assert (await s.client.post(CHAT, json=ask("a"))).status == 200
+
+
+async def test_past_its_budget_a_model_is_failed_and_the_others_serve(serve_models: Make) -> None:
+    s = await serve_models(
+        (spec("a"), spec("b")),
+        engine=lambda _: FakeEngine(step=0.01),
+        restarts=RestartPolicy(restarts=0),
+    )
+    s.engine("b").kill()
+    await until(lambda: s.state("b") is State.FAILED, timeout=10, what="b failed")
+    resp = await s.client.post(CHAT, json=ask("b"))
+    err = await assert_error(resp, 503, code="model_failed")
+    assert "`b`" in err["message"] and "--engine-restarts" in err["message"]
+    retry_after(resp)
+    assert (await s.client.post(CHAT, json=ask("a"))).status == 200
+    ready = await s.client.get("/ready")
+    assert ready.status == 200 and (await ready.json())["models"] == {"a": "loaded", "b": "failed"}
+    assert not s.app[RUNTIME].stop.is_set()
+
+
+async def test_an_essential_model_past_its_budget_stops_the_process(serve_models: Make) -> None:
+    essential = ModelSpec(name="b", path="/models/b", essential=True)
+    s = await serve_models(
+        (spec("a"), essential),
+        engine=lambda _: FakeEngine(step=0.01),
+        restarts=RestartPolicy(restarts=0),
+    )
+    s.engine("b").kill()
+    await until(s.app[RUNTIME].stop.is_set, timeout=10, what="stop")
+    assert s.app[RUNTIME].exit_code == 1
+    await assert_error(await s.client.get("/health"), 503, code="engine_dead")
+
+
+async def test_a_restart_that_fails_leaves_the_model_failed(serve_models: Make) -> None:
+    made = 0
+
+    def engines(_: ModelSpec) -> FakeEngine:
+        nonlocal made
+        made += 1
+        # a's first, b's first, then b's restart: that one fails to start.
+        return FakeEngine(step=0.01, fail_start=made == 3)
+
+    s = await serve_models((spec("a"), spec("b")), engine=engines, restarts=FAST)
+    s.engine("b").kill()
+    await until(lambda: s.state("b") is State.FAILED, timeout=10, what="b failed")
+    err = await assert_error(
+        await s.client.post(CHAT, json=ask("b")), 503, code="model_load_failed"
+    )
+    assert "`b`" in err["message"] and "failed to start" in err["message"]
+    assert 'outcome="failed"' in await _metrics(s)
+    assert (await s.client.post(CHAT, json=ask("a"))).status == 200
+
+
+async def test_during_the_start_a_request_waits_for_its_model(serve_models: Make) -> None:
+    """The port is open while the engines start: /health answers, /ready says
+    each model's state, and a request for a model still starting waits."""
+    gate = asyncio.Event()
+    s = await serve_models(
+        (spec("a"),), engine=lambda _: FakeEngine(start_gate=gate), wait_ready=False
+    )
+    await until(lambda: s.state("a") is State.LOADING, what="a loading")
+    assert s.app[RUNTIME].phase is Phase.STARTING
+    assert (await s.client.get("/health")).status == 200
+    err = await assert_error(await s.client.get("/ready"), 503, code="not_ready")
+    assert "a: loading" in err["message"]
+    pending = asyncio.create_task(s.client.post(CHAT, json=ask("a")))
+    await until(lambda: s.app[MODELS].get("a").leases == 1, what="the request waiting")
+    assert not pending.done()
+    gate.set()
+    resp = await asyncio.wait_for(pending, 10)
+    assert resp.status == 200, await resp.text()
