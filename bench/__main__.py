@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench import report as rp
+from bench.engine_flags import DEMO_NAME, demo_flags, step_flags
 from bench.scenarios import (
     DATA_PARALLEL,
     DEFAULT_SCENARIOS,
@@ -39,8 +40,6 @@ from bench.scenarios import (
     kv_bytes_per_token,
 )
 
-DEMO_NAME = "sluice-demo"
-
 
 def _flag(flags: Sequence[str], name: str) -> str | None:
     val = None
@@ -50,60 +49,6 @@ def _flag(flags: Sequence[str], name: str) -> str | None:
         elif a.startswith(name + "="):
             val = a.split("=", 1)[1]
     return val
-
-
-# The demo model's context in benchmarks: 8,192, as every recorded result was
-# measured with (the model has Qwen3's 40,960 since issue 26, and the mixed
-# load scales its prompts with the context: 1/2 of it for a long document).
-BENCH_CONTEXT = 8192
-
-
-def _demo_flags() -> tuple[list[str], str]:
-    from server.cli import DEFAULT_REASONING_PARSER, DEMO_STRUCTURED_OUTPUTS
-    from server.engines.demo.model import build_demo_model, default_cache_root, default_demo_dir
-
-    env = dict(os.environ)
-    model_dir = build_demo_model(default_demo_dir(default_cache_root(env)))
-    from server.engines.demo.model import demo_engine_kwargs
-
-    kw = demo_engine_kwargs(model_dir)
-    flags = [
-        "--model",
-        str(kw["model"]),
-        "--served-model-name",
-        DEMO_NAME,
-        "--dtype",
-        str(kw["dtype"]),
-        "--max-model-len",
-        str(BENCH_CONTEXT),
-        "--kv-cache-memory-bytes",
-        str(kw["kv_cache_memory_bytes"]),
-        # What `sluice serve` sets for the demo model by default (server/cli.py),
-        # spelt out so vLLM's server runs the same engine configuration.
-        "--reasoning-parser",
-        DEFAULT_REASONING_PARSER,
-        "--structured-outputs-config",
-        json.dumps(DEMO_STRUCTURED_OUTPUTS),
-    ]
-    return flags, str(model_dir)
-
-
-def _step_flags(engine_flags: Sequence[str]) -> list[str]:
-    """The engine-step flags `sluice serve` sets when none is given
-    (server/engines/step_flags.py), resolved by Sluice's own parser for these flags and
-    spelt out, so that vLLM's server and the raw engine run the same engine step
-    as Sluice. None when the flags already set either."""
-    if any(f.lstrip("-").removeprefix("no-").startswith(_STEP_FLAG) for f in engine_flags):
-        return []
-    from server.cli import parse_serve_args
-    from server.engines.step_flags import StepFlags
-
-    args = parse_serve_args(list(engine_flags), {}).engine_args
-    flags = StepFlags(args.long_prefill_token_threshold, args.long_prefill_token_threshold_adaptive)
-    return list(flags.argv())
-
-
-_STEP_FLAG = "long-prefill-token-threshold"
 
 
 def _model_config(model: str) -> dict[str, object]:
@@ -233,13 +178,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if demo:
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("TRANSFORMERS_OFFLINE", "1")
-        base, tokenizer = _demo_flags()
+        base, tokenizer = demo_flags()
         served = DEMO_NAME
     else:
         base, tokenizer = ["--model", ns.model], ns.model
         served = ns.model
     engine_flags = base + passthrough
-    step = _step_flags(engine_flags)
+    step = step_flags(engine_flags)
     if step:
         rn.log(f"engine step flags Sluice would set, given to every system: {' '.join(step)}")
     engine_flags += step

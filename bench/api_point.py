@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.__main__ import _demo_flags
+from bench.engine_flags import demo_flags
 from bench.report import SLUICE, VLLM
 from bench.servers import Server, free_port, server_command
 from bench.vllm_client import main as bench_serve
@@ -213,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = [a for a in ns.apis.split(",") if a]
     if set(chosen) - set(APIS):
         ap.error(f"--apis takes {','.join(APIS)}")
-    flags, tokenizer = _demo_flags()
+    flags, tokenizer = demo_flags()
     results: dict[tuple[str, str], list[dict[str, Any]]] = {}
     tmp = Path(tempfile.mkdtemp(prefix="apis-"))
     for system in ns.systems.split(","):

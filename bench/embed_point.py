@@ -25,8 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.__main__ import _demo_flags
 from bench.api_point import result_args
+from bench.engine_flags import demo_flags
 from bench.report import SLUICE, VLLM
 from bench.servers import Server, free_port, process_cpu_seconds, server_command
 from bench.vllm_client import main as bench_serve
@@ -128,7 +128,7 @@ def main() -> int:
         "--sluice-flags", default="", help="Sluice's own flags, e.g. '--window-ms 0' (one string)"
     )
     args = ap.parse_args()
-    flags, tokenizer = _demo_flags()
+    flags, tokenizer = demo_flags()
     flags[flags.index("--served-model-name") + 1] = MODEL
     flags += POOLING
     results: dict[str, list[dict[str, Any]]] = {}

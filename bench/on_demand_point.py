@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 import orjson
 
-from bench.__main__ import _demo_flags
+from bench.engine_flags import demo_flags
 from bench.models_point import MODELS  # chat at start, spare on demand
 from bench.report import SLUICE, VLLM
 from bench.servers import Server, free_port, server_command
@@ -68,7 +68,7 @@ def sluice_on_demand(workdir: Path) -> float:
 
 
 def vllm_cold(workdir: Path) -> float:
-    flags, _ = _demo_flags()
+    flags, _ = demo_flags()
     flags[flags.index("--served-model-name") + 1] = "spare"
     flags[flags.index("--max-model-len") + 1] = "4096"
     flags[flags.index("--kv-cache-memory-bytes") + 1] = "67108864"

@@ -113,10 +113,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--points takes CxPxO triples and --requests one count per point")
     points = [(c, p, o, n) for (c, p, o), n in zip(dims, counts, strict=True)]
     if not engine:
-        from bench.__main__ import _demo_flags, _step_flags
+        from bench.engine_flags import demo_flags, step_flags
 
-        engine, _ = _demo_flags()
-        engine += _step_flags(engine)
+        engine, _ = demo_flags()
+        engine += step_flags(engine)
 
     import uvloop
 

@@ -1056,7 +1056,7 @@ def test_report_renders_issue21_sections(tmp_path: Path) -> None:
 
 
 def test_bench_gives_every_system_the_step_flags_sluice_would_set(demo_model_dir: Path) -> None:
-    from bench.__main__ import _step_flags
+    from bench.engine_flags import step_flags as _step_flags
 
     flags = ["--model", str(demo_model_dir), "--max-model-len", "4096"]
     assert _step_flags(flags) == [
