@@ -54,7 +54,7 @@ from aiohttp import web
 from batching import AdmissionState, Coalescer, ResultCache
 from batching.pressure import ENGINE_IDLE, Decision, EngineStats, RankStats, State, Transition
 from server.api.lora_admin.endpoint import add_admin_routes
-from server.api.openai_responses.endpoint import RESPONSES
+from server.api.openai_responses.endpoint import RESPONSES, StoredResponses
 from server.api.openai_responses.store import ResponseStore
 from server.callers import CallerDirectory, CallersError, load_callers, world_readable
 from server.engines.driver import Driver, Generation, order_priority, request_priority
@@ -71,6 +71,7 @@ from server.http.status_page import add_status_routes, make_sampler
 from server.listen import BindError, bind
 from server.operations.metrics import Metrics
 from server.operations.sdnotify import SdNotify
+from server.operations.state_db import StateDB
 from server.operations.watchdog import (
     EngineReader,
     HostMemoryReader,
@@ -289,6 +290,7 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     metrics = app[METRICS]
     rt = app[RUNTIME]
     registry = app[MODELS]
+    await app[RESPONSES].open(time.time())  # the state database: before any engine starts
     try:
         async with asyncio.TaskGroup() as tg:
 
@@ -339,6 +341,7 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
             if WATCHDOG in app:
                 jobs["watchdog"] = app[WATCHDOG].run()
             jobs["status"] = app[STATUS].run()
+            jobs["responses-retention"] = _sweep_responses(app)
             tasks = [spawn(c, n) for n, c in jobs.items()]
             try:
                 yield
@@ -350,7 +353,18 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
         for entry in registry:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(entry.engine.shutdown)
+        await app[RESPONSES].close()
         log.info("stopped", extra={"fields": {"exit_code": rt.exit_code}})
+
+
+async def _sweep_responses(app: web.Application) -> None:
+    """Delete stored responses past --responses-retention (already invisible
+    to reads): every minute, or a quarter of the retention when shorter."""
+    store = app[RESPONSES]
+    every = min(60.0, store.policy.retention / 4)
+    while True:
+        await asyncio.sleep(every)
+        await store.sweep(time.time())
 
 
 def _live(app: web.Application) -> list[tuple[str | None, dict[str, Any]]]:
@@ -528,7 +542,10 @@ def build_app(
         ttl=settings.result_cache_ttl,
         max_entries=1024 if settings.result_cache_ttl > 0 else 0,
     )
-    app[RESPONSES] = ResponseStore()  # /v1/responses' stored responses, lost on restart
+    # /v1/responses' stored responses, in the state database (opened by _lifespan)
+    app[RESPONSES] = StoredResponses(
+        StateDB(settings.state_dir), ResponseStore(retention=settings.responses_retention)
+    )
     app[NOTIFIER] = notifier or SdNotify(None)
     if watchdog_factory is not None:
         app[WATCHDOG] = watchdog_factory(app)

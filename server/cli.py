@@ -24,6 +24,7 @@ from server.engines.demo.model import DEMO_MODEL_NAME
 from server.engines.lora import Adapter
 from server.engines.models_file import ModelTable
 from server.engines.registry import ModelSpec
+from server.operations.state_db import prepare_state_dir
 from server.options import (
     MODEL_OPTIONS,
     OPTIONS,
@@ -408,6 +409,7 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
                 **_model_fields(models[0]),
                 **_keys(ns, env, models, several=several),
                 "env": env,
+                "state_dir": prepare_state_dir(ns.state_dir or env.state_root),
             }
         )
     except ValueError as exc:

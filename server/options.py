@@ -92,6 +92,16 @@ class Option:
         return value * self.scale if self.scale != 1 else value
 
 
+def duration(text: str) -> float:
+    """Seconds from "3600", "3600s" or "24h" (argparse's type: ValueError is a usage error)."""
+    text = text.strip().lower()
+    scale = 3600.0 if text.endswith("h") else 1.0
+    value = float(text.rstrip("hs"))
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return value * scale
+
+
 def _tool_parser_names() -> str:
     from server.engines import vllm_parsers
 
@@ -288,6 +298,18 @@ OPTIONS: tuple[Option, ...] = (
         metavar="SECONDS",
         help="an engine that does not answer its health check (every 2 s) within "
         "this is hung: its processes are ended and it restarts (default: %(default)s)",
+    ),
+    Option(
+        "--state-dir", type=Path, metavar="DIR",  # read by server/cli.py (`_state_dir`)
+        help="directory of what outlives a restart (state.db: stored responses), created "
+        "0700 (default: $STATE_DIRECTORY from systemd's StateDirectory=, else "
+        "$XDG_STATE_HOME/sluice, else ~/.local/state/sluice)",
+    ),
+    Option(
+        "--responses-retention", type=duration, metavar="SECONDS|Nh", gt=0,
+        fills="responses_retention",
+        help="how long a stored response (/v1/responses) is kept: seconds, or hours as "
+        "24h (default: %(default)s s, 30 days as OpenAI)",
     ),
     *_watchdog_rows(),
     # Runtime LoRA loading (server/api/lora_admin/endpoint.py): off unless asked

@@ -24,7 +24,7 @@ from server.api.ollama.parse import ollama_probe
 from server.api.openai_chat.endpoint import prepare_chat, prepare_completion, read_body
 from server.api.openai_chat.output import models_body
 from server.api.openai_chat.parse import parse_chat
-from server.api.openai_responses.endpoint import delete_response, get_response, prepare_responses
+from server.api.openai_responses.endpoint import delete_response, get_response, post_responses
 from server.api.pooling.endpoint import prepare_embeddings, prepare_rerank
 from server.engines.registry import ModelEntry
 from server.engines.registry import State as ModelState
@@ -189,7 +189,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", generation_endpoint("chat", prepare_chat))
     app.router.add_post("/v1/completions", generation_endpoint("completions", prepare_completion))
     # OpenAI Responses (server/api/openai_responses/endpoint.py).
-    app.router.add_post("/v1/responses", generation_endpoint("responses", prepare_responses))
+    app.router.add_post("/v1/responses", post_responses)
     app.router.add_get("/v1/responses/{response_id}", get_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
     # Anthropic Messages (server/api/anthropic_messages/endpoint.py).

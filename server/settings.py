@@ -7,6 +7,7 @@ reads `os.environ`; code that needs a setting gets it from here.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,6 +34,9 @@ class EnvView:
     api_key: str | None = None  # SLUICE_API_KEY; a key file (--api-key-file) wins
     # SLUICE_CACHE_DIR, XDG_CACHE_HOME or ~/.cache: where the demo model is built
     cache_root: Path = field(default_factory=lambda: default_cache_root({}))
+    # STATE_DIRECTORY (systemd's StateDirectory=), XDG_STATE_HOME/sluice or
+    # ~/.local/state/sluice: the default --state-dir
+    state_root: Path = field(default_factory=lambda: default_state_dir({}))
 
     @classmethod
     def from_mapping(cls, env: Mapping[str, str]) -> EnvView:
@@ -45,7 +49,20 @@ class EnvView:
             cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
             api_key=env.get("SLUICE_API_KEY") or None,
             cache_root=default_cache_root(env),
+            state_root=default_state_dir(env),
         )
+
+
+def default_state_dir(env: Mapping[str, str]) -> Path:
+    """systemd's ``$STATE_DIRECTORY`` (``StateDirectory=``; of several, the
+    first), else ``$XDG_STATE_HOME/sluice``, else ``~/.local/state/sluice``."""
+    unit = env.get("STATE_DIRECTORY", "")
+    if unit:
+        return Path(unit.split(":")[0])
+    xdg = env.get("XDG_STATE_HOME", "")
+    if xdg and os.path.isabs(xdg):  # the XDG spec: a relative value is ignored
+        return Path(xdg) / "sluice"
+    return Path.home() / ".local" / "state" / "sluice"
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +119,12 @@ class Settings:
     tool_call_parser: str = "hermes"
     enable_auto_tool_choice: bool = True
     drain_timeout: float = 30.0
+    # --state-dir (created 0700, checked at start by server/cli.py): state.db,
+    # what outlives a restart (server/operations/state_db.py); None: kept in
+    # memory only (an app built without the CLI: tests).
+    state_dir: Path | None = None
+    # --responses-retention: seconds a stored response is kept (OpenAI: 30 days).
+    responses_retention: float = 30 * 24 * 3600.0
     warmup: bool = True
 
     # The watchdog: its poll interval and the policy's thresholds.

@@ -85,6 +85,9 @@ class SluiceProcess:
             # server, a balancer's twin) queued there for minutes using no CPU
             # (shared/DESIGN.md). Unbound, the kernel places them.
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            # Each server's state.db (the default --state-dir) beside its log,
+            # not in the home directory shared by every test's server.
+            "XDG_STATE_HOME": str(log_path.parent / "xdg-state"),
             **(env or {}),
         }
         if not any(a in COMPILE_FLAGS for a in args):

@@ -162,3 +162,41 @@ def test_a_bad_adapter_or_callers_entry_is_one_line(
     assert exit_.value.code == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and says in lines[0], lines
+
+
+def test_the_state_dir_flag_wins_over_systemd_which_wins_over_xdg(
+    demo_cache_root: Path, tmp_path: Path
+) -> None:
+    base = ["--demo-cache-dir", str(demo_cache_root)]
+    env = {"XDG_STATE_HOME": str(tmp_path / "xdg")}
+    assert parse_serve_args(base, env).state_dir == tmp_path / "xdg" / "sluice"
+    env["STATE_DIRECTORY"] = str(tmp_path / "unit")
+    assert parse_serve_args(base, env).state_dir == tmp_path / "unit"
+    flag = parse_serve_args([*base, "--state-dir", str(tmp_path / "flag")], env)
+    assert flag.state_dir == tmp_path / "flag" and (tmp_path / "flag").is_dir()
+    assert parse_serve_args([*base, "--responses-retention", "2h"], env).responses_retention == 7200
+    assert parse_serve_args([*base, "--responses-retention", "90"], env).responses_retention == 90
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--state-dir", "{file}"], "is not a directory"),
+        (["--responses-retention", "0"], "--responses-retention must be > 0"),
+        (["--responses-retention", "soon"], "invalid duration value"),
+    ],
+)
+def test_a_bad_state_dir_or_retention_is_one_line_and_exit_2(
+    demo_cache_root: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    flags: list[str],
+    says: str,
+) -> None:
+    (tmp_path / "file").write_text("")
+    flags = [f.format(file=tmp_path / "file") for f in flags]
+    with pytest.raises(SystemExit) as exit_:
+        parse_serve_args(["--demo-cache-dir", str(demo_cache_root), *flags], {})
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith("sluice serve: error: ") and says in err

@@ -2,7 +2,8 @@
 
 `parse.py` (pure) translates a body into the chat body it means and parses it;
 `output.py` (pure) writes a chat choice as Responses items, the response object
-and the stream's events; `store.py` keeps stored responses (bounded, in memory,
-each readable by its maker only); `endpoint.py` (aiohttp) prepares, encodes, and
-serves GET and DELETE of a stored response.
+and the stream's events; `store.py` (pure) is the stored responses' policy (bounded,
+retained, each readable by its maker only); `endpoint.py` (aiohttp) prepares,
+encodes, keeps stored responses in the state database and serves GET and DELETE
+of one.
 """
