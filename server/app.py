@@ -58,6 +58,7 @@ from server.engines.loader import ModelLoader
 from server.engines.registry import Load, ModelEntry, ModelRegistry, ModelSpec
 from server.engines.registry import State as ModelState
 from server.errors import SluiceError
+from server.http import cors, root_path, tls
 from server.http.callers import CallerDirectory, CallersError, load_callers, world_readable
 from server.http.middleware import install as install_middlewares
 from server.http.middleware import server_options
@@ -153,7 +154,7 @@ async def _boot(app: web.Application) -> None:
     if rt.phase is Phase.STARTING:
         rt.phase = Phase.READY
     fields["startup_s"] = round(time.monotonic() - t0, 1)
-    fields["url"] = f"http://{settings.host}:{settings.port}/v1"
+    fields["url"] = settings.url
     log.info("ready", extra={"fields": fields})
     app[NOTIFIER].ready()
 
@@ -512,6 +513,7 @@ def build_app(
     app = web.Application(client_max_size=settings.max_body_bytes)
     install_middlewares(app)
     app[SETTINGS] = settings
+    _install_network(app, settings)
     registry = ModelRegistry.build(settings.specs(), engines, path_names=not settings.several)
     app[MODELS] = registry
     app[_ENGINES] = engines
@@ -536,6 +538,26 @@ def build_app(
     add_status_routes(app)
     app.cleanup_ctx.append(_lifespan)
     return app
+
+
+def _install_network(app: web.Application, settings: Settings) -> None:
+    """Issue 44's pieces that change how requests arrive: CORS ahead of the
+    API key (after the request id, so a preflight has its access line), the
+    root path, and the tracer (flushed at exit)."""
+    if settings.cors is not None:
+        cors.install(app, settings.cors, before=1)
+    root_path.install(app, settings.root_path)
+    if settings.otlp_traces_endpoint is not None:
+        from server import __version__
+        from server.operations.tracing import TRACER, Tracer
+
+        tracer = Tracer(settings.otlp_traces_endpoint, version=__version__)
+        app[TRACER] = tracer
+
+        async def flush(app: web.Application) -> None:
+            await asyncio.to_thread(tracer.shutdown)
+
+        app.on_cleanup.append(flush)
 
 
 async def drain(app: web.Application, timeout: float) -> None:
@@ -630,7 +652,10 @@ async def serve(
     rt = app[RUNTIME]
     loop = asyncio.get_running_loop()
     try:
-        site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
+        ssl_context = tls.server_context(settings.tls) if settings.tls else None
+        site = web.TCPSite(
+            runner, settings.host, settings.port, reuse_address=True, ssl_context=ssl_context
+        )
         await site.start()
         log.info(
             "listening",
@@ -638,6 +663,7 @@ async def serve(
                 "fields": {
                     "host": settings.host,
                     "port": settings.port,
+                    "tls": settings.tls is not None,
                     "model": settings.model_name,
                     **({"models": list(app[MODELS].names)} if settings.several else {}),
                     "demo_model": settings.demo_model,
@@ -668,6 +694,8 @@ async def serve(
 
             def on_hangup() -> None:
                 tg.create_task(reload_callers(app), name="reload-callers")
+                if ssl_context is not None and settings.tls is not None:
+                    tg.create_task(tls.reload(ssl_context, settings.tls), name="reload-tls")
 
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, on_signal, sig)

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import logging
 import math
+import ssl
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -24,6 +25,8 @@ from server.engines.demo.model import DEMO_MODEL_NAME
 from server.engines.lora import Adapter
 from server.engines.models_file import ModelTable
 from server.engines.registry import ModelSpec
+from server.http.cors import CorsPolicy
+from server.http.tls import TlsConfig
 from server.settings import EnvView, Settings
 
 log = logging.getLogger("sluice")
@@ -267,6 +270,7 @@ def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
     )
     _add_pressure_flags(parser)
     _add_runtime_lora_flags(parser)
+    _add_network_flags(parser)
     _add_model_flags(parser)
 
 
@@ -336,6 +340,116 @@ def _add_runtime_lora_flags(parser: argparse.ArgumentParser) -> None:
         help="file holding the bearer key /metrics then needs (Prometheus: "
         "authorization.credentials_file); default: /metrics is open",
     )
+
+
+def _add_network_flags(parser: argparse.ArgumentParser) -> None:
+    """TLS, CORS, a root path (vLLM's server's names and defaults); checked in
+    `_network`. --otlp-traces-endpoint is vLLM's engine flag, which Sluice's
+    front takes for its own spans (server/operations/tracing.py)."""
+    g = parser.add_argument_group("on a network: TLS (and mutual TLS), CORS, a root path")
+    g.add_argument("--ssl-keyfile", type=Path, default=None, metavar="FILE", help="the TLS key")
+    g.add_argument(
+        "--ssl-certfile",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the TLS certificate chain (PEM): serve HTTPS; SIGHUP loads it again",
+    )
+    g.add_argument(
+        "--ssl-ca-certs",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="CA bundle that client certificates are checked against (mutual TLS)",
+    )
+    g.add_argument(
+        "--ssl-cert-reqs",
+        default="0",
+        metavar="{0,1,2}",
+        help="client certificates: 0 (none), 1 (optional), 2 (required), or those "
+        "names; 1 and 2 check them against the CA bundle (default: %(default)s)",
+    )
+    g.add_argument(
+        "--ssl-ciphers", default=None, help="OpenSSL cipher list for TLS 1.2 (1.3's are fixed)"
+    )
+    g.add_argument(
+        "--allowed-origins",
+        default=None,
+        metavar="JSON",
+        help="origins a browser page may call from: a JSON list as vLLM's ('[\"https://a\"]', "
+        '"*" for any) or comma-separated; default: none (CORS off)',
+    )
+    g.add_argument(
+        "--allowed-methods",
+        default='["*"]',
+        metavar="JSON",
+        help="methods allowed cross-origin (default: %(default)s)",
+    )
+    g.add_argument(
+        "--allowed-headers",
+        default='["*"]',
+        metavar="JSON",
+        help="request headers allowed cross-origin (default: %(default)s)",
+    )
+    g.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="let pages send cookies and client certificates cross-origin",
+    )
+    g.add_argument(
+        "--root-path",
+        default="",
+        metavar="PATH",
+        help="path prefix behind a proxy (/llm): /llm/v1/... is served as /v1/... (which "
+        "stays served too)",
+    )
+
+
+def _network(
+    ns: argparse.Namespace,
+) -> tuple[TlsConfig | None, CorsPolicy | None, str, str | None]:
+    """The TLS config (its files loaded once, so that a bad certificate fails here,
+    before any engine starts), the CORS policy, the root path and the trace
+    endpoint; ValueError with one line."""
+    from server.http import cors, root_path, tls
+    from server.operations import tracing
+
+    reqs = tls.cert_reqs(ns.ssl_cert_reqs)
+    tls_cfg = None
+    if ns.ssl_certfile is not None:
+        tls_cfg = tls.TlsConfig(
+            certfile=ns.ssl_certfile,
+            keyfile=ns.ssl_keyfile,
+            ca_certs=ns.ssl_ca_certs,
+            cert_reqs=reqs,
+            ciphers=ns.ssl_ciphers,
+        )
+        tls.server_context(tls_cfg)
+    elif ns.ssl_keyfile is not None or ns.ssl_ca_certs is not None or reqs is not ssl.CERT_NONE:
+        raise ValueError("--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile")
+    policy = None
+    if ns.allowed_origins is not None:
+        origins = cors.parse_list(ns.allowed_origins, "--allowed-origins")
+        if origins:
+            policy = cors.CorsPolicy(
+                origins=origins,
+                methods=cors.parse_list(ns.allowed_methods, "--allowed-methods"),
+                headers=cors.parse_list(ns.allowed_headers, "--allowed-headers"),
+                credentials=ns.allow_credentials,
+            )
+    endpoint = None
+    if ns.otlp_traces_endpoint:
+        endpoint = tracing.endpoint_url(ns.otlp_traces_endpoint)
+        if (missing := tracing.missing()) is not None:
+            raise ValueError(
+                f"--otlp-traces-endpoint needs OpenTelemetry ({missing} is not installed): "
+                "pip install 'sluice[otel]'"
+            )
+    # The engine does not trace too: vLLM's engine tracer would export the
+    # engine's own spans over gRPC to the same URL (and read the environment);
+    # Sluice's span carries the engine's times (first token, end).
+    ns.otlp_traces_endpoint = None
+    return tls_cfg, policy, root_path.normalize(ns.root_path), endpoint
 
 
 def _key_file(path: Path, flag: str, *, private: bool) -> str:
@@ -630,7 +744,8 @@ def _models_file(
     from server.engines.models_file import Flags, ModelsError, load_models
 
     model_parser = build_model_parser()
-    model_flags = _long_options(model_parser)
+    # vLLM's trace endpoint is the front's (one for the process: `_network`).
+    model_flags = _long_options(model_parser) - {"otlp-traces-endpoint"}
     server_flags = _long_options(parser) - model_flags
     given = [a.split("=", 1)[0][2:].replace("_", "-") for a in argv if a.startswith("--")]
     if "model" in given:
@@ -684,6 +799,7 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
         models = [_Model(ns, "")]
     try:
         _check_ranges(ns)
+        tls_cfg, cors_policy, root, otlp_endpoint = _network(ns)
     except ValueError as exc:
         parser.error(str(exc))
     for m in models:
@@ -817,6 +933,10 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
         enable_auto_tool_choice=first.ns.enable_auto_tool_choice,
         drain_timeout=ns.drain_timeout,
         warmup=ns.warmup,
+        tls=tls_cfg,
+        cors=cors_policy,
+        root_path=root,
+        otlp_traces_endpoint=otlp_endpoint,
         watchdog_interval=ns.watchdog_interval_ms / 1000.0,
         pressure=pressure,
         env=env,

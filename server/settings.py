@@ -19,6 +19,8 @@ from server.engines.interface import ModelInfo
 from server.engines.lora import Adapter
 from server.engines.registry import ModelSpec
 from server.http.callers import CallerTable
+from server.http.cors import CorsPolicy
+from server.http.tls import TlsConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +105,16 @@ class Settings:
     drain_timeout: float = 30.0
     warmup: bool = True
 
+    # On a network (issue 44, vLLM's flag names): TLS with --ssl-* (None: plain
+    # HTTP; server/http/tls.py), CORS with --allowed-origins (None: off;
+    # server/http/cors.py), --root-path ("": none; server/http/root_path.py)
+    # and --otlp-traces-endpoint, the OTLP/HTTP URL of the trace receiver
+    # (None: no tracing, no OpenTelemetry import; server/operations/tracing.py).
+    tls: TlsConfig | None = None
+    cors: CorsPolicy | None = None
+    root_path: str = ""
+    otlp_traces_endpoint: str | None = None
+
     # The watchdog: its poll interval and the policy's thresholds.
     watchdog_interval: float = 0.25
     pressure: PressureConfig = field(default_factory=PressureConfig)
@@ -121,6 +133,12 @@ class Settings:
     models: tuple[ModelSpec, ...] = ()
     memory_budget: int = 0
     load_timeout: float = 120.0
+
+    @property
+    def url(self) -> str:
+        """The API's base URL as a client on this host reaches it."""
+        scheme = "https" if self.tls else "http"
+        return f"{scheme}://{self.host}:{self.port}{self.root_path}/v1"
 
     @property
     def several(self) -> bool:
