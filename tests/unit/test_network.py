@@ -346,8 +346,8 @@ async def test_a_request_leaves_one_span_tree_continuing_the_callers_trace(
             headers={"traceparent": f"00-{trace_id}-{parent}-01", "x-request-id": "req-1"},
         )
         assert r.status == 200
-        for _ in range(200):
-            if len(spans := rec.of("req-1")) >= 5:
+        for _ in range(200):  # the server span and its three children (none held)
+            if len(spans := rec.of("req-1")) >= 4:
                 break
             await asyncio.sleep(0.05)
         by = {s["name"]: s for s in spans}
