@@ -65,6 +65,7 @@ from server.engines.registry import State as ModelState
 from server.engines.restarts import RestartPolicy
 from server.engines.supervisor import Supervisor
 from server.errors import SluiceError
+from server.http import cors, root_path, tls
 from server.http.middleware import install as install_middlewares
 from server.http.middleware import server_options
 from server.http.status_page import add_status_routes, make_sampler
@@ -160,7 +161,7 @@ async def _boot(app: web.Application) -> None:
     if rt.phase is Phase.STARTING:
         rt.phase = Phase.READY
     fields["startup_s"] = round(time.monotonic() - t0, 1)
-    fields["url"] = f"http://{settings.host}:{settings.port}/v1"
+    fields["url"] = settings.url
     log.info("ready", extra={"fields": fields})
     app[NOTIFIER].ready()
 
@@ -527,6 +528,7 @@ def build_app(
     app = web.Application(client_max_size=settings.max_body_bytes)
     install_middlewares(app)
     app[SETTINGS] = settings
+    _install_network(app, settings)
     registry = ModelRegistry.build(settings.specs(), engines, path_names=not settings.several)
     app[MODELS] = registry
     app[_ENGINES] = engines
@@ -555,6 +557,26 @@ def build_app(
     add_status_routes(app)
     app.cleanup_ctx.append(_lifespan)
     return app
+
+
+def _install_network(app: web.Application, settings: Settings) -> None:
+    """Issue 44's pieces that change how requests arrive: CORS ahead of the
+    API key (after the request id, so a preflight has its access line), the
+    root path, and the tracer (flushed at exit)."""
+    if settings.cors is not None:
+        cors.install(app, settings.cors, before=1)
+    root_path.install(app, settings.root_path)
+    if settings.otlp_traces_endpoint is not None:
+        from server import __version__
+        from server.operations.tracing import TRACER, Tracer
+
+        tracer = Tracer(settings.otlp_traces_endpoint, version=__version__)
+        app[TRACER] = tracer
+
+        async def flush(app: web.Application) -> None:
+            await asyncio.to_thread(tracer.shutdown)
+
+        app.on_cleanup.append(flush)
 
 
 async def drain(app: web.Application, timeout: float) -> None:
@@ -662,7 +684,8 @@ async def serve(
     rt = app[RUNTIME]
     loop = asyncio.get_running_loop()
     try:
-        site = web.SockSite(runner, sock)
+        ssl_context = tls.server_context(settings.tls) if settings.tls else None
+        site = web.SockSite(runner, sock, ssl_context=ssl_context)
         await site.start()
         log.info(
             "listening",
@@ -670,6 +693,7 @@ async def serve(
                 "fields": {
                     "host": settings.host,
                     "port": settings.port,
+                    "tls": settings.tls is not None,
                     "model": settings.model_name,
                     **({"models": list(app[MODELS].names)} if settings.several else {}),
                     "demo_model": settings.demo_model,
@@ -700,6 +724,8 @@ async def serve(
 
             def on_hangup() -> None:
                 tg.create_task(reload_callers(app), name="reload-callers")
+                if ssl_context is not None and settings.tls is not None:
+                    tg.create_task(tls.reload(ssl_context, settings.tls), name="reload-tls")
 
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, on_signal, sig)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import ssl
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -34,7 +35,7 @@ from server.options import (
     field_values,
     settings_from,
 )
-from server.settings import EnvView, Settings
+from server.settings import CorsPolicy, EnvView, Settings, TlsConfig
 
 log = logging.getLogger("sluice")
 
@@ -73,6 +74,57 @@ commands:
 def _add_sluice_flags(parser: argparse.ArgumentParser) -> None:
     """Every option of Sluice's own (server/options.py), per-model ones included."""
     add_options(parser, OPTIONS)
+
+
+def _network(ns: argparse.Namespace) -> dict[str, Any]:
+    """The network's Settings fields (server/options.py's NETWORK rows): the TLS
+    config (its files loaded once, so that a bad certificate fails here, before
+    any engine starts), the CORS policy, the root path and the trace endpoint;
+    ValueError with one line."""
+    from server.http import cors, root_path, tls
+    from server.operations import tracing
+
+    reqs = tls.cert_reqs(ns.ssl_cert_reqs)
+    tls_cfg: TlsConfig | None = None
+    if ns.ssl_certfile is not None:
+        tls_cfg = TlsConfig(
+            certfile=ns.ssl_certfile,
+            keyfile=ns.ssl_keyfile,
+            ca_certs=ns.ssl_ca_certs,
+            cert_reqs=reqs,
+            ciphers=ns.ssl_ciphers,
+        )
+        tls.server_context(tls_cfg)
+    elif ns.ssl_keyfile is not None or ns.ssl_ca_certs is not None or reqs is not ssl.CERT_NONE:
+        raise ValueError("--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile")
+    policy: CorsPolicy | None = None
+    if ns.allowed_origins is not None:
+        origins = cors.parse_list(ns.allowed_origins, "--allowed-origins")
+        if origins:
+            policy = CorsPolicy(
+                origins=origins,
+                methods=cors.parse_list(ns.allowed_methods, "--allowed-methods"),
+                headers=cors.parse_list(ns.allowed_headers, "--allowed-headers"),
+                credentials=ns.allow_credentials,
+            )
+    endpoint = None
+    if ns.otlp_traces_endpoint:
+        endpoint = tracing.endpoint_url(ns.otlp_traces_endpoint)
+        if (missing := tracing.missing()) is not None:
+            raise ValueError(
+                f"--otlp-traces-endpoint needs OpenTelemetry ({missing} is not installed): "
+                "pip install 'sluice[otel]'"
+            )
+    # The engine does not trace too: vLLM's engine tracer would export the
+    # engine's own spans over gRPC to the same URL (and read the environment);
+    # Sluice's span carries the engine's times (first token, end).
+    ns.otlp_traces_endpoint = None
+    return {
+        "tls": tls_cfg,
+        "cors": policy,
+        "root_path": root_path.normalize(ns.root_path or ""),
+        "otlp_traces_endpoint": endpoint,
+    }
 
 
 def _key_file(path: Path, flag: str, *, private: bool) -> str:
@@ -341,7 +393,8 @@ def _models_file(
     from server.engines.models_file import Flags, ModelsError, load_models
 
     model_parser = build_model_parser()
-    model_flags = _long_options(model_parser)
+    # vLLM's trace endpoint is the front's (one for the process: `_network`).
+    model_flags = _long_options(model_parser) - {"otlp-traces-endpoint"}
     server_flags = _long_options(parser) - model_flags
     given = [a.split("=", 1)[0][2:].replace("_", "-") for a in argv if a.startswith("--")]
     if "model" in given:
@@ -389,6 +442,7 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
         models = [_Model(ns, "")]
     try:
         check_ranges(ns, OPTIONS)
+        network = _network(ns)
     except ValueError as exc:
         parser.error(str(exc))
     for m in models:
@@ -410,6 +464,7 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
                 **_keys(ns, env, models, several=several),
                 "env": env,
                 "state_dir": prepare_state_dir(ns.state_dir or env.state_root),
+                **network,
             }
         )
     except ValueError as exc:

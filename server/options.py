@@ -53,6 +53,7 @@ SWITCH = argparse.BooleanOptionalAction  # --x and --no-x
 FRONT = "Sluice (HTTP front, coalescer, watchdog)"
 WATCHDOG = "memory watchdog thresholds (batching/pressure.py)"
 ADMIN = "runtime LoRA loading (/v1/load_lora_adapter) and admin keys"
+NETWORK = "on a network: TLS (and mutual TLS), CORS, a root path"
 PER_MODEL = "Sluice, per model (a models file's table may give these)"
 
 
@@ -312,6 +313,48 @@ OPTIONS: tuple[Option, ...] = (
         "24h (default: %(default)s s, 30 days as OpenAI)",
     ),
     *_watchdog_rows(),
+    # On a network (vLLM's server's names and defaults): read by server/cli.py
+    # `_network`, which builds Settings' tls, cors and root_path from them.
+    Option("--ssl-keyfile", type=Path, metavar="FILE", group=NETWORK, help="the TLS key"),
+    Option(
+        "--ssl-certfile", type=Path, metavar="FILE", group=NETWORK,
+        help="the TLS certificate chain (PEM): serve HTTPS; SIGHUP loads it again",
+    ),
+    Option(
+        "--ssl-ca-certs", type=Path, metavar="FILE", group=NETWORK,
+        help="CA bundle that client certificates are checked against (mutual TLS)",
+    ),
+    Option(
+        "--ssl-cert-reqs", default="0", metavar="{0,1,2}", group=NETWORK,
+        help="client certificates: 0 (none), 1 (optional), 2 (required), or those "
+        "names; 1 and 2 check them against the CA bundle (default: %(default)s)",
+    ),
+    Option(
+        "--ssl-ciphers", group=NETWORK,
+        help="OpenSSL cipher list for TLS 1.2 (1.3's are fixed)",
+    ),
+    Option(
+        "--allowed-origins", metavar="JSON", group=NETWORK,
+        help="origins a browser page may call from: a JSON list as vLLM's ('[\"https://a\"]', "
+        '"*" for any) or comma-separated; default: none (CORS off)',
+    ),
+    Option(
+        "--allowed-methods", default='["*"]', metavar="JSON", group=NETWORK,
+        help="methods allowed cross-origin (default: %(default)s)",
+    ),
+    Option(
+        "--allowed-headers", default='["*"]', metavar="JSON", group=NETWORK,
+        help="request headers allowed cross-origin (default: %(default)s)",
+    ),
+    Option(
+        "--allow-credentials", action="store_true", default=False, group=NETWORK,
+        help="let pages send cookies and client certificates cross-origin",
+    ),
+    Option(
+        "--root-path", metavar="PATH", group=NETWORK,
+        help="path prefix behind a proxy (/llm): /llm/v1/... is served as /v1/... (which "
+        "stays served too)",
+    ),
     # Runtime LoRA loading (server/api/lora_admin/endpoint.py): off unless asked
     # for, and then only with an admin key and a root directory (checked in
     # server/cli.py `_runtime_lora`); and the keys of the operator's views.

@@ -8,6 +8,7 @@ reads `os.environ`; code that needs a setting gets it from here.
 from __future__ import annotations
 
 import os
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -21,6 +22,33 @@ from server.engines.interface import ModelInfo
 from server.engines.lora import Adapter
 from server.engines.registry import ModelSpec
 from server.engines.restarts import RestartPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class TlsConfig:
+    """The TLS flags (vLLM's --ssl-*): the server's certificate chain and key,
+    and mutual TLS; server/http/tls.py builds and reloads the context."""
+
+    certfile: Path
+    keyfile: Path | None = None  # None: the key is in the certificate file
+    ca_certs: Path | None = None  # client certificates are checked against these
+    cert_reqs: ssl.VerifyMode = ssl.CERT_NONE
+    ciphers: str | None = None  # TLS 1.2 and below (1.3's suites are OpenSSL's)
+
+
+@dataclass(frozen=True, slots=True)
+class CorsPolicy:
+    """--allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials
+    (server/http/cors.py holds the rules)."""
+
+    origins: tuple[str, ...]
+    methods: tuple[str, ...] = ("*",)
+    headers: tuple[str, ...] = ("*",)
+    credentials: bool = False
+
+    def allows(self, origin: str) -> bool:
+        """cors.py's rule 1."""
+        return "*" in self.origins or origin in self.origins
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +155,16 @@ class Settings:
     responses_retention: float = 30 * 24 * 3600.0
     warmup: bool = True
 
+    # On a network (issue 44, vLLM's flag names): TLS with --ssl-* (None: plain
+    # HTTP; server/http/tls.py), CORS with --allowed-origins (None: off;
+    # server/http/cors.py), --root-path ("": none; server/http/root_path.py)
+    # and --otlp-traces-endpoint, the OTLP/HTTP URL of the trace receiver
+    # (None: no tracing, no OpenTelemetry import; server/operations/tracing.py).
+    tls: TlsConfig | None = None
+    cors: CorsPolicy | None = None
+    root_path: str = ""
+    otlp_traces_endpoint: str | None = None
+
     # The watchdog: its poll interval and the policy's thresholds.
     watchdog_interval: float = 0.25
     pressure: PressureConfig = field(default_factory=PressureConfig)
@@ -150,6 +188,12 @@ class Settings:
     # check may go unanswered before the engine counts as hung.
     restarts: RestartPolicy = field(default_factory=RestartPolicy)
     health_timeout: float = 10.0
+
+    @property
+    def url(self) -> str:
+        """The API's base URL as a client on this host reaches it."""
+        scheme = "https" if self.tls else "http"
+        return f"{scheme}://{self.host}:{self.port}{self.root_path}/v1"
 
     @property
     def several(self) -> bool:

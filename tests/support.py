@@ -19,6 +19,7 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -65,6 +66,7 @@ class SluiceProcess:
         log_path: Path,
         env: Mapping[str, str] | None = None,
         port: int | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         # A given port: a restarted instance takes its old place (behind a balancer).
         # A free one may be taken by the time Sluice binds it, after its engine's
@@ -72,7 +74,10 @@ class SluiceProcess:
         # ports): then wait_ready() starts it again on another (_BIND_TRIES).
         self._own_port = port is None
         self.port = port or free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+        # With --ssl-certfile: the client context that trusts its CA (wait_ready's).
+        self.tls = tls
+        self.scheme = "https" if tls else "http"
+        self.base = f"{self.scheme}://127.0.0.1:{self.port}"
         self.log_path = log_path
         full_env = {
             **os.environ,
@@ -118,7 +123,7 @@ class SluiceProcess:
         self.kill_group()
         self._binds += 1
         self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+        self.base = f"{self.scheme}://127.0.0.1:{self.port}"
         self._log.write(f"\n[tests] port taken; starting again on {self.port}\n".encode())
         self._log.flush()
         self.proc = self._spawn()
@@ -132,7 +137,8 @@ class SluiceProcess:
                     continue
                 raise RuntimeError(f"sluice exited with {self.proc.returncode}:\n{self.tail()}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.base + "/ready", timeout=2).status_code == 200:
+                ready = httpx.get(self.base + "/ready", timeout=2, verify=self.tls or True)
+                if ready.status_code == 200:
                     return
             time.sleep(0.5)
         raise TimeoutError(f"sluice not ready after {timeout}s:\n{self.tail()}")

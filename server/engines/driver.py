@@ -228,6 +228,7 @@ class Ticket:
     batch_id: int = -1
     batch_size: int = 0
     joined: bool = False
+    release: str | None = None  # why its batch left the core (ReleaseReason's value)
 
     async def wait(self) -> Generation:
         self.generation = await self.future
@@ -563,6 +564,7 @@ class Driver:
                 t = pending.ticket
                 t.queue_wait = now - t.arrival
                 t.batch_id, t.batch_size = batch.id, len(batch.entries)
+                t.release = batch.reason.value
                 if t.future.cancelled():
                     gen.leave(sub)
                 else:

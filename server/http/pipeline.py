@@ -62,6 +62,7 @@ from server.engines.interface import (
 from server.engines.lora import Adapter
 from server.engines.registry import ModelEntry
 from server.errors import SluiceError
+from server.operations.tracing import TRACER, RequestSpan
 from server.state import (
     ACCESS,
     CALLER,
@@ -122,6 +123,7 @@ class Trace:
     model: str | None = None  # the served model's name once resolved
     adapter: str | None = None  # the LoRA adapter's name once resolved (None: base)
     cached: dict[int, int] = field(default_factory=dict)  # prefix-cache hits per prompt
+    finish_reasons: list[str] = field(default_factory=list)  # per choice, as they end
 
     def first_token(self) -> None:
         if self.ttft is None:
@@ -600,6 +602,7 @@ async def _gather(
                 lps[idx].extend(logprobs(detokenize, c, k))
             if c.finish_reason is not None:
                 reasons[idx] = c.finish_reason
+                tr.finish_reasons.append(c.finish_reason)
 
     await _each_output(gens, tr.tickets, take)
     return ["".join(t) for t in texts], lps, reasons
@@ -632,6 +635,8 @@ async def _stream(
         parts = [take_head()]
         for c in out.outputs:
             tr.completion_tokens += len(c.token_ids)
+            if c.finish_reason is not None:
+                tr.finish_reasons.append(c.finish_reason)
             if frame := enc.stream_delta(pi * n + c.index, c):
                 parts.append(frame)
         if data := b"".join(parts):
@@ -734,3 +739,35 @@ def _finish_trace(request: web.Request, tr: Trace) -> None:
     if tr.error:
         fields["error"] = tr.error
     request[ACCESS].fields = fields  # the request middleware writes the line
+    if (tracer := request.app.get(TRACER)) is not None:
+        tracer.record(_span(request, tr, t, now))
+
+
+def _span(request: web.Request, tr: Trace, t: Ticket | None, now: float) -> RequestSpan:
+    """The request's span (server/operations/tracing.py), from the trace's times."""
+    return RequestSpan(
+        endpoint=tr.endpoint,
+        method=request.method,
+        path=request.path,
+        headers=request.headers,
+        request_id=tr.rid,
+        status=tr.status,
+        t0=tr.t0,
+        end=now,
+        model=tr.model,
+        adapter=tr.adapter,
+        caller=tr.caller,
+        stream=tr.stream,
+        prompt_tokens=tr.prompt_tokens,
+        completion_tokens=tr.completion_tokens,
+        finish_reasons=tuple(tr.finish_reasons),
+        ttft=tr.ttft,
+        arrival=t.arrival if t and t.release else None,
+        queue_wait=t.queue_wait if t and t.release else None,
+        window=request.app[SETTINGS].core.window,
+        release=t.release if t else None,
+        batch_id=t.batch_id if t else None,
+        batch_size=t.batch_size if t else None,
+        deduped=t.joined if t else False,
+        error=tr.error,
+    )
