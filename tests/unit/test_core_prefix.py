@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from batching import Coalescer, CoalescerConfig, EngineCapacity, Request, group_key
 from batching.prefix import BOUND, Placed, PrefixMap, allowed, choose
 
 
@@ -129,3 +130,37 @@ def test_the_map_stays_bounded(capacity: int, placements: list[tuple[list[int], 
     for t, (hashes, rank) in enumerate(placements):
         m.placed(hashes, rank, float(t))
         assert len(m) <= capacity
+
+
+def test_the_coalescer_sends_a_conversations_next_turn_to_its_first_turns_rank() -> None:
+    """Wired into rule 6's release: load alone would send B's second turn to rank 0
+    (both idle, ties to the lower rank); its prefix is on rank 1."""
+    co = Coalescer(
+        CoalescerConfig(
+            engine=EngineCapacity(max_seqs=4, step_tokens=1000, ranks=2),
+            window=0.0,
+            release_lone=False,
+            kv_reserve_short=0.0,
+        )
+    )
+    key = group_key("m")
+
+    def turn(rid: str, blocks: tuple[int, ...], now: float) -> int:
+        co.add(Request(rid, key, tuple(range(16 * len(blocks))), 4, now, prefix=blocks), now)
+        (entry,) = [e for b in co.due(now) for e in b.entries]
+        co.started(rid, now)
+        co.finished(rid, now)
+        assert entry.rank is not None
+        return entry.rank
+
+    assert turn("a1", (1, 2), 0.0) == 0
+    co.add(Request("b1", key, tuple(range(32)), 4, 0.0, prefix=(7, 8)), 0.0)
+    co.add(Request("a1x", key, tuple(range(8)), 4, 0.0), 0.0)  # a no-prefix neighbour
+    placed = {e.request.id: e.rank for b in co.due(0.0) for e in b.entries}
+    assert placed == {"a1x": 0, "b1": 1}
+    for rid in placed:
+        co.started(rid, 0.0)
+        co.finished(rid, 0.0)
+    assert turn("b2", (7, 8, 9), 1.0) == 1
+    assert turn("a2", (1, 2, 3), 2.0) == 0
+    assert co.placements[Placed.PREFIX] == 2
