@@ -130,7 +130,8 @@ from .events import (
     RoomCounters,
 )
 from .keys import GroupKey
-from .room import POLICY, EngineCapacity, EngineView, Hold, Room, place, underfed
+from .prefix import Placed, PrefixMap, choose
+from .room import POLICY, EngineCapacity, EngineView, Hold, Room, place, rooms, underfed
 from .types import (
     AdmissionState,
     Admitted,
@@ -183,6 +184,14 @@ def _batch_end(gens: list[Gen], i: int, max_seqs: int, max_tok: int) -> tuple[in
         bt += p
         j += 1
     return j, bt
+
+
+# Prefix placement's memory (prefix.py): (block, rank) entries kept, and for how
+# long. 65,536 blocks of 16 tokens is about a million tokens per rank pair, more than
+# the demo's KV cache holds; 10 minutes is longer than a conversation's think time
+# and shorter than a busy cache keeps an idle prefix.
+PREFIX_BLOCKS = 65_536
+PREFIX_TTL = 600.0
 
 
 class Coalescer:
@@ -251,6 +260,9 @@ class Coalescer:
         self._n_expired = 0
         self._n_rejected = 0
         self._n_batches = 0
+        # Prefix placement (prefix.py): blocks placed per rank; placements by why.
+        self._prefix = PrefixMap(capacity=PREFIX_BLOCKS, ttl=PREFIX_TTL)
+        self.placements: dict[Placed, int] = dict.fromkeys(Placed, 0)
         self._n_generations = 0
         self._n_dedupe = 0
         # The engine's steps and what the backlog held beside them (RoomCounters).
@@ -1158,7 +1170,10 @@ class Coalescer:
             longs += multi(g.ptok, short)
             rank = None
             if ranks > 1:
-                g.rank = rank = place(cfg.engine, self._last_steps, ending, unstarted, g.ptok)
+                rank = place(cfg.engine, self._last_steps, ending, unstarted, g.ptok)
+                if req.prefix:
+                    rank = self._follow(req.prefix, rank, ending, g.ptok, now)
+                g.rank = rank
             unstarted[g.rank] += 1
             entries.append(_fast.entry(req, tuple(subs), g.key, rank))
         self._q_reqs -= nsubs
@@ -1176,6 +1191,19 @@ class Coalescer:
         key = gens[0].request.key
         events.append(_fast.released(bid, key, reason, len(gens), tokens, now))
         out.append(_fast.batch(bid, key, tuple(entries), reason, now, tokens))
+
+    def _follow(
+        self, prefix: tuple[int, ...], fallback: int, ending: list[int], ptok: int, now: float
+    ) -> int:
+        """Prefix placement (prefix.py P1-P4) over room.py's choice `fallback`."""
+        last, unstarted = self._last_steps, self._unstarted_rank
+        n = len(unstarted)
+        room = rooms(self._config.engine, last, ending, unstarted, ptok)
+        loads = [(s.running if s is not None else 0) + unstarted[r] for r, s in enumerate(last)]
+        c = choose(self._prefix.held(prefix, n, now), room, loads[:n], fallback)
+        self.placements[c.placed] += 1
+        self._prefix.placed(prefix, c.rank, now)
+        return c.rank
 
     # -- after release -------------------------------------------------------------
 

@@ -447,3 +447,26 @@ def place(
         if best_key is None or key > best_key:
             best, best_key = r, key
     return best
+
+
+def rooms(
+    capacity: EngineCapacity,
+    last: Sequence[EngineStep | None],
+    ending: Sequence[int],
+    unstarted: Sequence[int],
+    ptok: int,
+) -> list[bool]:
+    """Rule 6's room per rank, as `place` counts it: a free slot (or one ending) beyond
+    the unstarted work placed there, and KV room for the whole prompt; for prefix
+    placement (prefix.py rule P4). A rank that has not reported a step has room."""
+    seqs, kv = capacity.max_seqs, capacity.kv_tokens
+    out = []
+    for r, waiting in enumerate(unstarted):
+        step = last[r] if r < len(last) else None
+        if step is None:
+            out.append(True)
+            continue
+        room = (seqs - step.running if seqs else 1) + (ending[r] if r < len(ending) else 0)
+        kv_free = kv * (1.0 - step.kv_usage) if kv else math.inf
+        out.append(room - waiting > 0 and kv_free >= ptok)
+    return out

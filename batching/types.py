@@ -69,6 +69,9 @@ class Request:
     fingerprint: Hashable | None = None  # deterministic sampling digest, else None
     caller: str = DEFAULT_CALLER  # who sent it (fair share and limits)
     open_ended: bool = False  # no max_tokens from the client: charge an estimate
+    # The prompt's prefix block hashes (server/engines/vllm_prefix.py), cache_salt
+    # included; () = unknown: placed by room alone (prefix.py rule P1).
+    prefix: tuple[int, ...] = ()
 
     @property
     def tokens(self) -> int:
