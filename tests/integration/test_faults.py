@@ -197,7 +197,11 @@ def test_kill_9_of_one_engine_fails_its_streams_the_other_streams_on_and_it_come
     server, _ = two
     assert _states(server) == {"chat": "loaded", "other": "loaded"}
     pids = _pids(server, "other")
-    chat = [_Stream(server, "chat").start() for _ in range(2)]
+    # The chat streams outlast the kill and the death's detection (issue 41's
+    # scenario: the other model streams on). With 400 tokens they could end as
+    # the kill landed, and the next request then fell in the window before the
+    # supervisor sees the death (a plain 503: a known gap, see the closing note).
+    chat = [_Stream(server, "chat", max_tokens=2000).start() for _ in range(2)]
     other = [_Stream(server, "other", max_tokens=2000).start() for _ in range(2)]
     _until(lambda: _started(chat + other), 120, "all four streams under way")
     killed = time.monotonic()
