@@ -139,7 +139,11 @@ async def test_sigterm_drains_streams_and_notifies(demo_cache_root: Path, tmp_pa
 
 
 async def test_engine_core_killed(demo_cache_root: Path, tmp_path: Path) -> None:
-    proc = SluiceProcess([], cache_dir=demo_cache_root, log_path=tmp_path / "sluice.log")
+    # No restarts: the one model's first death spends its budget, so the
+    # process exits (issue 41 rule 5; the restarts are tests/integration/test_faults.py's).
+    proc = SluiceProcess(
+        ["--engine-restarts", "0"], cache_dir=demo_cache_root, log_path=tmp_path / "sluice.log"
+    )
     try:
         await asyncio.to_thread(proc.wait_ready)
         async with httpx.AsyncClient(timeout=60) as client:
