@@ -298,6 +298,7 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
             def spawn(coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
                 return tg.create_task(_guarded(rt, name, coro), name=name)
 
+            died = asyncio.Event()  # a driver met its engine's death: the supervisor looks
             for entry in registry:
                 entry.attach(
                     Driver(
@@ -309,6 +310,7 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
                             if settings.engine_priority == "order"
                             else request_priority
                         ),
+                        on_dead=died.set,
                     )
                 )
             app[LOADER] = ModelLoader(
@@ -329,6 +331,7 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
                 health_timeout=settings.health_timeout,
                 give_up=functools.partial(_give_up, app),
                 counted=metrics.engine_event,
+                wake=died,
             )
             jobs: dict[str, Coroutine[Any, Any, None]] = {}
             for entry in registry:

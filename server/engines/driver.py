@@ -262,9 +262,14 @@ class Driver:
         on_events: Callable[[Sequence[Event]], None] | None = None,
         clock: Callable[[], float] | None = None,
         engine_priority: Callable[[Entry], int] = request_priority,
+        on_dead: Callable[[], None] = lambda: None,
     ) -> None:
         self.core = core
         self.engine = engine
+        # Told when this driver meets its engine's death (a failed output or
+        # add): the supervisor's wake (server/engines/supervisor.py), which
+        # otherwise sees it at its next look.
+        self._on_dead = on_dead
         self._engine_priority = engine_priority
         self._on_events = on_events or (lambda _evs: None)
         self._loop = asyncio.get_running_loop()
@@ -397,6 +402,7 @@ class Driver:
     def engine_error(self, exc: BaseException) -> SluiceError:
         """The caller-facing error for an engine failure."""
         if self._dead is not None or self.engine.errored:
+            self._on_dead()
             return SluiceError("the engine died; retry shortly", status=503, retry_after=5)
         log.error("generation failed: %r", exc)
         return SluiceError("generation failed", status=500)
@@ -546,6 +552,8 @@ class Driver:
                 continue
             except Exception as exc:
                 dead = self.engine.errored
+                if dead:
+                    self._on_dead()
                 log.warning("engine refused %s: %s", req.id, exc)
                 self._fail_entry(
                     req.id,

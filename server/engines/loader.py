@@ -118,6 +118,9 @@ class ModelLoader:
         self._changed = _Signal()
         # Set by the drain: a restart in its back-off does not start its engine.
         self.stopping = False
+        # A request's look at its model's engine before it waits or is served:
+        # the supervisor's `check` (server/engines/supervisor.py), once it runs.
+        self.on_errored: Callable[[ModelEntry], None] = lambda entry: None
 
     # -- a request's side ---------------------------------------------------
 
@@ -128,6 +131,7 @@ class ModelLoader:
         entry.leases += 1
         entry.last_used = self._clock()
         try:
+            self.on_errored(entry)
             if entry.state is not State.LOADED:
                 await self._ready(entry)
         except BaseException:

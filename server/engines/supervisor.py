@@ -7,7 +7,10 @@ own, and a death is its model's alone (server/engines/restarts.py holds the
 rules; this is their I/O):
 
 * Every `interval` it reads each loaded engine's liveness (vLLM's `errored`,
-  set by its own monitor of the core processes), and every `probe_every` it
+  set by its own monitor of the core processes), at once when a driver met
+  the death (`wake`, set by server/engines/driver.py) or a request found its
+  model's engine errored (`check`, from the loader: that request then waits
+  for the restart instead of meeting the dead engine), and every `probe_every` it
   sends each one a health check through its cores (`Engine.check_health`),
   each in a task of its own, so that one hung engine does not delay the look
   at another. No answer within `health_timeout`: hung, a death (rule 1).
@@ -62,6 +65,7 @@ class Supervisor:
         interval: float = 0.5,
         probe_every: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        wake: asyncio.Event | None = None,
     ) -> None:
         self.registry = registry
         self.loader = loader
@@ -74,6 +78,8 @@ class Supervisor:
         self._clock = clock
         self._probes: dict[str, asyncio.Task[None]] = {}
         self._tg: asyncio.TaskGroup | None = None
+        self.wake = wake or asyncio.Event()
+        loader.on_errored = self.check
 
     async def run(self) -> None:
         """Until cancelled; a task of the app's task group."""
@@ -81,7 +87,9 @@ class Supervisor:
             self._tg = tg
             last_probe = self._clock()
             while True:
-                await asyncio.sleep(self.interval)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.wake.wait(), self.interval)
+                self.wake.clear()
                 probe = self._clock() - last_probe >= self.probe_every
                 if probe:
                     last_probe = self._clock()
@@ -108,6 +116,13 @@ class Supervisor:
                 self.died(entry, _exit_death(engine))
         finally:
             self._probes.pop(entry.name, None)
+
+    def check(self, entry: ModelEntry) -> None:
+        """A request's look at its model before it is served: a loaded model
+        whose engine errored is dead now (its restart begins, and the request
+        waits for it), not at the next look."""
+        if self._tg is not None and entry.state is State.LOADED and entry.engine.errored:
+            self.died(entry, _exit_death(entry.engine))
 
     def died(self, entry: ModelEntry, death: Death) -> None:
         """A loaded model's engine is dead: fail its requests, end its

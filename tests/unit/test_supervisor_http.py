@@ -162,3 +162,24 @@ async def test_during_the_start_a_request_waits_for_its_model(serve_models: Make
     gate.set()
     resp = await asyncio.wait_for(pending, 10)
     assert resp.status == 200, await resp.text()
+
+
+async def test_a_death_is_seen_at_once_not_at_the_next_look(serve_models: Make) -> None:
+    """Between an engine's death and the supervisor's next look (every 0.5 s)
+    a request for its model met the dead engine: a plain 503, where the
+    restart was its answer. A request that finds its model's engine errored,
+    and the driver that meets the death, tell the supervisor at once."""
+    s = await serve_models(
+        (spec("a"), spec("b")), engine=lambda _: FakeEngine(step=0.01), restarts=FAST
+    )
+    dead = s.engine("b")
+    dead.kill()  # nothing in flight: only the next request meets the death
+    resp = await s.client.post(CHAT, json=ask("b"))
+    assert resp.status == 200, await resp.text()
+    assert s.engine("b") is not dead and s.app[MODELS].get("b").deaths == 1
+    # A stream that meets the death gets the restart's error, not a plain one.
+    b = await _stream(s, "b")
+    head = await b.content.readline()
+    s.engine("b").kill()
+    b_events = events((head + await b.content.read()).decode())
+    assert b_events[-1]["error"]["code"] == "engine_restarting", b_events[-1]
