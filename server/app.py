@@ -591,7 +591,7 @@ async def drain(app: web.Application, timeout: float) -> None:
     for driver in drivers:
         driver.set_state(AdmissionState.DRAINING)
     if LOADER in app:
-        app[LOADER].stopping = True  # a restart in its back-off stops there
+        app[LOADER].stop()  # a restart in its back-off stops there
     app[NOTIFIER].stopping()
     log.info(
         "draining",

@@ -117,10 +117,15 @@ class ModelLoader:
         self._load_started: dict[str, float] = {}
         self._changed = _Signal()
         # Set by the drain: a restart in its back-off does not start its engine.
-        self.stopping = False
+        self._stopping = asyncio.Event()  # a drain began (`stop`): no engine starts again
         # A request's look at its model's engine before it waits or is served:
         # the supervisor's `check` (server/engines/supervisor.py), once it runs.
         self.on_errored: Callable[[ModelEntry], None] = lambda entry: None
+
+    def stop(self) -> None:
+        """A drain began (SIGTERM): a restart in its back-off ends there, at once,
+        and the requests that wait for it are refused."""
+        self._stopping.set()
 
     # -- a request's side ---------------------------------------------------
 
@@ -240,8 +245,9 @@ class ModelLoader:
         async def run() -> None:
             try:
                 await end()
-                await asyncio.sleep(delay)
-                if self.stopping:  # a drain began (SIGTERM): no new engine start
+                with contextlib.suppress(TimeoutError):  # the back-off, or a drain's start
+                    await asyncio.wait_for(self._stopping.wait(), delay)
+                if self._stopping.is_set():  # a drain began (SIGTERM): no new engine start
                     entry.error = "the server is stopping; not restarted"
                     entry.retry_at = float("inf")
                     self._set(entry, State.FAILED)

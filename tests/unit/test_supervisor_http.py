@@ -7,13 +7,17 @@ their pids are tests/integration/test_faults.py."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from batching import CoalescerConfig
+from server.app import drain, reload_callers
+from server.callers import load_callers
 from server.engines.registry import ModelSpec, State
 from server.engines.restarts import RestartPolicy
-from server.state import MODELS, RUNTIME, Phase
+from server.state import CALLERS, MODELS, RUNTIME, Phase
 from tests.fakes import FakeEngine
 from tests.support import until
 from tests.unit.test_handlers import CHAT, assert_error, events, retry_after
@@ -183,3 +187,63 @@ async def test_a_death_is_seen_at_once_not_at_the_next_look(serve_models: Make) 
     s.engine("b").kill()
     b_events = events((head + await b.content.read()).decode())
     assert b_events[-1]["error"]["code"] == "engine_restarting", b_events[-1]
+
+
+async def test_sigterm_during_a_restart_drains_the_others_and_stops_the_restart(
+    serve_models: Make,
+) -> None:
+    """Issue 41 item 5: the drain (a SIGTERM) ends a restart's back-off at
+    once, so a request waiting for the restarted model is refused at once,
+    not after the back-off (30 s here); the other model's stream finishes."""
+    slow = RestartPolicy(restarts=2, window=600.0, base=30.0, cap=30.0)
+    s = await serve_models(
+        (spec("a"), spec("b")), engine=lambda _: FakeEngine(step=0.01), restarts=slow
+    )
+    a = await _stream(s, "a")
+    s.engine("b").kill()
+    await until(lambda: s.state("b") is State.RESTARTING, what="b restarting")
+    waiting = asyncio.create_task(s.client.post(CHAT, json=ask("b")))
+    await until(lambda: s.app[MODELS].get("b").leases == 1, what="a request waiting for b")
+    await asyncio.wait_for(drain(s.app, 20.0), 10)
+    await assert_error(await asyncio.wait_for(waiting, 1), 503, code="draining")
+    a_events = events((await a.content.read()).decode())
+    assert a_events[-1]["choices"][0]["finish_reason"] == "length"
+    assert not any("error" in e for e in a_events)
+    assert s.state("b") is State.FAILED and not s.engine("b").started  # never started again
+
+
+async def test_sighup_during_a_restart_reloads_the_callers_and_leaves_the_restart(
+    serve_models: Make, tmp_path: Path
+) -> None:
+    path = tmp_path / "callers.toml"
+    path.write_text('[callers.chat]\nkey = "sk-chat"\n')
+    table = load_callers(path, models=("a", "b"))
+    gate = asyncio.Event()
+    made = 0
+
+    def engines(_: ModelSpec) -> FakeEngine:
+        nonlocal made
+        made += 1
+        return FakeEngine(step=0.01, start_gate=gate if made == 3 else None)  # b's restart
+
+    s = await serve_models(
+        (spec("a"), spec("b")),
+        engine=engines,
+        restarts=FAST,
+        caller_table=table,
+        core=CoalescerConfig(callers=table.policies),
+        callers_file=path,
+    )
+    s.engine("b").kill()
+    await until(lambda: len(s.made["b"]) == 2, what="b starting again")
+    path.write_text('[callers.chat]\nkey = "sk-chat-2"\n')
+    assert await reload_callers(s.app) is True
+    assert "chat" in s.app[CALLERS].table.names
+    assert s.state("b") is State.RESTARTING  # the reload left the restart alone
+    gate.set()
+    await until(lambda: s.state("b") is State.LOADED, what="b back")
+    key = {"Authorization": "Bearer sk-chat-2"}
+    resp = await s.client.post(CHAT, json=ask("b"), headers=key)
+    assert resp.status == 200, await resp.text()
+    old = await s.client.post(CHAT, json=ask("b"), headers={"Authorization": "Bearer sk-chat"})
+    await assert_error(old, 401)
