@@ -100,6 +100,7 @@ from server.wire.request import Limits, Sampling
 log = logging.getLogger("sluice")
 
 __all__ = [
+    "WatchdogFactory",
     "build_app",
     "drain",
     "engines_stats",
@@ -332,6 +333,7 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
                 give_up=functools.partial(_give_up, app),
                 counted=metrics.engine_event,
                 wake=died,
+                gpu_pids=app[WATCHDOG].gpu_pids if WATCHDOG in app else lambda: None,
             )
             jobs: dict[str, Coroutine[Any, Any, None]] = {}
             for entry in registry:

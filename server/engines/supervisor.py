@@ -66,6 +66,7 @@ class Supervisor:
         probe_every: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
         wake: asyncio.Event | None = None,
+        gpu_pids: Callable[[], frozenset[int] | None] = lambda: None,
     ) -> None:
         self.registry = registry
         self.loader = loader
@@ -79,6 +80,7 @@ class Supervisor:
         self._probes: dict[str, asyncio.Task[None]] = {}
         self._tg: asyncio.TaskGroup | None = None
         self.wake = wake or asyncio.Event()
+        self._gpu_pids = gpu_pids  # blocking (NVML): called in a thread
         loader.on_errored = self.check
 
     async def run(self) -> None:
@@ -130,7 +132,8 @@ class Supervisor:
         now = self._clock()
         engine = entry.engine
         # The cores that have not exited (an exited one is reaped: its pid is free)
-        # and their children.
+        # and their children; and for NVML, every core's pid.
+        cores = [core for core, _ in engine.processes()]
         pids = [
             pid for core, code in engine.processes() if code is None for pid in process_tree(core)
         ]
@@ -175,7 +178,7 @@ class Supervisor:
             self.loader.restart(
                 entry,
                 verdict.delay,
-                end=lambda: self._end(entry, pids),
+                end=lambda: self._end(entry, pids, cores),
                 done=lambda outcome: self._restarted(entry, now, outcome),
             )
             return
@@ -186,7 +189,7 @@ class Supervisor:
         oldest = min(recent(entry.restart_times, now, self.policy.window), default=now)
         entry.retry_at = oldest + self.policy.window  # the budget's window frees a restart
         entry.set_state(State.FAILED)
-        self._spawn(self._end(entry, pids), f"end-{entry.name}")
+        self._spawn(self._end(entry, pids, cores), f"end-{entry.name}")
         self._final(entry, err.message)
 
     def _restarted(self, entry: ModelEntry, died_at: float, outcome: SluiceError | None) -> None:
@@ -227,9 +230,11 @@ class Supervisor:
             raise RuntimeError("the supervisor is not running")
         self._tg.create_task(run(), name=name)
 
-    async def _end(self, entry: ModelEntry, pids: list[int]) -> None:
+    async def _end(self, entry: ModelEntry, pids: list[int], cores: list[int]) -> None:
         """End the dead engine's processes by their pids, stop what is left of
-        it (vLLM's shutdown joins them) and wait until they are gone."""
+        it (vLLM's shutdown joins them) and wait until they are gone: from
+        /proc, and on a GPU from NVML's list of the processes holding memory
+        (the card's memory is free again: issue 41 item 3)."""
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
@@ -243,6 +248,15 @@ class Supervisor:
                 "engine processes still there; restarting anyway",
                 extra={"fields": {"model": entry.name, "pids": left}},
             )
+        ours = {*pids, *cores}
+        while (held := await asyncio.to_thread(self._gpu_pids)) and (on_card := held & ours):
+            if self._clock() >= deadline:
+                log.warning(
+                    "the dead engine's GPU memory is still held; restarting anyway",
+                    extra={"fields": {"model": entry.name, "pids": sorted(on_card)}},
+                )
+                break
+            await asyncio.sleep(0.1)
 
 
 def _exit_death(engine: Engine) -> Death:

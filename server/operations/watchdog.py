@@ -203,6 +203,23 @@ class NvmlReader:
             out.append(GpuMemory(index, int(info.free), int(info.used), int(info.total)))
         return tuple(out)
 
+    def gpu_pids(self) -> frozenset[int] | None:
+        """The pids of the processes that hold memory on the watched devices
+        (NVML's compute processes; a restart waits until the dead engine's are
+        gone: server/engines/supervisor.py). None without NVML. In a container
+        NVML may name the host's pids, which match none of ours: then nothing
+        is waited for, as on CPU."""
+        if not self._initialised:
+            self._init()
+        nvml = self._nvml
+        if nvml is None:
+            return None
+        return frozenset(
+            int(p.pid)
+            for _, handle in self._handles
+            for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        )
+
     def close(self) -> None:
         if self._nvml is not None:
             self._shutdown_quietly(self._nvml)
@@ -366,6 +383,12 @@ class Watchdog:
     @property
     def state(self) -> State:
         return self.policy.state
+
+    def gpu_pids(self) -> frozenset[int] | None:
+        """The GPU reader's `NvmlReader.gpu_pids`; None without one. Blocking:
+        call it in a thread."""
+        gpu = self._readers.gpu
+        return gpu.gpu_pids() if isinstance(gpu, NvmlReader) else None
 
     @property
     def nvml_available(self) -> bool | None:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from server.app import build_app
+from server.app import WatchdogFactory, build_app
 from server.callers import parse_callers
 from server.engines.registry import Load, ModelSpec, State
 from server.http.middleware import server_options
@@ -67,6 +67,7 @@ async def serve_models() -> AsyncIterator[Make]:
         specs: tuple[ModelSpec, ...],
         engine: Callable[[ModelSpec], FakeEngine] | None = None,
         wait_ready: bool = True,
+        watchdog: WatchdogFactory | None = None,
         **overrides: Any,
     ) -> Served:
         made: dict[str, list[FakeEngine]] = {s.name: [] for s in specs}
@@ -82,7 +83,7 @@ async def serve_models() -> AsyncIterator[Make]:
             warmup=False,
             **overrides,
         )
-        app = build_app(settings, engines=engines)
+        app = build_app(settings, engines=engines, watchdog_factory=watchdog)
         server = TestServer(app)
         await server.start_server(**server_options())
         client: TestClient[Any, Any] = TestClient(server)

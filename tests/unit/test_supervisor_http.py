@@ -17,11 +17,13 @@ from server.app import drain, reload_callers
 from server.callers import load_callers
 from server.engines.registry import ModelSpec, State
 from server.engines.restarts import RestartPolicy
+from server.operations.watchdog import NvmlReader, Watchdog
 from server.state import CALLERS, MODELS, RUNTIME, Phase
 from tests.fakes import FakeEngine
 from tests.support import until
 from tests.unit.test_handlers import CHAT, assert_error, events, retry_after
 from tests.unit.test_models_http import Make, ask, serve_models, spec
+from tests.unit.test_watchdog import fake_nvml
 
 __all__ = ["serve_models"]  # the fixture, used by name
 
@@ -247,3 +249,59 @@ async def test_sighup_during_a_restart_reloads_the_callers_and_leaves_the_restar
     assert resp.status == 200, await resp.text()
     old = await s.client.post(CHAT, json=ask("b"), headers={"Authorization": "Bearer sk-chat"})
     await assert_error(old, 401)
+
+
+# Above pid_max (2**22): no process of this machine's, so nothing real is signalled.
+_CORE = 2**22 + 7
+
+
+class _OnCard(FakeEngine):
+    """A fake whose engine core (already exited, as after a kill -9) is a pid
+    that NVML lists while `held` says so."""
+
+    def processes(self) -> tuple[tuple[int, int | None], ...]:
+        return ((_CORE, -9),)
+
+
+async def test_on_a_gpu_the_restart_waits_until_the_card_has_let_go(serve_models: Make) -> None:
+    """Issue 41 item 3: a dead engine's memory can outlive its process for a
+    moment; the new engine starts only once NVML lists none of the old
+    engine's processes."""
+    held = {_CORE}
+    looks = 0
+    nvml = fake_nvml(count=1)
+
+    def on_card(handle: int) -> list[Any]:
+        nonlocal looks
+        looks += 1
+        return [type("P", (), {"pid": pid})() for pid in sorted(held)]
+
+    nvml.nvmlDeviceGetComputeRunningProcesses = on_card
+
+    def watchdog(app: Any) -> Watchdog:
+        return Watchdog(gpu=NvmlReader(None, nvml=nvml), interval=60)
+
+    s = await serve_models(
+        (spec("a"), spec("b")),
+        engine=lambda _: _OnCard(step=0.01),
+        restarts=FAST,
+        watchdog=watchdog,
+    )
+    dead = s.engine("b")
+    dead.kill()
+    await until(lambda: s.app[MODELS].get("b").deaths == 1, what="the death seen")
+    await until(lambda: looks >= 5, what="the restart looking at the card")
+    assert not s.engine("b").started and s.state("b") is State.RESTARTING
+    held.clear()
+    await until(lambda: s.state("b") is State.LOADED, what="b back once the card is free")
+
+
+def test_nvml_lists_the_processes_on_the_watched_cards() -> None:
+    nvml = fake_nvml(count=2)
+    on = {0: [11, 12], 1: [12, 13]}
+    nvml.nvmlDeviceGetComputeRunningProcesses = lambda h: [
+        type("P", (), {"pid": pid})() for pid in on[h]
+    ]
+    assert NvmlReader("1", nvml=nvml).gpu_pids() == {12, 13}
+    assert NvmlReader(None, nvml=nvml).gpu_pids() == {11, 12, 13}
+    assert Watchdog().gpu_pids() is None  # no GPU reader: nothing to wait for
