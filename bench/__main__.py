@@ -5,6 +5,7 @@ Usage:
     python -m bench [--quick] [--repeat N] [--scenarios a,b,...] [--model M] [-- ENGINE FLAGS]
     python -m bench apis [--apis chat,ollama] [--systems sluice] ...   # bench/api_point.py
     python -m bench network [--configs plain,tls,traces] ...           # bench/network_point.py
+    python -m bench faults [--repeat 3] [--calm 15]                    # bench/fault_point.py
 
 With no --model on a machine without a GPU the offline demo model is built and
 served with its measured CPU flags (bfloat16, max_model_len 8192 rather than
@@ -147,6 +148,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench import network_point
 
         return network_point.main(args[1:])
+    if args[:1] == ["faults"]:
+        # Issue 41's point (bench/fault_point.py): one model's engine killed beside another.
+        from bench import fault_point
+
+        return fault_point.main(args[1:])
     ns, passthrough = parse_args(args)
     scenarios = [s.strip() for s in ns.scenarios.split(",") if s.strip()]
     unknown = set(scenarios) - set(SCENARIOS)
