@@ -42,11 +42,14 @@ import dataclasses
 import functools
 import gc
 import logging
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -54,6 +57,7 @@ from aiohttp import web
 from batching import AdmissionState, Coalescer, ResultCache
 from batching.pressure import ENGINE_IDLE, Decision, EngineStats, RankStats, State, Transition
 from server.api.lora_admin.endpoint import add_admin_routes
+from server.api.openai_batches.runner import BATCHES, Batches
 from server.api.openai_responses.endpoint import RESPONSES, StoredResponses
 from server.api.openai_responses.store import ResponseStore
 from server.callers import CallerDirectory, CallersError, load_callers, world_readable
@@ -66,6 +70,7 @@ from server.engines.restarts import RestartPolicy
 from server.engines.supervisor import Supervisor
 from server.errors import SluiceError
 from server.http import cors, root_path, tls
+from server.http.door import DOOR, Door
 from server.http.middleware import install as install_middlewares
 from server.http.middleware import server_options
 from server.http.status_page import add_status_routes, make_sampler
@@ -348,6 +353,7 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
                 jobs["watchdog"] = app[WATCHDOG].run()
             jobs["status"] = app[STATUS].run()
             jobs["responses-retention"] = _sweep_responses(app)
+            jobs["batches"] = app[BATCHES].run()
             tasks = [spawn(c, n) for n, c in jobs.items()]
             try:
                 yield
@@ -360,7 +366,24 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(entry.engine.shutdown)
         await app[RESPONSES].close()
+        app[DOOR].close()
         log.info("stopped", extra={"fields": {"exit_code": rt.exit_code}})
+
+
+def _files_dir(app: web.Application, state_dir: Path | None) -> Path:
+    """Where the Batch API's files live: `files/` in the state directory; without
+    one (an app built without the CLI: tests), a private directory removed at exit."""
+    if state_dir is not None:
+        path = state_dir / "files"
+        path.mkdir(mode=0o700, exist_ok=True)
+        return path
+    path = Path(tempfile.mkdtemp(prefix="sluice-files-"))
+
+    async def remove(app: web.Application) -> None:
+        await asyncio.to_thread(shutil.rmtree, path, True)
+
+    app.on_cleanup.append(remove)
+    return path
 
 
 async def _sweep_responses(app: web.Application) -> None:
@@ -549,9 +572,19 @@ def build_app(
         ttl=settings.result_cache_ttl,
         max_entries=1024 if settings.result_cache_ttl > 0 else 0,
     )
-    # /v1/responses' stored responses, in the state database (opened by _lifespan)
-    app[RESPONSES] = StoredResponses(
-        StateDB(settings.state_dir), ResponseStore(retention=settings.responses_retention)
+    # /v1/responses' stored responses and the Batch API's files and batches, in
+    # the state database (opened by _lifespan); the files' bytes beside it.
+    db = StateDB(settings.state_dir)
+    app[RESPONSES] = StoredResponses(db, ResponseStore(retention=settings.responses_retention))
+    app[DOOR] = Door.make()
+    app[BATCHES] = Batches(
+        db,
+        _files_dir(app, settings.state_dir),
+        app[DOOR],
+        limits=lambda: app[RUNTIME].limits,
+        accepting=lambda: app[RUNTIME].phase in (Phase.STARTING, Phase.READY),
+        in_flight=settings.batch_lines_in_flight,
+        counted=app[METRICS].batch_event,
     )
     app[NOTIFIER] = notifier or SdNotify(None)
     if watchdog_factory is not None:
@@ -692,6 +725,7 @@ async def serve(
         ssl_context = tls.server_context(settings.tls) if settings.tls else None
         site = web.SockSite(runner, sock, ssl_context=ssl_context)
         await site.start()
+        await app[DOOR].open(runner)  # the batch lines' way in (server/http/door.py)
         log.info(
             "listening",
             extra={

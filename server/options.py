@@ -312,6 +312,17 @@ OPTIONS: tuple[Option, ...] = (
         help="how long a stored response (/v1/responses) is kept: seconds, or hours as "
         "24h (default: %(default)s s, 30 days as OpenAI)",
     ),
+    # The Batch API (server/http/batches.py; issue 42).
+    Option(
+        "--batch-file-max-bytes", type=int, fills="batch_file_max_bytes", gt=0, metavar="BYTES",
+        help="the largest file /v1/files takes (a 413 past it) (default: %(default)s, "
+        "200 MB as OpenAI's batch input files)",
+    ),
+    Option(
+        "--batch-lines-in-flight", type=int, fills="batch_lines_in_flight", gt=0, metavar="N",
+        help="lines of one batch sent at once (the rest stream from disk; the held "
+        "backlog orders them behind interactive work) (default: %(default)s)",
+    ),
     *_watchdog_rows(),
     # On a network (vLLM's server's names and defaults): read by server/cli.py
     # `_network`, which builds Settings' tls, cors and root_path from them.

@@ -21,6 +21,7 @@ from server.api.anthropic_messages.endpoint import count_tokens, prepare_message
 from server.api.ollama import endpoint as ollama
 from server.api.ollama.output import PROBE
 from server.api.ollama.parse import ollama_probe
+from server.api.openai_batches import endpoint as batches
 from server.api.openai_chat.endpoint import prepare_chat, prepare_completion, read_body
 from server.api.openai_chat.output import models_body
 from server.api.openai_chat.parse import parse_chat
@@ -217,6 +218,16 @@ def add_routes(app: web.Application) -> None:
     rerank = pooling_endpoint("rerank", prepare_rerank)
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         app.router.add_post(path, rerank)
+    # OpenAI's Files and Batches (server/api/openai_batches/endpoint.py).
+    app.router.add_post("/v1/files", batches.upload_file)
+    app.router.add_get("/v1/files", batches.list_files)
+    app.router.add_get("/v1/files/{file_id}", batches.get_file)
+    app.router.add_get("/v1/files/{file_id}/content", batches.file_content)
+    app.router.add_delete("/v1/files/{file_id}", batches.delete_file)
+    app.router.add_post("/v1/batches", batches.create_batch)
+    app.router.add_get("/v1/batches", batches.list_batches)
+    app.router.add_get("/v1/batches/{batch_id}", batches.get_batch)
+    app.router.add_post("/v1/batches/{batch_id}/cancel", batches.cancel_batch)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/api/hello", hello)

@@ -153,6 +153,10 @@ class Settings:
     state_dir: Path | None = None
     # --responses-retention: seconds a stored response is kept (OpenAI: 30 days).
     responses_retention: float = 30 * 24 * 3600.0
+    # The Batch API (server/api/openai_batches/runner.py): the largest upload, and how many
+    # of one batch's lines are sent at once.
+    batch_file_max_bytes: int = 200 * 10**6
+    batch_lines_in_flight: int = 256
     warmup: bool = True
 
     # On a network (issue 44, vLLM's flag names): TLS with --ssl-* (None: plain

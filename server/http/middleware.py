@@ -34,6 +34,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from server.callers import bearer_token, same_key
 from server.errors import SluiceError
+from server.http.door import BACKGROUND, BACKGROUND_KEY, CALLER_HEADER, DOOR, DOOR_HEADER
 from server.http.models import release_model
 from server.operations import logs
 from server.state import (
@@ -51,6 +52,7 @@ from server.state import (
 __all__ = [
     "ADMIN_PATHS",
     "ANTHROPIC_PREFIX",
+    "JOB_PREFIXES",
     "LOAD_PATH",
     "METRICS_PATH",
     "OLLAMA_PREFIX",
@@ -79,6 +81,8 @@ PROTECTED_PREFIXES = ("/v1/", "/api/", "/tokenize", "/detokenize", "/status.json
 # and Ollama's version, which its clients read before they send a key.
 OPEN_PATHS = frozenset({"/api/hello", "/api/version"})
 STATUS_PATH = "/status.json"
+# The Batch API's routes: a caller's own files and batches, or all with the admin key.
+JOB_PREFIXES = ("/v1/files", "/v1/batches")
 METRICS_PATH = "/metrics"
 # Runtime LoRA's routes: the admin key's, checked by their handler
 # (server/api/lora_admin/endpoint.py rule 2), not a caller's.
@@ -241,6 +245,15 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     """
     directory = request.app[CALLERS]
     path = request.path
+    if DOOR_HEADER in request.headers:
+        _through_the_door(request)
+        return await handler(request)
+    if path.startswith(JOB_PREFIXES) and same_key(
+        bearer_token(request.headers.get("Authorization", "")),
+        request.app[SETTINGS].admin_key,
+    ):
+        request[ADMIN] = True  # every caller's files and batches
+        return await handler(request)
     if path == METRICS_PATH:
         _check_metrics_key(request)
         return await handler(request)
@@ -266,6 +279,19 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         return await handler(request)
     request.app[METRICS].reject("auth")
     raise SluiceError("invalid or missing API key", status=401, code="invalid_api_key")
+
+
+def _through_the_door(request: web.Request) -> None:
+    """A batch line (server/api/openai_batches/runner.py): on the internal socket with its
+    secret it is the named caller's, at the background priority; anything else
+    carrying the header is refused as a bad key."""
+    on_door = isinstance(request.transport and request.transport.get_extra_info("sockname"), str)
+    if not on_door or not request.app[DOOR].admits(request.headers.get(DOOR_HEADER)):
+        request.app[METRICS].reject("auth")
+        raise SluiceError("invalid or missing API key", status=401, code="invalid_api_key")
+    if (caller := request.headers.get(CALLER_HEADER)) is not None:
+        request[CALLER] = caller
+    request[BACKGROUND_KEY] = BACKGROUND
 
 
 def _check_metrics_key(request: web.Request) -> None:

@@ -62,6 +62,7 @@ from server.engines.interface import (
 from server.engines.lora import Adapter
 from server.engines.registry import ModelEntry
 from server.errors import SluiceError
+from server.http.door import BACKGROUND_KEY
 from server.operations.tracing import TRACER, RequestSpan
 from server.state import (
     ACCESS,
@@ -419,7 +420,7 @@ def _submit(request: web.Request, tr: Trace, job: Job, salt: str | None) -> list
                     prompt_tokens=ids,
                     max_new_tokens=job.max_tokens[i] * sampling.n,
                     arrival=now,
-                    priority=job.priority,
+                    priority=job.priority + request.get(BACKGROUND_KEY, 0),
                     deadline=now + settings.queue_timeout,
                     fingerprint=fp,
                     caller=tr.caller or DEFAULT_CALLER,
@@ -499,7 +500,7 @@ def _submit_pooled(request: web.Request, tr: Trace, job: PoolJob, salt: str | No
                     prompt_tokens=ids,
                     max_new_tokens=0,
                     arrival=now,
-                    priority=job.priority,
+                    priority=job.priority + request.get(BACKGROUND_KEY, 0),
                     deadline=now + settings.queue_timeout,
                     fingerprint=fp,
                     caller=tr.caller or DEFAULT_CALLER,

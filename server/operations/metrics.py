@@ -409,6 +409,17 @@ class Metrics:
             "sluice_prompt_tokens", "Prompt tokens of answered requests", m, registry=r
         )
         # A dead engine and its restarts (server/engines/supervisor.py).
+        # The Batch API (server/api/openai_batches/runner.py): lines done, and batches by the
+        # state they entered (in_progress, completed, failed, expired, cancelled...).
+        self.batch_lines = Counter(
+            "sluice_batch_lines", "Batch lines done (any status)", registry=r
+        )
+        self.batch_states = Counter(
+            "sluice_batch_states",
+            "Batches entering a state, by state",
+            ["state"],
+            registry=r,
+        )
         self.engine_deaths = Counter(
             "sluice_engine_deaths",
             "Engine deaths, by cause: the signal that ended its core (SIGKILL, ...), "
@@ -446,6 +457,14 @@ class Metrics:
         """A metric whose only label (with --models) is `model`: its child for
         `model`, or the metric itself without labels."""
         return metric.labels(model or "") if self.per_model else metric
+
+    def batch_event(self, kind: str, n: int) -> None:
+        """The Batch API's runner (server/api/openai_batches/runner.py): a line done ("line"),
+        or a batch entering a state ("batch:<state>")."""
+        if kind == "line":
+            self.batch_lines.inc(n)
+        else:
+            self.batch_states.labels(kind.removeprefix("batch:")).inc(n)
 
     def engine_event(self, kind: str, model: str, label: str) -> None:
         """A death ("death", its cause) or a restart ("restart", its outcome)."""

@@ -27,6 +27,7 @@ from typing import Final, TypeVar
 __all__ = [
     "DB_NAME",
     "MIGRATIONS",
+    "JobRow",
     "ResponseRow",
     "StateDB",
     "prepare_state_dir",
@@ -46,6 +47,35 @@ MIGRATIONS: Final[tuple[str, ...]] = (
         size INTEGER NOT NULL,
         body BLOB NOT NULL,
         conversation BLOB NOT NULL
+    );
+    """,
+    # The Batch API (server/api/openai_batches/runner.py): uploaded files (their bytes on disk
+    # under files/), batches (the API's object as JSON, its state beside it), and
+    # one row per finished line, written once: a line running at a kill has none
+    # and runs again, so every custom_id is in the output exactly once.
+    """
+    CREATE TABLE files (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        id TEXT NOT NULL UNIQUE,
+        owner TEXT,
+        created REAL NOT NULL,
+        purpose TEXT NOT NULL,
+        body BLOB NOT NULL
+    );
+    CREATE TABLE batches (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        id TEXT NOT NULL UNIQUE,
+        owner TEXT,
+        created REAL NOT NULL,
+        status TEXT NOT NULL,
+        body BLOB NOT NULL
+    );
+    CREATE TABLE batch_lines (
+        batch_id TEXT NOT NULL,
+        line INTEGER NOT NULL,
+        status INTEGER NOT NULL,
+        body BLOB NOT NULL,
+        PRIMARY KEY (batch_id, line)
     );
     """,
 )
@@ -80,6 +110,18 @@ class ResponseRow:
     size: int
     body: bytes
     conversation: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class JobRow:
+    """A file's or a batch's row: `body` its API object (JSON); `status` a
+    batch's (a file's purpose for files)."""
+
+    id: str
+    owner: str | None
+    created: float
+    status: str
+    body: bytes
 
 
 class StateDB:
@@ -191,3 +233,102 @@ class StateDB:
         with db:
             db.execute("BEGIN")
             db.executemany("DELETE FROM responses WHERE id = ?", [(i,) for i in ids])
+
+    # -- files and batches (the Batch API) ---------------------------------
+    async def put_job(self, table: str, row: JobRow) -> None:
+        """Insert or replace a file's or a batch's row (`table`: files or batches)."""
+        await self._run(self._put_job, _table(table), row)
+
+    def _put_job(self, table: str, row: JobRow) -> None:
+        col = "purpose" if table == "files" else "status"
+        with self._db() as db:
+            db.execute(
+                f"INSERT INTO {table} (id, owner, created, {col}, body) VALUES (?, ?, ?, ?, ?)"
+                f" ON CONFLICT(id) DO UPDATE SET {col} = excluded.{col}, body = excluded.body",
+                (row.id, row.owner, row.created, row.status, row.body),
+            )
+
+    async def get_job(self, table: str, job_id: str) -> JobRow | None:
+        return await self._run(self._get_job, _table(table), job_id)
+
+    def _get_job(self, table: str, job_id: str) -> JobRow | None:
+        col = "purpose" if table == "files" else "status"
+        r = (
+            self._db()
+            .execute(f"SELECT id, owner, created, {col}, body FROM {table} WHERE id = ?", (job_id,))
+            .fetchone()
+        )
+        return None if r is None else JobRow(r[0], r[1], r[2], r[3], r[4])
+
+    async def list_jobs(
+        self, table: str, *, owner: str | None, everyone: bool, statuses: Sequence[str] = ()
+    ) -> list[JobRow]:
+        """Rows newest first: `owner`'s (`everyone`: all), only `statuses` if given."""
+        return await self._run(self._list_jobs, _table(table), owner, everyone, tuple(statuses))
+
+    def _list_jobs(
+        self, table: str, owner: str | None, everyone: bool, statuses: tuple[str, ...]
+    ) -> list[JobRow]:
+        col = "purpose" if table == "files" else "status"
+        where, args = [], []
+        if not everyone:
+            where.append("owner IS ?")
+            args.append(owner)
+        if statuses:
+            where.append(f"{col} IN ({','.join('?' * len(statuses))})")
+            args.extend(statuses)
+        sql = f"SELECT id, owner, created, {col}, body FROM {table}"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        rows = self._db().execute(sql + " ORDER BY seq DESC", args)
+        return [JobRow(r[0], r[1], r[2], r[3], r[4]) for r in rows]
+
+    async def delete_job(self, table: str, job_id: str) -> None:
+        await self._run(self._delete_job, _table(table), job_id)
+
+    def _delete_job(self, table: str, job_id: str) -> None:
+        with self._db() as db:
+            db.execute("BEGIN")
+            db.execute(f"DELETE FROM {table} WHERE id = ?", (job_id,))
+            if table == "batches":
+                db.execute("DELETE FROM batch_lines WHERE batch_id = ?", (job_id,))
+
+    async def put_line(self, batch_id: str, line: int, status: int, body: bytes) -> None:
+        """A batch line's result, once (a second write of one line is ignored)."""
+        await self._run(self._put_line, batch_id, line, status, body)
+
+    def _put_line(self, batch_id: str, line: int, status: int, body: bytes) -> None:
+        with self._db() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO batch_lines (batch_id, line, status, body)"
+                " VALUES (?, ?, ?, ?)",
+                (batch_id, line, status, body),
+            )
+
+    async def line_statuses(self, batch_id: str) -> dict[int, int]:
+        """Line number -> the HTTP status of its result, for the lines done."""
+        return await self._run(self._line_statuses, batch_id)
+
+    def _line_statuses(self, batch_id: str) -> dict[int, int]:
+        sql = "SELECT line, status FROM batch_lines WHERE batch_id = ?"
+        return {r[0]: r[1] for r in self._db().execute(sql, (batch_id,))}
+
+    async def line_bodies(
+        self, batch_id: str, after: int, limit: int
+    ) -> list[tuple[int, int, bytes]]:
+        """(line, status, body) of the done lines after line `after`, in line order."""
+        return await self._run(self._line_bodies, batch_id, after, limit)
+
+    def _line_bodies(self, batch_id: str, after: int, limit: int) -> list[tuple[int, int, bytes]]:
+        sql = (
+            "SELECT line, status, body FROM batch_lines WHERE batch_id = ? AND line > ?"
+            " ORDER BY line LIMIT ?"
+        )
+        return [(r[0], r[1], r[2]) for r in self._db().execute(sql, (batch_id, after, limit))]
+
+
+def _table(name: str) -> str:
+    """One of the two job tables, never a name from outside."""
+    if name not in ("files", "batches"):
+        raise ValueError(f"no job table {name!r}")
+    return name

@@ -1,0 +1,462 @@
+"""The Batch API's runner: a batch's lines sent through the app's own door, durably.
+
+Why this module exists: issue 42. Each line's body goes, unchanged, as an HTTP
+request to its synchronous endpoint through the internal door
+(server/http/door.py): its answer is exactly what that endpoint gives, under
+the caller's share and limits, behind interactive work. The input file
+streams from disk (`in_flight` lines in the engine's queue, never the file
+in memory). A line refused for overload (429, 503: the caller's limits, the
+watchdog, a drain) is sent again after its Retry-After; any other answer is
+its result (an error-file line when not 2xx).
+
+Durability (server/operations/state_db.py): a line's result is one row, written
+once when its answer has come whole; a line running at a kill has none and
+runs again after the restart, so every `custom_id` is in the output exactly
+once. A drain (SIGTERM) stops new lines; the rest resume at the next start.
+Batch states and their transitions: output.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from server.api.openai_batches.output import (
+    RUNNING,
+    error_result,
+    failed_validation,
+    file_object,
+    result_line,
+    with_status,
+)
+from server.api.openai_batches.parse import Line, LineError, check_line
+from server.http.door import CALLER_HEADER, DOOR_HEADER, Door
+from server.operations.state_db import JobRow, StateDB
+from server.wire.request import Limits
+
+__all__ = ["BATCHES", "Batches", "new_id"]
+
+log = logging.getLogger("sluice.batches")
+
+_RETRY_MIN, _RETRY_MAX = 0.5, 30.0
+_MAX_ERRORS: Final = 100  # validation errors kept per batch (OpenAI lists some, not all)
+_CHUNK: Final = 256  # lines read from disk at a time
+_COUNTS_EVERY: Final = 1.0  # seconds between request_counts updates
+
+
+def new_id(prefix: str) -> str:
+    """An unguessable id (`file-...`, `batch_...`): 24 random hex characters."""
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+@dataclass
+class _Run:
+    """One running batch's live state (not durable: rebuilt from the rows)."""
+
+    batch: dict[str, Any]
+    owner: str | None
+    cancel: asyncio.Event = field(default_factory=asyncio.Event)
+    done: dict[int, int] = field(default_factory=dict)  # line -> status
+
+
+class Batches:
+    """Files on disk and batches run; see the module docstring."""
+
+    def __init__(
+        self,
+        db: StateDB,
+        files: Path,
+        door: Door,
+        *,
+        limits: Callable[[], Limits],
+        accepting: Callable[[], bool],
+        in_flight: int = 256,
+        counted: Callable[[str, int], None] = lambda kind, n: None,
+    ) -> None:
+        self.db = db
+        self.files = files
+        self.door = door
+        self._limits = limits
+        self._accepting = accepting
+        self.in_flight = in_flight
+        self._counted = counted  # ("line" | "batch:<status>", n)
+        self._runs: dict[str, _Run] = {}
+        self._queue: asyncio.Queue[str] = asyncio.Queue()
+        self._wake = asyncio.Event()  # a drain began, or ended: runs look at `accepting`
+
+    # -- files ----------------------------------------------------------------
+    def file_path(self, file_id: str) -> Path:
+        return self.files / file_id
+
+    async def store(self, file_id: str, chunks: AsyncIterator[bytes]) -> int:
+        """Write an upload's bytes to disk (removed again if `chunks` raises); its size."""
+        path = self.file_path(file_id)
+        size = 0
+        fh = await asyncio.to_thread(path.open, "wb")
+        try:
+            async for chunk in chunks:
+                size += len(chunk)
+                await asyncio.to_thread(fh.write, chunk)
+        except BaseException:
+            await asyncio.to_thread(fh.close)
+            path.unlink(missing_ok=True)
+            raise
+        await asyncio.to_thread(fh.close)
+        return size
+
+    async def register(
+        self, file_id: str, owner: str | None, purpose: str, filename: str, size: int
+    ) -> dict[str, Any]:
+        """A stored upload's row; its object."""
+        now = int(time.time())
+        obj = file_object(file_id, filename=filename, size=size, purpose=purpose, created=now)
+        await self.db.put_job("files", JobRow(file_id, owner, now, purpose, orjson.dumps(obj)))
+        return obj
+
+    async def count_lines(self, file_id: str) -> int:
+        """The non-blank lines of a stored file (in a thread)."""
+        return await asyncio.to_thread(_count_lines, self.file_path(file_id))
+
+    async def remove_file(self, file_id: str) -> None:
+        await self.db.delete_job("files", file_id)
+        await asyncio.to_thread(self.file_path(file_id).unlink, True)
+
+    # -- batches ----------------------------------------------------------------
+    async def add_batch(self, batch: dict[str, Any], owner: str | None) -> None:
+        await self._save(batch, owner)
+        self._queue.put_nowait(batch["id"])
+
+    async def cancel(self, batch: dict[str, Any], owner: str | None) -> dict[str, Any]:
+        """A batch still running stops: new lines are not sent, running ones are
+        abandoned (their connections close: the engine stops them), and it ends
+        `cancelled` with what was done."""
+        now = int(time.time())
+        run = self._runs.get(batch["id"])
+        if batch["status"] not in RUNNING or batch["status"] == "cancelling":
+            return batch
+        batch = with_status(batch, "cancelling", now)
+        await self._save(batch, owner)
+        if run is not None:
+            run.batch = batch
+            run.cancel.set()
+        return batch
+
+    def look(self) -> None:
+        """The app's admission changed (a drain): running batches look again."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Until cancelled; a task of the app's task group. Resumes the batches
+        a restart left running, then runs each new one."""
+        async with asyncio.TaskGroup() as tg:
+            for row in reversed(await self.db.list_jobs("batches", owner=None, everyone=True)):
+                if row.status in RUNNING:
+                    self._start(tg, orjson.loads(row.body), row.owner)
+            while True:
+                batch_id = await self._queue.get()
+                new = await self.db.get_job("batches", batch_id)
+                if new is not None and batch_id not in self._runs:
+                    self._start(tg, orjson.loads(new.body), new.owner)
+
+    def _start(self, tg: asyncio.TaskGroup, batch: dict[str, Any], owner: str | None) -> None:
+        run = _Run(batch, owner)
+        self._runs[batch["id"]] = run
+        tg.create_task(self._batch(run), name=f"batch-{batch['id']}")
+
+    async def _save(self, batch: dict[str, Any], owner: str | None) -> None:
+        row = JobRow(batch["id"], owner, batch["created_at"], batch["status"], orjson.dumps(batch))
+        await self.db.put_job("batches", row)
+
+    async def _set(self, run: _Run, status: str, **fields: Any) -> None:
+        run.batch = with_status(run.batch, status, int(time.time()), **fields)
+        await self._save(run.batch, run.owner)
+        self._counted(f"batch:{status}", 1)
+
+    async def _batch(self, run: _Run) -> None:
+        batch_id = run.batch["id"]
+        try:
+            if run.batch["status"] == "validating" and not await self._validate(run):
+                return  # its file did not validate: failed
+            if run.batch["status"] == "in_progress" and not await self._lines(run):
+                return  # a drain: the rest runs after the restart
+            await self._finish(run)
+        except Exception:
+            log.exception("batch failed", extra={"fields": {"batch": batch_id}})
+            why = LineError(0, "server_error", "the batch could not be run; see the server's log")
+            with contextlib.suppress(Exception):
+                await self._set(run, "failed", errors=failed_validation([why]))
+        finally:
+            self._runs.pop(batch_id, None)
+
+    async def _validate(self, run: _Run) -> bool:
+        """Check every line (streaming the file); a file with errors fails the
+        batch with the first of them, by line number."""
+        path = self.file_path(run.batch["input_file_id"])
+        errors, total = await asyncio.to_thread(
+            _check_file, path, run.batch["endpoint"], self._limits()
+        )
+        if total == 0 and not errors:
+            errors.append(LineError(1, "empty_file", "the input file has no lines"))
+        if errors:
+            await self._set(run, "failed", errors=failed_validation(errors))
+            return False
+        counts = {"total": total, "completed": 0, "failed": 0}
+        await self._set(run, "in_progress", request_counts=counts)
+        return True
+
+    async def _read(self, run: _Run) -> AsyncGenerator[Line, None]:
+        """The input file's lines (checked when the batch began; blank lines
+        skipped), a chunk at a time: iterate it under `contextlib.aclosing`."""
+        path = self.file_path(run.batch["input_file_id"])
+        fh = await asyncio.to_thread(path.open, "rb")
+        try:
+            number = 0
+            while chunk := await asyncio.to_thread(_read_lines, fh, _CHUNK):
+                for raw in chunk:
+                    number += 1
+                    if raw.strip():
+                        yield _line(number, raw)
+        finally:
+            await asyncio.to_thread(fh.close)
+
+    def _stopping(self, run: _Run) -> str | None:
+        """Why no more lines are sent now: cancelled, expired, draining; None: go on."""
+        if run.cancel.is_set():
+            return "cancelled"
+        if time.time() >= run.batch["expires_at"]:
+            return "expired"
+        if not self._accepting():
+            return "draining"
+        return None
+
+    async def _lines(self, run: _Run) -> bool:
+        """Send every line not yet done, `in_flight` at a time, until all are done
+        or the batch stops; False when a drain stopped it (not an end)."""
+        run.done = await self.db.line_statuses(run.batch["id"])
+        room = asyncio.Semaphore(self.in_flight)
+        connector = aiohttp.UnixConnector(path=str(self.door.path))
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
+        last = time.monotonic()
+        async with (
+            aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
+            asyncio.TaskGroup() as tg,
+        ):
+            sending: set[asyncio.Task[None]] = set()
+            stop = tg.create_task(run.cancel.wait())
+            try:
+                async with contextlib.aclosing(self._read(run)) as lines:
+                    async for item in lines:
+                        if item.line in run.done:
+                            continue
+                        if self._stopping(run) is not None:
+                            break
+                        await room.acquire()
+                        task = tg.create_task(self._send(session, run, item, room))
+                        sending.add(task)
+                        task.add_done_callback(sending.discard)
+                        if time.monotonic() - last >= _COUNTS_EVERY:
+                            last = time.monotonic()
+                            await self._counts(run)
+                # The lines in flight finish, unless the batch is cancelled.
+                while sending and not run.cancel.is_set():
+                    await asyncio.wait({stop, *sending}, return_when=asyncio.FIRST_COMPLETED)
+                for task in sending:
+                    task.cancel()
+            finally:
+                stop.cancel()
+        await self._counts(run)
+        return self._stopping(run) != "draining"
+
+    async def _send(
+        self, session: aiohttp.ClientSession, run: _Run, line: Line, room: asyncio.Semaphore
+    ) -> None:
+        """One line until it has an answer that is not an overload refusal."""
+        batch_id = run.batch["id"]
+        headers = {
+            DOOR_HEADER: self.door.secret,
+            "content-type": "application/json",
+            "x-request-id": f"{batch_id}-{line.line}",
+        }
+        if run.owner is not None:
+            headers[CALLER_HEADER] = run.owner
+        url = f"http://sluice{run.batch['endpoint']}"
+        try:
+            while True:
+                try:
+                    async with session.post(url, data=line.body, headers=headers) as resp:
+                        body = await resp.read()
+                        status = resp.status
+                        retry = resp.headers.get("Retry-After")
+                        rid = resp.headers.get("X-Request-ID", headers["x-request-id"])
+                except aiohttp.ClientError as exc:  # the door closing (a stop): again, or not
+                    log.warning("batch line not sent: %s", exc)
+                    status, retry = 503, None
+                if status not in (429, 503, 529):
+                    break
+                if self._stopping(run) is not None:
+                    return
+                wait = float(retry) if retry and retry.isdigit() else 1.0
+                await asyncio.sleep(min(_RETRY_MAX, max(_RETRY_MIN, wait)))
+            out = result_line(
+                _line_id(batch_id, line.line),
+                line.custom_id,
+                rid,
+                status,
+                body,
+            )
+            await self.db.put_line(batch_id, line.line, status, out)
+            run.done[line.line] = status
+            self._counted("line", 1)
+        finally:
+            room.release()
+
+    async def _counts(self, run: _Run) -> None:
+        ok = sum(1 for s in run.done.values() if 200 <= s < 300)
+        counts = {**run.batch["request_counts"], "completed": ok, "failed": len(run.done) - ok}
+        run.batch = {**run.batch, "request_counts": counts}
+        await self._save(run.batch, run.owner)
+
+    async def _finish(self, run: _Run) -> None:
+        """Write the output and error files from the line rows (in line order),
+        the lines never run as the error file's `batch_expired` or
+        `batch_cancelled`; then the final state."""
+        batch_id = run.batch["id"]
+        run.done = await self.db.line_statuses(batch_id)
+        if run.cancel.is_set() or run.batch["status"] == "cancelling":
+            end = "cancelled"
+        elif len(run.done) < run.batch["request_counts"]["total"]:
+            end = "expired"
+        else:
+            end = "completed"
+            if run.batch["status"] != "finalizing":
+                await self._set(run, "finalizing")
+        files = {"output_file_id": _Out(self, "output"), "error_file_id": _Out(self, "errors")}
+        try:
+            after = 0
+            while rows := await self.db.line_bodies(batch_id, after, 1024):
+                for line, status, body in rows:
+                    out = files["output_file_id" if 200 <= status < 300 else "error_file_id"]
+                    await out.write(body)
+                    after = line
+            if end != "completed":
+                async with contextlib.aclosing(self._read(run)) as lines:
+                    async for item in lines:
+                        if item.line not in run.done:
+                            await files["error_file_id"].write(_never_ran(batch_id, item, end))
+        finally:
+            for out in files.values():
+                await out.close()
+        ids = {key: await out.register(batch_id, run.owner) for key, out in files.items()}
+        ok = sum(1 for s in run.done.values() if 200 <= s < 300)
+        counts = {**run.batch["request_counts"], "completed": ok, "failed": len(run.done) - ok}
+        await self._set(run, end, request_counts=counts, **ids)
+        log.info("batch ended", extra={"fields": {"batch": batch_id, "status": end, **counts}})
+
+
+class _Out:
+    """One of a batch's result files being written: on disk, registered once
+    closed if anything was written (an empty one is removed)."""
+
+    def __init__(self, owner: Batches, name: str) -> None:
+        self._batches = owner
+        self.name = name
+        self.id = new_id("file-")
+        self.size = 0
+        self._fh: Any = None
+
+    async def write(self, data: bytes) -> None:
+        if self._fh is None:
+            self._fh = await asyncio.to_thread(self._batches.file_path(self.id).open, "wb")
+        await asyncio.to_thread(self._fh.write, data + b"\n")
+        self.size += len(data) + 1
+
+    async def close(self) -> None:
+        if self._fh is not None:
+            await asyncio.to_thread(self._fh.close)
+
+    async def register(self, batch_id: str, owner: str | None) -> str | None:
+        if not self.size:
+            return None
+        now = int(time.time())
+        obj = file_object(
+            self.id,
+            filename=f"{batch_id}_{self.name}.jsonl",
+            size=self.size,
+            purpose="batch_output",
+            created=now,
+        )
+        row = JobRow(self.id, owner, now, "batch_output", orjson.dumps(obj))
+        await self._batches.db.put_job("files", row)
+        return self.id
+
+
+def _never_ran(batch_id: str, line: Line, end: str) -> bytes:
+    """The error-file line of a line its batch's end left unrun."""
+    expired = end == "expired"
+    return error_result(
+        _line_id(batch_id, line.line),
+        line.custom_id,
+        "batch_expired" if expired else "batch_cancelled",
+        "the batch's completion window passed before this line ran"
+        if expired
+        else "the batch was cancelled before this line ran",
+    )
+
+
+def _line_id(batch_id: str, line: int) -> str:
+    return f"batch_req_{batch_id.removeprefix('batch_')}_{line}"
+
+
+def _check_file(path: Path, endpoint: str, limits: Limits) -> tuple[list[LineError], int]:
+    """Every line of an input file checked (in a thread: the parsers are pure but
+    not free): the first errors, and the count of good lines."""
+    errors: list[LineError] = []
+    total = 0
+    seen: set[str] = set()
+    with path.open("rb") as fh:
+        for number, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            item = check_line(number, raw, endpoint, seen, limits)
+            if isinstance(item, LineError):
+                if len(errors) < _MAX_ERRORS:
+                    errors.append(item)
+            else:
+                total += 1
+    return errors, total
+
+
+def _count_lines(path: Path) -> int:
+    with path.open("rb") as fh:
+        return sum(1 for raw in fh if raw.strip())
+
+
+def _read_lines(fh: Any, n: int) -> Sequence[bytes]:
+    """Up to `n` lines of an open binary file (in a thread)."""
+    out: list[bytes] = []
+    for _ in range(n):
+        raw = fh.readline()
+        if not raw:
+            break
+        out.append(raw)
+    return out
+
+
+def _line(number: int, raw: bytes) -> Line:
+    """A line checked when its batch was created: its custom_id and body."""
+    obj = orjson.loads(raw)
+    return Line(number, str(obj["custom_id"]), orjson.dumps(obj["body"]))
+
+
+BATCHES = web.AppKey("batches", Batches)  # files and batches (/v1/files, /v1/batches)

@@ -1,0 +1,134 @@
+"""OpenAI's Files and Batches (issue 42) on the real engine, with the `openai` client:
+`files.create`, `batches.create`, `batches.retrieve` until done, `files.content`
+of the output (each line the chat endpoint's own answer: greedy, the same
+text as the same request sent directly), `batches.list` pages, `batches.cancel`,
+a file that does not validate. The embeddings batch is tests/integration/test_pooling.py's
+(its server embeds); a SIGKILL mid-batch, tests/system/test_state_restart.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import openai
+import pytest
+from openai.types import Batch
+
+from tests.support import SluiceProcess
+
+pytestmark = pytest.mark.engine
+
+MODEL = "sluice-demo"
+CHAT = "/v1/chat/completions"
+NO_THINK: Any = {"enable_thinking": False}
+
+
+@pytest.fixture(scope="module")
+def client(sluice_server: SluiceProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=sluice_server.base + "/v1", api_key="unused", max_retries=0)
+
+
+def body(i: int, max_tokens: int = 6) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"Count to {i}."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "chat_template_kwargs": NO_THINK,
+    }
+
+
+def jsonl(lines: list[dict[str, Any]]) -> bytes:
+    return b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+
+
+def submit(client: openai.OpenAI, lines: list[dict[str, Any]], endpoint: Any = CHAT) -> Batch:
+    f = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    assert f.object == "file" and f.purpose == "batch" and f.bytes > 0
+    return client.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window="24h")
+
+
+def poll(client: openai.OpenAI, batch_id: str, done: Any, timeout: float, what: str) -> Batch:
+    """The batch, read until `done(batch)` (every 0.2 s); fails after `timeout`."""
+    end = time.monotonic() + timeout
+    while not done(batch := client.batches.retrieve(batch_id)):
+        if time.monotonic() > end:
+            pytest.fail(f"timed out waiting for {what}: {batch}")
+        time.sleep(0.2)
+    return batch
+
+
+def wait(client: openai.OpenAI, batch_id: str, timeout: float = 240) -> Batch:
+    final = ("completed", "failed", "expired", "cancelled")
+    return poll(client, batch_id, lambda b: b.status in final, timeout, "the batch's end")
+
+
+def lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+
+
+def test_a_chat_batch_end_to_end(client: openai.OpenAI) -> None:
+    lines = [
+        {"custom_id": f"q{i}", "method": "POST", "url": CHAT, "body": body(i)} for i in range(12)
+    ]
+    batch = submit(client, lines)
+    assert batch.status == "validating" and batch.endpoint == CHAT
+    done = wait(client, batch.id)
+    assert done.status == "completed", done
+    assert done.request_counts is not None and done.request_counts.completed == 12
+    assert done.request_counts.failed == 0 and done.error_file_id is None
+    out = lines_of(client, done.output_file_id)
+    assert sorted(x["custom_id"] for x in out) == sorted(f"q{i}" for i in range(12))
+    sent = body(3)
+    direct = client.chat.completions.create(
+        **{k: v for k, v in sent.items() if k != "chat_template_kwargs"},
+        extra_body={"chat_template_kwargs": sent["chat_template_kwargs"]},
+    )
+    [three] = [x for x in out if x["custom_id"] == "q3"]
+    answered = three["response"]["body"]
+    assert three["response"]["status_code"] == 200
+    assert answered["object"] == "chat.completion" and answered["model"] == MODEL
+    assert answered["choices"][0]["message"]["content"] == direct.choices[0].message.content
+    assert answered["usage"]["prompt_tokens"] == direct.usage.prompt_tokens  # type: ignore[union-attr]
+    listed = client.batches.list(limit=1)
+    assert len(listed.data) == 1 and listed.has_more in (True, False)
+
+
+def test_pages_of_batches_and_cancel(client: openai.OpenAI) -> None:
+    long = [
+        {"custom_id": f"c{i}", "method": "POST", "url": CHAT, "body": body(i, max_tokens=400)}
+        for i in range(300)
+    ]
+    batch = submit(client, long)
+    poll(client, batch.id, lambda b: b.status == "in_progress", 120, "the batch running")
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    t0 = time.monotonic()
+    done = wait(client, batch.id, timeout=120)
+    assert done.status == "cancelled" and done.cancelled_at is not None, done
+    assert time.monotonic() - t0 < 60  # the running lines were abandoned, not finished
+    every = lines_of(client, done.output_file_id) + lines_of(client, done.error_file_id)
+    assert sorted(x["custom_id"] for x in every) == sorted(f"c{i}" for i in range(300))
+    assert any((x.get("error") or {}).get("code") == "batch_cancelled" for x in every)
+    seen = [b.id for b in client.batches.list(limit=1)]  # the client follows the pages
+    assert batch.id in seen and len(seen) == len(set(seen)) >= 2
+
+
+def test_a_file_that_does_not_validate(client: openai.OpenAI) -> None:
+    lines = [
+        {"custom_id": "a", "method": "POST", "url": CHAT, "body": body(1)},
+        {"custom_id": "a", "method": "POST", "url": CHAT, "body": body(2)},
+        {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": body(3)},
+        {"custom_id": "c", "method": "POST", "url": CHAT, "body": {**body(4), "max_tokens": -1}},
+    ]
+    done = wait(client, submit(client, lines).id)
+    assert done.status == "failed" and done.errors is not None and done.errors.data
+    got = [(e.line, e.code) for e in done.errors.data]
+    assert got[:2] == [(2, "duplicate_custom_id"), (3, "mismatched_endpoint")]
+    assert got[2][0] == 4 and (done.errors.data[2].param or "").startswith("body.max_tokens")
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_" + "0" * 24)
