@@ -1,9 +1,11 @@
-"""Stored responses outlive a SIGKILL: a response created with the `openai`
-client is read back and continued after Sluice is killed and started again on
-the same --state-dir (two engine starts)."""
+"""What Sluice holds outlives a SIGKILL: a stored response created with the
+`openai` client is read back and continued, and a batch killed mid-way resumes
+and completes with each `custom_id` exactly once in its output, after Sluice
+is killed and started again on the same --state-dir (two engine starts)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -33,15 +35,55 @@ def _gone(pid: int) -> bool:
     return state in "ZX"
 
 
-def test_a_stored_response_survives_a_sigkill(demo_cache_root: Path, tmp_path: Path) -> None:
+LINES = 40
+
+
+def _batch_file() -> bytes:
+    return b"".join(
+        json.dumps(
+            {
+                "custom_id": f"k{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": f"Line {i}."}],
+                    "max_tokens": 32,
+                    "chat_template_kwargs": {"enable_thinking": False},
+                },
+            }
+        ).encode()
+        + b"\n"
+        for i in range(LINES)
+    )
+
+
+def _until(client: openai.OpenAI, batch_id: str, done: Any, timeout: float) -> Any:
+    end = time.monotonic() + timeout
+    while not done(batch := client.batches.retrieve(batch_id)):
+        assert time.monotonic() < end, f"timed out: {batch}"
+        time.sleep(0.2)
+    return batch
+
+
+def test_stored_responses_and_a_batch_survive_a_sigkill(
+    demo_cache_root: Path, tmp_path: Path
+) -> None:
     state = tmp_path / "state"
-    args = ["--state-dir", str(state)]
+    args = ["--state-dir", str(state), "--batch-lines-in-flight", "4"]
     first = SluiceProcess(args, cache_dir=demo_cache_root, log_path=tmp_path / "first.log")
     try:
         first.wait_ready()
-        made = _client(first).responses.create(
+        client = _client(first)
+        made = client.responses.create(
             model=MODEL, input="Say hi.", reasoning=NO_THINK, max_output_tokens=8
         )
+        upload = client.files.create(file=("in.jsonl", _batch_file()), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        # Killed with some lines done and others running.
+        _until(client, batch.id, lambda b: b.request_counts.completed >= 4, 120)
         cores = first.engine_core_pids()
         assert cores, first.tail()
         os.kill(first.proc.pid, signal.SIGKILL)  # no drain, no close of the database
@@ -72,3 +114,10 @@ def test_a_stored_response_survives_a_sigkill(demo_cache_root: Path, tmp_path: P
         assert more.usage is not None and more.usage.input_tokens > made.usage.input_tokens  # type: ignore[union-attr]
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve("resp_" + "0" * 32)
+        final = ("completed", "failed", "expired", "cancelled")
+        done = _until(client, batch.id, lambda b: b.status in final, 240)
+        assert done.status == "completed", done
+        assert done.request_counts.completed == LINES and done.error_file_id is None
+        out = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+        assert sorted(x["custom_id"] for x in out) == sorted(f"k{i}" for i in range(LINES))
+        assert all(x["response"]["status_code"] == 200 for x in out)
