@@ -39,6 +39,9 @@ class _CrashingWatchdog:
     async def run(self) -> None:
         raise RuntimeError("boom")
 
+    def gpu_pids(self) -> frozenset[int] | None:  # the supervisor's look at the card
+        return None
+
 
 async def test_a_crashed_task_stops_the_server_and_the_engine_still_shuts_down() -> None:
     engine = FakeEngine()
