@@ -131,6 +131,8 @@ class _StatsBox:
         # Each rank's own preemptions, cumulative: the watchdog judges a storm per
         # rank (batching/pressure.py says why).
         self._preempted: dict[int, int] = {}
+        # Each rank's prefix-cache (queries, hits) in tokens, cumulative.
+        self._prefix: dict[int, tuple[int, int]] = {}
 
     def get(self) -> EngineStats:
         with self._lock:
@@ -160,11 +162,15 @@ class _StatsBox:
                     )
                 return False
             pc = scheduler_stats.prefix_cache_stats
+            q, h = self._prefix.get(rank, (0, 0))
+            q, h = self._prefix[rank] = (q + int(pc.queries), h + int(pc.hits))
             rank_stats = self._ranks[rank] = RankStats(
                 kv_cache_usage=float(scheduler_stats.kv_cache_usage),
                 running=int(scheduler_stats.num_running_reqs),
                 waiting=int(scheduler_stats.num_waiting_reqs),
                 preemptions_total=self._preempted[rank],
+                prefix_cache_queries_total=q,
+                prefix_cache_hits_total=h,
             )
             step = engine_step(scheduler_stats, rank_stats, rank)
             if step is not None:
