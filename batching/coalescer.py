@@ -260,9 +260,10 @@ class Coalescer:
         self._n_expired = 0
         self._n_rejected = 0
         self._n_batches = 0
-        # Prefix placement (prefix.py): blocks placed per rank; placements by why.
+        # Prefix placement (prefix.py): blocks placed per rank; placements by
+        # (why, rank), counted with more than one rank.
         self._prefix = PrefixMap(capacity=PREFIX_BLOCKS, ttl=PREFIX_TTL)
-        self.placements: dict[Placed, int] = dict.fromkeys(Placed, 0)
+        self._placements: dict[tuple[Placed, int], int] = {}
         self._n_generations = 0
         self._n_dedupe = 0
         # The engine's steps and what the backlog held beside them (RoomCounters).
@@ -408,6 +409,24 @@ class Coalescer:
     def feed_spare(self) -> tuple[float, float]:
         """Room.py rule 2's spare (slots, step tokens) the engine's steps have set."""
         return self._spare_slots, self._spare_tokens
+
+    @property
+    def places_prefix(self) -> bool:
+        """Does a release follow its prompt's prefix (prefix.py)? Only with more than
+        one data-parallel rank and prefix placement on: the server hashes a prompt's
+        blocks only then (with one rank it costs nothing)."""
+        return self._config.prefix_placement and self._config.engine.ranks > 1
+
+    @property
+    def placements(self) -> tuple[tuple[str, int, int], ...]:
+        """Releases placed on a data-parallel rank, cumulative: (why: prefix.Placed's
+        value, rank, count), in rank then why order (none with one rank)."""
+        return tuple(
+            (why.value, rank, n)
+            for (why, rank), n in sorted(
+                self._placements.items(), key=lambda kv: (kv[0][1], kv[0][0].value)
+            )
+        )
 
     @property
     def room_counters(self) -> RoomCounters:
@@ -1171,8 +1190,11 @@ class Coalescer:
             rank = None
             if ranks > 1:
                 rank = place(cfg.engine, self._last_steps, ending, unstarted, g.ptok)
-                if req.prefix:
-                    rank = self._follow(req.prefix, rank, ending, g.ptok, now)
+                why = Placed.LOAD
+                if req.prefix and cfg.prefix_placement:
+                    rank, why = self._follow(req.prefix, rank, ending, g.ptok, now)
+                pk = (why, rank)
+                self._placements[pk] = self._placements.get(pk, 0) + 1
                 g.rank = rank
             unstarted[g.rank] += 1
             entries.append(_fast.entry(req, tuple(subs), g.key, rank))
@@ -1194,16 +1216,16 @@ class Coalescer:
 
     def _follow(
         self, prefix: tuple[int, ...], fallback: int, ending: list[int], ptok: int, now: float
-    ) -> int:
-        """Prefix placement (prefix.py P1-P4) over room.py's choice `fallback`."""
+    ) -> tuple[int, Placed]:
+        """Prefix placement (prefix.py P1-P4) over room.py's choice `fallback`: the
+        rank and why; the placement is recorded in the map at `now`."""
         last, unstarted = self._last_steps, self._unstarted_rank
         n = len(unstarted)
         room = rooms(self._config.engine, last, ending, unstarted, ptok)
         loads = [(s.running if s is not None else 0) + unstarted[r] for r, s in enumerate(last)]
         c = choose(self._prefix.held(prefix, n, now), room, loads[:n], fallback)
-        self.placements[c.placed] += 1
         self._prefix.placed(prefix, c.rank, now)
-        return c.rank
+        return c.rank, c.placed
 
     # -- after release -------------------------------------------------------------
 

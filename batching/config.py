@@ -85,6 +85,9 @@ class CoalescerConfig:
     feed_steps: float = 2.0  # engine steps of work kept in the engine's queue (room.py rule 2)
     long_prefills: int = 1  # multi-step prompts unstarted beside others' work (room.py rule 5)
     adapter_wait: float = 0.0  # seconds the head may wait for a LoRA slot (adapters.py)
+    # Data-parallel ranks: a release follows its prompt's prefix (prefix.py P1-P4);
+    # off, every release is placed by room alone (room.py rule 6).
+    prefix_placement: bool = True
 
     def __post_init__(self) -> None:
         if self.window < 0:

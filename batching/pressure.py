@@ -102,6 +102,10 @@ class RankStats:
     running: int
     waiting: int
     preemptions_total: int = 0  # cumulative, this rank's own (the storm is per rank)
+    # Its prefix cache's prompt tokens looked up and found, cumulative (vLLM's
+    # per-step prefix_cache_stats): the hit rate per rank prefix placement aims at.
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
     # What the watchdog's reason calls it; "" is "rank N". With several models
     # each engine is a scheduler of its own, named by its model (server/app.py).
     name: str = ""

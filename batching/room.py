@@ -105,7 +105,9 @@ engine number, and an unknown number never holds anything back):
 6. Data-parallel ranks (`ranks` > 1; vLLM's --data-parallel-size): each rank has
    its own scheduler and KV cache, and the capacity numbers are one rank's. Rule 2
    adds up the ranks' own last steps and endings, and each release names its rank
-   (`place`, below; vLLM's `data_parallel_rank`): the one with room for it; rule 5's
+   (`place`, below; vLLM's `data_parallel_rank`): the one with room for it, or,
+   with prefix placement on (config.py), the one believed to hold the longest
+   run of its prompt's leading blocks within a bound on load (prefix.py P1-P4); rule 5's
    bound is per rank. KV adds up for the total in use (rule 3 on `ranks` x `kv_tokens`,
    `kv_usage` being the ranks' mean), but a prompt's blocks live on one rank: it
    also needs `kv_tokens` x (1 - the least-used rank's usage) free on that rank.

@@ -208,6 +208,9 @@ class StepEngine:
 
         return EngineAdapter.sampling_params(s, max_tokens)
 
+    def prefix_hashes(self, prompt_tokens: Any, cache_salt: str | None) -> tuple[int, ...]:
+        return ()  # one rank: no placement
+
     async def add(
         self,
         request_id: str,

@@ -426,6 +426,7 @@ def _live(app: web.Application) -> list[tuple[str | None, dict[str, Any]]]:
                     "decode_tokens": stats.decode_tokens_total,
                     "step_seconds": stats.step_seconds_total,
                     "room": core.room_counters,
+                    "placements": core.placements,
                     "ready": ready,
                     "backlog": core.backlog_generations,
                     "unstarted": core.engine_waiting,

@@ -160,6 +160,12 @@ OPTIONS: tuple[Option, ...] = (
         "(default: %(default)s)",
     ),
     Option(
+        "--prefix-placement", action=SWITCH, fills="core.prefix_placement",
+        help="with data parallelism: send a request to the rank that was given its prompt's "
+        "leading blocks (a conversation's earlier turns), unless that rank is busier than "
+        "1.25 x the least loaded one + 1; off places by room alone (default: %(default)s)",
+    ),
+    Option(
         "--engine-priority", choices=("request", "order"), fills="engine_priority",
         help="the priority each request gets in the engine: its own `priority`, or "
         "Sluice's release key (priority, then short-first with aging: batching/order.py; "

@@ -101,6 +101,11 @@ class FakeEngine:
     # Set: start() waits for this event (an engine start a test lets finish).
     start_gate: asyncio.Event | None = None
     max_num_seqs: int = 64  # reported in ModelInfo: the core's engine slots
+    # Data-parallel ranks reported in ModelInfo (the core places each release on
+    # one: batching/room.py rule 6), and the prefix cache's block size
+    # (`prefix_hashes`: every full block of the prompt, chained, salted).
+    dp_ranks: int = 1
+    block_size: int = 16
     default_max_tokens: int | None = None  # reported in ModelInfo: the generation config's
     added: list[str] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -157,8 +162,10 @@ class FakeEngine:
             qwen3_split=self.reasoning_parser == "qwen3",
             default_max_tokens=self.default_max_tokens,
             kind=self.kind,
+            dp_ranks=self.dp_ranks,
         )
         self.started = False
+        self.hashed = 0  # prefix_hashes calls
         self.shut_down = False
         self.sleeps = 0  # sleep() calls (vLLM's sleep mode, on a GPU)
         self.asleep = False
@@ -334,6 +341,21 @@ class FakeEngine:
             collector.put(Pooled(data=data, prompt_tokens=len(ids), num_cached_tokens=0))
         finally:
             self._producers.pop(rid, None)
+
+    def prefix_hashes(
+        self, prompt_tokens: Sequence[int], cache_salt: str | None
+    ) -> tuple[int, ...]:
+        """As vLLM chains them (server/engines/vllm_prefix.py): each full block's
+        hash covers its parent's, the first block's the salt."""
+        self.hashed += 1
+        out: list[int] = []
+        parent = (cache_salt or "").encode()
+        size = self.block_size
+        for start in range(0, len(prompt_tokens) - size + 1, size):
+            block = ",".join(map(str, prompt_tokens[start : start + size])).encode()
+            parent = hashlib.sha256(parent + b"|" + block).digest()
+            out.append(int.from_bytes(parent[:8], "big"))
+        return tuple(out)
 
     async def add(
         self,

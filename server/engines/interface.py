@@ -271,6 +271,14 @@ class Engine(Protocol):
         truncation_side: Literal["left", "right"] | None = None,
     ) -> list[tuple[list[int], PoolingParamsLike]]: ...
 
+    # The prompt's prefix block hashes as the engine's prefix cache chains them
+    # (its block size and hash, `cache_salt` in the first block), each as an
+    # int, for prefix placement across data-parallel ranks (batching/prefix.py);
+    # () where the engine's prefix cache is off or Sluice names no rank.
+    def prefix_hashes(
+        self, prompt_tokens: Sequence[int], cache_salt: str | None
+    ) -> tuple[int, ...]: ...
+
     async def add(
         self,
         request_id: str,

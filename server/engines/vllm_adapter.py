@@ -68,6 +68,7 @@ from server.engines.vllm_parsers import (
     to_structured_outputs,
 )
 from server.engines.vllm_pooling import PooledStream, Pooling, Side, model_kind
+from server.engines.vllm_prefix import PrefixHasher
 from server.errors import SluiceError
 from server.wire.request import ChatRequest, Constraint, Message, Sampling, merge_system
 
@@ -130,6 +131,8 @@ class _StatsBox:
         # Each rank's own preemptions, cumulative: the watchdog judges a storm per
         # rank (batching/pressure.py says why).
         self._preempted: dict[int, int] = {}
+        # Each rank's prefix-cache (queries, hits) in tokens, cumulative.
+        self._prefix: dict[int, tuple[int, int]] = {}
 
     def get(self) -> EngineStats:
         with self._lock:
@@ -159,11 +162,15 @@ class _StatsBox:
                     )
                 return False
             pc = scheduler_stats.prefix_cache_stats
+            q, h = self._prefix.get(rank, (0, 0))
+            q, h = self._prefix[rank] = (q + int(pc.queries), h + int(pc.hits))
             rank_stats = self._ranks[rank] = RankStats(
                 kv_cache_usage=float(scheduler_stats.kv_cache_usage),
                 running=int(scheduler_stats.num_running_reqs),
                 waiting=int(scheduler_stats.num_waiting_reqs),
                 preemptions_total=self._preempted[rank],
+                prefix_cache_queries_total=q,
+                prefix_cache_hits_total=h,
             )
             step = engine_step(scheduler_stats, rank_stats, rank)
             if step is not None:
@@ -407,6 +414,9 @@ class EngineAdapter:
         self._stats = _StatsBox()
         self._llm: AsyncLLM | None = None
         self._names_ranks = False  # set at start (names_ranks)
+        # Prefix placement's block hashes (vllm_prefix.py): set at start where
+        # Sluice names the rank and the engine's prefix cache is on.
+        self._hasher: PrefixHasher | None = None
         # What a LoRA must fit (server/engines/lora.py rule 7), from the model's config at start.
         self._shapes: ModelShapes | None = None
         self._tokenizer: Any = None
@@ -462,6 +472,10 @@ class EngineAdapter:
         sampling_defaults, default_max_tokens = generation_defaults(llm.model_config)
         sched = llm.vllm_config.scheduler_config
         cache = llm.vllm_config.cache_config
+        if self._names_ranks and cache.enable_prefix_caching:
+            self._hasher = PrefixHasher(
+                int(cache.block_size or 16), str(cache.prefix_caching_hash_algo or "sha256")
+            )
         self.info = ModelInfo(
             name=self._model_name,
             max_model_len=int(llm.model_config.max_model_len),
@@ -827,6 +841,20 @@ class EngineAdapter:
             extra_args={_FROM_START: True} if s.constraint and s.constraint.from_start else None,
             output_kind=RequestOutputKind.DELTA,
         )
+
+    def prefix_hashes(
+        self, prompt_tokens: Sequence[int], cache_salt: str | None
+    ) -> tuple[int, ...]:
+        """The prompt's full blocks hashed as the engine's prefix cache hashes
+        them (its block size and --prefix-caching-hash-algo, `cache_salt` in the
+        first block: vllm_prefix.py); () unless Sluice places on named ranks
+        with the prefix cache on. The values are this process's own: vLLM seeds
+        its chain (NONE_HASH) per process unless PYTHONHASHSEED is set, and
+        placement only needs equal prefixes to hash equal here."""
+        hasher = self._hasher
+        if hasher is None:
+            return ()
+        return hasher.hashes(prompt_tokens, cache_salt)
 
     async def add(
         self,

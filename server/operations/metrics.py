@@ -223,6 +223,7 @@ class _LiveCollector(Collector):
         )
         yield from _caller_families(v.get("callers") or (), self._label)
         yield from _rank_families(v.get("ranks") or ())
+        yield from _placement_families(v.get("placements") or ())
 
 
 # The model states sluice_model_state spells out (server/engines/registry.py State).
@@ -289,6 +290,41 @@ def _rank_families(ranks: Sequence[RankStats]) -> Iterable[Metric]:
         for i, r in enumerate(ranks):
             g.add_metric([str(i)], float(getattr(r, attr)))
         yield g
+    counters = (
+        (
+            "sluice_engine_rank_prefix_cache_queries",
+            "Prompt tokens looked up in one DP rank's prefix cache",
+            "prefix_cache_queries_total",
+        ),
+        (
+            "sluice_engine_rank_prefix_cache_hits",
+            "Prompt tokens found in one DP rank's prefix cache",
+            "prefix_cache_hits_total",
+        ),
+    )
+    for name, doc, attr in counters:
+        c = CounterMetricFamily(name, doc, labels=["rank"])
+        for i, r in enumerate(ranks):
+            c.add_metric([str(i)], float(getattr(r, attr)))
+        yield c
+
+
+def _placement_families(placements: Sequence[tuple[str, int, int]]) -> Iterable[Metric]:
+    """Releases placed on each DP rank, by why (batching/prefix.py Placed): none
+    with one rank."""
+    if not placements:
+        return
+    c = CounterMetricFamily(
+        "sluice_engine_rank_placements",
+        "Generations released to one DP rank, by why: prefix (it followed its prompt's "
+        "leading blocks, batching/prefix.py P2), load (no known prefix, or "
+        "--no-prefix-placement: placed by room, P1), bound (its prefix's rank was too "
+        "busy, P3)",
+        labels=["rank", "why"],
+    )
+    for why, rank, n in placements:
+        c.add_metric([str(rank), why], float(n))
+    yield c
 
 
 def _caller_families(

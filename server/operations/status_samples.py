@@ -116,6 +116,9 @@ class Snapshot:
     underfed_steps: float = 0.0
     held_seconds: Mapping[str, float] = field(default_factory=dict)
     models: Mapping[str, ModelRow] = field(default_factory=dict)  # with --models
+    # Releases placed per data-parallel rank and why, cumulative ("rank N prefix",
+    # "rank N load", "rank N bound": batching/prefix.py; none with one rank).
+    placements: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +149,11 @@ class Sample:
     rank_queue: Mapping[str, float]  # "rank N running" / "rank N waiting"
     rank_kv_pct: Mapping[str, float]  # "rank N"
     held_pct: Mapping[str, float]  # share of the second the backlog held work, by rule
+    # Data-parallel ranks: placements a second by "rank N why", and each rank's
+    # prefix-cache hit rate over the second in percent ("rank N"; absent in a
+    # second without lookups).
+    rank_placed_s: Mapping[str, float] = field(default_factory=dict)
+    rank_hit_pct: Mapping[str, float] = field(default_factory=dict)
     # Per model (with --models), by its name.
     model_running: Mapping[str, float] = field(default_factory=dict)
     model_queued: Mapping[str, float] = field(default_factory=dict)
@@ -187,6 +195,8 @@ _KEYED: tuple[str, ...] = (
     "rank_queue",
     "rank_kv_pct",
     "held_pct",
+    "rank_placed_s",
+    "rank_hit_pct",
     "model_running",
     "model_queued",
     "model_kv_pct",
@@ -221,6 +231,22 @@ def _rank_columns(ranks: Sequence[RankStats]) -> tuple[dict[str, float], dict[st
         queue[f"rank {i} waiting"] = float(r.waiting)
         kv[f"rank {i}"] = 100.0 * r.kv_cache_usage
     return queue, kv
+
+
+def _hit_pct(ranks: Sequence[RankStats], old: Sequence[RankStats]) -> dict[str, float]:
+    """Each rank's prefix-cache hits over its lookups since the previous snapshot,
+    in percent, by column key; a rank without lookups in between has none."""
+    out: dict[str, float] = {}
+    for i, r in enumerate(ranks):
+        q0, h0 = (
+            (old[i].prefix_cache_queries_total, old[i].prefix_cache_hits_total)
+            if i < len(old)
+            else (0, 0)
+        )
+        q = r.prefix_cache_queries_total - q0
+        if q > 0:
+            out[f"rank {i}"] = 100.0 * max(0, r.prefix_cache_hits_total - h0) / q
+    return out
 
 
 def _round(x: float | None) -> float | None:
@@ -315,6 +341,8 @@ class StatusSampler:
         adapters: dict[str, float] = {}
         held: dict[str, float] = {}
         model_req: dict[str, float] = {}
+        placed: dict[str, float] = {}
+        hit: dict[str, float] = {}
         if self._prev is not None and now > self._prev[0]:
             old, dt = self._prev[1], now - self._prev[0]
             req = _rate(snap.requests, old.requests, dt)
@@ -333,6 +361,8 @@ class StatusSampler:
                 for k, v in _rates(snap.held_seconds, old.held_seconds, dt).items()
                 if v
             }
+            placed = {k: v for k, v in _rates(snap.placements, old.placements, dt).items() if v}
+            hit = _hit_pct(snap.ranks, old.ranks)
             model_req = _rates(
                 {k: m.requests for k, m in snap.models.items()},
                 {k: m.requests for k, m in old.models.items()},
@@ -368,6 +398,8 @@ class StatusSampler:
             rank_queue=rank_queue,
             rank_kv_pct=rank_kv,
             held_pct=held,
+            rank_placed_s=placed,
+            rank_hit_pct=hit,
             model_running={k: m.running for k, m in snap.models.items()},
             model_queued={k: m.queued for k, m in snap.models.items()},
             model_kv_pct={

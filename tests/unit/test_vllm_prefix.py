@@ -33,3 +33,32 @@ def test_different_salts_share_no_block() -> None:
     a, b = set(h.hashes(tokens, "a")), set(h.hashes(tokens, "b"))
     assert a.isdisjoint(b)
     assert h.hashes([*tokens, 1, 2], "a")[:4] == h.hashes(tokens, "a")
+
+
+def test_each_ranks_prefix_cache_hits_are_its_own() -> None:
+    """The hit rate per rank (sluice_engine_rank_prefix_cache_*): each rank's logger
+    adds its own steps' prefix-cache numbers, through vLLM's per-engine adapter."""
+    from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
+
+    from server.operations.metrics import Metrics
+    from tests.unit.test_engine_lora_slots import _LIVE
+    from tests.unit.test_scale_capacity import dp_stat_loggers
+
+    def sched(queries: int, hits: int) -> SchedulerStats:
+        pc = PrefixCacheStats(queries=queries, hits=hits)
+        return SchedulerStats(num_running_reqs=1, kv_cache_usage=0.1, prefix_cache_stats=pc)
+
+    box, adapter = dp_stat_loggers()
+    adapter.record(sched(100, 0), None, engine_idx=0)
+    adapter.record(sched(100, 96), None, engine_idx=1)
+    adapter.record(sched(50, 48), None, engine_idx=1)
+    ranks = box.get().ranks
+    assert [(r.prefix_cache_queries_total, r.prefix_cache_hits_total) for r in ranks] == [
+        (100, 0),
+        (150, 144),
+    ]
+    m = Metrics()
+    m.watch(lambda: {**_LIVE, "ranks": ranks})
+    text = m.render().decode()
+    assert 'sluice_engine_rank_prefix_cache_hits_total{rank="1"} 144.0' in text
+    assert 'sluice_engine_rank_prefix_cache_queries_total{rank="0"} 100.0' in text

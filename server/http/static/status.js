@@ -41,6 +41,12 @@
       keyed: "rank_queue", onlyWithData: true },
     { id: "rank-kv", title: "KV-cache use per rank", unit: "%", series: [],
       keyed: "rank_kv_pct", onlyWithData: true, max: 100 },
+    // Prefix placement (batching/prefix.py): where releases went and why, and
+    // how much of each rank's prompts its prefix cache held.
+    { id: "rank-placed", title: "Placements per rank", unit: "generations/s", series: [],
+      keyed: "rank_placed_s", onlyWithData: true },
+    { id: "rank-hits", title: "Prefix-cache hits per rank", unit: "% of prompt tokens",
+      series: [], keyed: "rank_hit_pct", onlyWithData: true, max: 100 },
     // Several models (--models) only: each model's own numbers.
     { id: "model-req", title: "Requests per model", unit: "req/s", series: [],
       keyed: "model_req_s", onlyWithData: true },
