@@ -6,6 +6,7 @@ Usage:
     python -m bench apis [--apis chat,ollama] [--systems sluice] ...   # bench/api_point.py
     python -m bench network [--configs plain,tls,traces] ...           # bench/network_point.py
     python -m bench faults [--repeat 3] [--calm 15]                    # bench/fault_point.py
+    python -m bench batches [--repeat 3] [--lines 500]                 # bench/batch_point.py
 
 With no --model on a machine without a GPU the offline demo model is built and
 served with its measured CPU flags (bfloat16, max_model_len 8192 rather than
@@ -148,6 +149,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench import network_point
 
         return network_point.main(args[1:])
+    if args[:1] == ["batches"]:
+        # Issue 42's point (bench/batch_point.py): a batch beside a chat caller.
+        from bench import batch_point
+
+        return batch_point.main(args[1:])
     if args[:1] == ["faults"]:
         # Issue 41's point (bench/fault_point.py): one model's engine killed beside another.
         from bench import fault_point

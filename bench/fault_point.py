@@ -155,7 +155,7 @@ def _until_token(base: str, model: str, deadline: float) -> float:
     return asyncio.run(probe())
 
 
-def _q(values: list[float], pct: int) -> float:
+def quantile(values: list[float], pct: int) -> float:
     return statistics.quantiles(values, n=100)[pct - 1] if len(values) > 1 else values[0]
 
 
@@ -188,10 +188,10 @@ def fault_runs(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
             during = _ttfts(hit, killed, back)
             runs.append(
                 {
-                    "calm_p50": _q(_ttfts(calm, 0, float("inf")), 50),
-                    "calm_p95": _q(_ttfts(calm, 0, float("inf")), 95),
-                    "fault_p50": _q(during, 50),
-                    "fault_p95": _q(during, 95),
+                    "calm_p50": quantile(_ttfts(calm, 0, float("inf")), 50),
+                    "calm_p95": quantile(_ttfts(calm, 0, float("inf")), 95),
+                    "fault_p50": quantile(during, 50),
+                    "fault_p95": quantile(during, 95),
                     "fault_turns": len(during),
                     "failed": len(calm.failed) + len(hit.failed),
                     "failures": calm.failed + hit.failed,
@@ -212,10 +212,10 @@ def cold_start(system: str, workdir: Path) -> float:
     """Seconds from a server's exec to its first token, for the demo model with
     the models file's flags."""
     flags, _ = demo_flags()
-    flags = [*_drop(flags, "--max-model-len", "--kv-cache-memory-bytes"), "--enforce-eager"]
+    flags = [*drop_flags(flags, "--max-model-len", "--kv-cache-memory-bytes"), "--enforce-eager"]
     flags += [f"--{k}={v}" for k, v in ENGINE.items()]
     port = free_port()
-    engine_flags = flags if system == VLLM else _drop(flags, "--model", "--served-model-name")
+    engine_flags = flags if system == VLLM else drop_flags(flags, "--model", "--served-model-name")
     cmd = server_command(system, port, engine_flags)
     base = f"http://{HOST}:{port}"
     t0 = time.monotonic()
@@ -237,7 +237,7 @@ def cold_start(system: str, workdir: Path) -> float:
             proc.wait(10)
 
 
-def _drop(flags: list[str], *names: str) -> list[str]:
+def drop_flags(flags: list[str], *names: str) -> list[str]:
     """`flags` without the named flags and their values."""
     out: list[str] = []
     skip = False

@@ -1,0 +1,263 @@
+"""Issue 42's batch point: a chat batch through /v1/batches, alone and beside a chat
+caller, against the same lines sent closed loop and against `vllm run-batch`.
+
+Why this module exists: a batch should run in the room interactive callers
+leave, at the engine's pace. The issue's targets: the chat caller's TTFT p95
+beside the batch <= 1.5x alone; the batch's lines per second >= 0.95x the
+same lines sent to Sluice closed loop at saturation by a client, and >= 0.9x
+`vllm run-batch` on the same file with the same engine flags (the offline
+limit: no HTTP, every line submitted at once).
+
+One Sluice (the demo model, eager) serves all Sluice phases; per repetition,
+in turn: the chat caller alone (`--turns` streamed turns, TTFT at the first
+token-carrying chunk); the batch alone (upload, create, poll every 0.1 s until
+completed: lines per second from create to completed); the batch beside the
+chat caller; the same lines' bodies sent directly, `--concurrency` at a time
+(closed loop). Then `vllm run-batch` on the same file, timed from its
+"Reading batch" line to its "Writing outputs" line (its engine start not
+counted).
+
+    ./scripts/bench batches [--repeat 3] [--lines 500] [--max-tokens 16] [--concurrency 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from bench.engine_flags import DEMO_NAME, demo_flags
+from bench.fault_point import Caller, drop_flags, quantile
+from bench.report import SLUICE
+from bench.servers import Server, free_port, server_command
+
+CHAT = "/v1/chat/completions"
+
+
+def lines(n: int, max_tokens: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "custom_id": f"l{i}",
+            "method": "POST",
+            "url": CHAT,
+            "body": {
+                "model": DEMO_NAME,
+                "messages": [{"role": "user", "content": f"Summarize item {i} in a line."}],
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "chat_template_kwargs": {"enable_thinking": False},
+            },
+        }
+        for i in range(n)
+    ]
+
+
+def run_batch_api(base: str, data: bytes, n: int) -> float:
+    """Lines per second of one batch through /v1/files and /v1/batches."""
+
+    async def go() -> float:
+        async with aiohttp.ClientSession(base) as s:
+            form = aiohttp.FormData()
+            form.add_field("purpose", "batch")
+            form.add_field("file", data, filename="in.jsonl")
+            async with s.post("/v1/files", data=form) as r:
+                file_id = (await r.json())["id"]
+            t0 = time.monotonic()
+            body = {"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"}
+            async with s.post("/v1/batches", json=body) as r:
+                batch_id = (await r.json())["id"]
+            while True:
+                async with s.get(f"/v1/batches/{batch_id}") as r:
+                    batch = await r.json()
+                if batch["status"] in ("completed", "failed", "expired", "cancelled"):
+                    break
+                await asyncio.sleep(0.1)
+            took = time.monotonic() - t0
+            counts = batch["request_counts"]
+            if batch["status"] != "completed" or counts["completed"] != n:
+                raise RuntimeError(f"the batch ended {batch['status']}: {counts}")
+            return n / took
+
+    return asyncio.run(go())
+
+
+def run_closed_loop(base: str, bodies: list[bytes], concurrency: int) -> float:
+    """Lines per second of the same bodies sent directly, `concurrency` at a time."""
+
+    async def go() -> float:
+        todo = iter(bodies)
+        conn = aiohttp.TCPConnector(limit=concurrency)
+        async with aiohttp.ClientSession(base, connector=conn) as s:
+
+            async def worker() -> None:
+                for body in todo:
+                    headers = {"content-type": "application/json"}
+                    async with s.post(CHAT, data=body, headers=headers) as r:
+                        await r.read()
+                        if r.status != 200:
+                            raise RuntimeError(f"a line answered {r.status}")
+
+            t0 = time.monotonic()
+            async with asyncio.TaskGroup() as tg:
+                for _ in range(concurrency):
+                    tg.create_task(worker())
+            return len(bodies) / (time.monotonic() - t0)
+
+    return asyncio.run(go())
+
+
+def run_vllm_batch(path: Path, workdir: Path, n: int) -> float:
+    """Lines per second of `vllm run-batch` on the file, engine start excluded."""
+    flags, _ = demo_flags()
+    flags = drop_flags(flags, "--reasoning-parser", "--structured-outputs-config")
+    out = workdir / "run-batch-out.jsonl"
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.run_batch",
+        "-i",
+        str(path),
+        "-o",
+        str(out),
+        *flags,
+        "--enforce-eager",
+    ]
+    marks: dict[str, float] = {}
+    with (workdir / "run-batch.log").open("ab") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, process_group=0
+        )
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            log.write(raw)
+            text = raw.decode(errors="replace")
+            if "Reading batch from" in text:
+                marks.setdefault("read", time.monotonic())
+            if "Writing outputs" in text:
+                marks.setdefault("written", time.monotonic())
+        proc.wait(60)
+    done = sum(1 for x in out.read_text().splitlines() if json.loads(x)["error"] is None)
+    if proc.returncode != 0 or done != n or len(marks) != 2:
+        raise RuntimeError(f"vllm run-batch: rc {proc.returncode}, {done}/{n} lines; see log")
+    return n / (marks["written"] - marks["read"])
+
+
+def one_repetition(base: str, args: argparse.Namespace, data: bytes, bodies: list[bytes]) -> Any:
+    n = args.lines
+    with Caller(base, DEMO_NAME) as alone:
+        while len(alone.turns) < args.turns:
+            time.sleep(0.05)
+    batch_alone = run_batch_api(base, data, n)
+    with Caller(base, DEMO_NAME) as beside:
+        batch_beside = run_batch_api(base, data, n)
+    closed = run_closed_loop(base, bodies, args.concurrency)
+    ttft = {
+        "alone": [1000 * t for _, t in alone.turns],
+        "beside": [1000 * t for _, t in beside.turns],
+    }
+    return {
+        "chat_alone_p95": quantile(ttft["alone"], 95),
+        "chat_beside_p95": quantile(ttft["beside"], 95),
+        "chat_beside_turns": len(ttft["beside"]),
+        "chat_failed": len(alone.failed) + len(beside.failed),
+        "batch_alone": batch_alone,
+        "batch_beside": batch_beside,
+        "closed_loop": closed,
+    }
+
+
+def report(runs: list[dict[str, Any]], raw: list[float], args: argparse.Namespace) -> list[str]:
+    def cell(vals: list[float], fmt: str = ".1f") -> str:
+        return f"{statistics.median(vals):{fmt}} [{min(vals):{fmt}}-{max(vals):{fmt}}]"
+
+    def col(key: str) -> list[float]:
+        return [float(r[key]) for r in runs]
+
+    beside_ratio = [r["chat_beside_p95"] / r["chat_alone_p95"] for r in runs]
+    vs_closed = [r["batch_alone"] / r["closed_loop"] for r in runs]
+    vs_raw = statistics.median(col("batch_alone")) / statistics.median(raw)
+    return [
+        "# A chat batch through /v1/batches, beside a chat caller (issue 42)",
+        "",
+        f"`./scripts/bench batches --repeat {args.repeat} --lines {args.lines} --max-tokens "
+        f"{args.max_tokens} --concurrency {args.concurrency}`: one Sluice on the demo model "
+        "(eager) on this machine's CPU; each line a chat request of "
+        f"{args.max_tokens} tokens (`ignore_eos`). Per repetition: the chat caller alone, "
+        "the batch alone, the batch beside the chat caller, the same lines sent closed "
+        f"loop at c={args.concurrency}; then `vllm run-batch` on the same file and engine "
+        "flags (its engine start not counted). Medians [min-max] over the repetitions.",
+        "",
+        "| | lines/s | chat TTFT p95 ms |",
+        "|---|---|---|",
+        f"| chat caller alone | | {cell(col('chat_alone_p95'), '.0f')} |",
+        f"| the batch alone | {cell(col('batch_alone'))} | |",
+        f"| the batch beside the chat caller | {cell(col('batch_beside'))} "
+        f"| {cell(col('chat_beside_p95'), '.0f')} |",
+        f"| the same lines closed loop, c={args.concurrency} | {cell(col('closed_loop'))} | |",
+        f"| `vllm run-batch` | {cell(raw)} | |",
+        "",
+        f"* chat TTFT p95 beside the batch: {cell(beside_ratio, '.2f')}x alone (target <= 1.5x); "
+        f"{sum(int(r['chat_failed']) for r in runs)} failed chat turns.",
+        f"* the batch's lines/s: {cell(vs_closed, '.2f')}x the same lines closed loop "
+        f"(target >= 0.95x), {vs_raw:.2f}x `vllm run-batch` (target >= 0.9x).",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench batches", description=__doc__.split("\n")[0])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--lines", type=int, default=500)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--turns", type=int, default=40, help="the chat caller's turns alone")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/batches-cpu.md"))
+    ap.add_argument("--raw", type=Path, help="keep the servers' logs here")
+    args = ap.parse_args(argv)
+    batch = lines(args.lines, args.max_tokens)
+    data = b"".join(orjson.dumps(x) + b"\n" for x in batch)
+    bodies = [orjson.dumps(x["body"]) for x in batch]
+    with tempfile.TemporaryDirectory(prefix="sluice-batches-") as tmp:
+        workdir = Path(tmp) if args.raw is None else args.raw
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "in.jsonl").write_bytes(data)
+        port = free_port()
+        cmd = server_command(
+            SLUICE,
+            port,
+            ["--enforce-eager"],
+            [
+                "--state-dir",
+                str(workdir / "state"),
+                "--batch-lines-in-flight",
+                str(args.concurrency),
+            ],
+        )
+        runs: list[dict[str, Any]] = []
+        raw: list[float] = []
+        for _ in range(args.repeat):
+            with Server(SLUICE, port, cmd, workdir / "sluice.log") as server:
+                server.start(dict(os.environ))
+                run_closed_loop(server.base_url, bodies[:64], 64)  # warm
+                runs.append(one_repetition(server.base_url, args, data, bodies))
+                print(f"sluice repetition: {runs[-1]}", flush=True)
+            raw.append(run_vllm_batch(workdir / "in.jsonl", workdir, args.lines))
+            print(f"vllm run-batch: {raw[-1]:.1f} lines/s", flush=True)
+    out = report(runs, raw, args)
+    args.out.write_text("\n".join(out) + "\n")
+    print("\n".join(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
