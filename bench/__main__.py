@@ -3,8 +3,8 @@
 Usage:
 
     python -m bench [--quick] [--repeat N] [--scenarios a,b,...] [--model M] [-- ENGINE FLAGS]
-    python -m bench apis [--apis chat,ollama] [--systems sluice] ...   # bench/api_point.py
-    python -m bench network [--configs plain,tls,traces] ...           # bench/network_point.py
+    python -m bench apis [--apis chat,ollama] [--systems sluice] ...  # bench/points/api_point.py
+    python -m bench network [--configs plain,tls,traces] ...  # bench/points/network_point.py
 
 With no --model on a machine without a GPU the offline demo model is built and
 served with its measured CPU flags (bfloat16, max_model_len 8192 rather than
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench import report as rp
-from bench.engine_flags import DEMO_NAME, demo_flags, step_flags
+from bench.run.engine_flags import DEMO_NAME, demo_flags, step_flags
 from bench.scenarios import (
     DATA_PARALLEL,
     DEFAULT_SCENARIOS,
@@ -138,13 +138,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["apis"]:
-        # The API point (bench/api_point.py): one command with the rest.
-        from bench import api_point
+        # The API point (bench/points/api_point.py): one command with the rest.
+        from bench.points import api_point
 
         return api_point.main(args[1:])
     if args[:1] == ["network"]:
-        # Issue 44's point (bench/network_point.py): TLS and traces against plain.
-        from bench import network_point
+        # Issue 44's point (bench/points/network_point.py): TLS and traces against plain.
+        from bench.points import network_point
 
         return network_point.main(args[1:])
     ns, passthrough = parse_args(args)
@@ -167,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         name += "-quick"
     repeat = ns.repeat or (1 if ns.quick else 3)
 
-    from bench import runner as rn
+    from bench.run import runner as rn
 
     if ns.plot_from_md:
         print(rn.replot_from_markdown(name, ns.results_dir))

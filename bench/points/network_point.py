@@ -22,7 +22,8 @@ test CA through SSL_CERT_FILE (this process only); the load generator runs
 with `--insecure` (it encrypts, without checking the certificate); the
 receiver's CPU is this process's, not the server's.
 
-    python -m bench.network_point [--repeat 3] [--prompts 256] [--out bench/results/network-cpu.md]
+    python -m bench.points.network_point [--repeat 3] [--prompts 256] \
+        [--out bench/results/network-cpu.md]
     ./scripts/bench network [...]   # the same
 """
 
@@ -42,11 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.api_point import result_args
-from bench.engine_flags import demo_flags
+from bench.points.api_point import result_args
 from bench.report import SLUICE, VLLM
-from bench.servers import HOST, Server, free_port, server_command
-from bench.vllm_client import main as bench_serve
+from bench.run.engine_flags import demo_flags
+from bench.run.servers import HOST, Server, free_port, server_command
+from bench.run.vllm_client import main as bench_serve
 
 CONFIGS = ("plain", "tls", "traces")
 
@@ -192,7 +193,7 @@ def report(
         "# What TLS and OpenTelemetry traces cost the front, on Sluice and vLLM's own "
         "server (issue 44)",
         "",
-        f"`python -m bench.network_point --repeat {repeat} --prompts {prompts}`: the demo "
+        f"`python -m bench.points.network_point --repeat {repeat} --prompts {prompts}`: the demo "
         "model on CPU, random prompts of 128 tokens in and 64 out (`ignore_eos`), "
         "concurrency 32, `vllm bench serve --backend openai-chat`; each server in each "
         "configuration is its own start, with the runs of one start in a row; medians "

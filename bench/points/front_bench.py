@@ -20,7 +20,7 @@ and per output, less the stand-in's own step work (timed on its thread), and
 req/s. It is a stand-in only here, to price the front alone: every test of the
 front against an engine runs the real one (tests/integration).
 
-    python -m bench.front_bench [--points 128x64,512x32] [--requests 512,1536] [--repeat 3]
+    python -m bench.points.front_bench [--points 128x64,512x32] [--requests 512,1536] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -289,7 +289,7 @@ async def _serve_point(
     from aiohttp import web
 
     from batching import CoalescerConfig
-    from bench.servers import HOST, free_port
+    from bench.run.servers import HOST, free_port
     from server.app import build_app
     from server.settings import Settings
 
@@ -311,7 +311,7 @@ async def _serve_point(
             cmd = [
                 sys.executable,
                 "-m",
-                "bench.front_bench",
+                "bench.points.front_bench",
                 "--client",
                 f"http://{HOST}:{port}/v1/completions",
                 str(concurrency),

@@ -41,6 +41,17 @@ from pathlib import Path
 from typing import IO, Any
 
 from bench import report as rp
+from bench.report.targets import TARGET_SETS
+from bench.run.servers import (
+    HOST,
+    Server,
+    callers_toml,
+    free_port,
+    group_alive,
+    kill_group,
+    server_command,
+    sluice_has_flag,
+)
 from bench.scenarios import (
     ADAPTER_DIR,
     ALL,
@@ -91,20 +102,9 @@ from bench.scenarios import (
     callers_of,
     seed_for,
 )
-from bench.servers import (
-    HOST,
-    Server,
-    callers_toml,
-    free_port,
-    group_alive,
-    kill_group,
-    server_command,
-    sluice_has_flag,
-)
-from bench.targets import TARGET_SETS
 
-BENCH_DIR = Path(__file__).resolve().parent
-ROOT = BENCH_DIR.parent
+RUN_DIR = Path(__file__).resolve().parent  # bench/run/: client_worker.py, raw_engine.py
+ROOT = RUN_DIR.parents[1]
 
 
 def log(msg: str) -> None:
@@ -147,7 +147,7 @@ class ClientPool:
             err = (log_dir / f"client-worker-{i}.log").open("a")
             self.procs.append(
                 subprocess.Popen(
-                    [sys.executable, str(BENCH_DIR / "client_worker.py")],
+                    [sys.executable, str(RUN_DIR / "client_worker.py")],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=err,
@@ -360,7 +360,7 @@ class Runner:
             self.commands.setdefault(
                 f"{point.scenario} / {point.name} / {job.role}",
                 self._redact(
-                    "python bench/vllm_client.py "
+                    "python bench/run/vllm_client.py "
                     + shlex.join(a.replace(server.base_url, "http://127.0.0.1:PORT") for a in argv)
                 ),
             )
@@ -550,7 +550,7 @@ class Runner:
         jobs_path.write_text(json.dumps(jobs, indent=1))
         cmd = [
             sys.executable,
-            str(BENCH_DIR / "raw_engine.py"),
+            str(RUN_DIR / "raw_engine.py"),
             "--jobs",
             str(jobs_path),
             "--out",
@@ -925,9 +925,9 @@ def render_markdown(
     out += [
         "Sluice and vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`) "
         "run with identical engine flags, one at a time on 127.0.0.1, driven by vLLM's own "
-        "benchmark client (`vllm bench serve` via `bench/vllm_client.py`, unmodified, streaming, "
-        "`--ignore-eos`). The raw engine is the same prompts through an in-process `AsyncLLM` "
-        "with the same concurrency and no HTTP (`bench/raw_engine.py`).",
+        "benchmark client (`vllm bench serve` via `bench/run/vllm_client.py`, unmodified, "
+        "streaming, `--ignore-eos`). The raw engine is the same prompts through an in-process "
+        "`AsyncLLM` with the same concurrency and no HTTP (`bench/run/raw_engine.py`).",
         "",
         f"Each point ran {repeat} time(s). Cells show the median and, in brackets, the "
         "spread (min–max) over repetitions; ratios are ratios of medians. Systems alternate "

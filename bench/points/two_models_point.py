@@ -15,7 +15,7 @@ role-only first frame. Reported: TTFT p50/p95 alone and beside (medians
 [min-max] over repetitions), the flood's req/s, and CPU seconds per phase of
 the front and of each engine core (on CPU, what the cores went to).
 
-    python -m bench.two_models_point [--repeat 3] [--turns 40] [--concurrency 64]
+    python -m bench.points.two_models_point [--repeat 3] [--turns 40] [--concurrency 64]
         [--out bench/results/two-models-cpu.md]
 """
 
@@ -39,7 +39,7 @@ import orjson
 import psutil
 
 from bench.report import SLUICE
-from bench.servers import Server, free_port, server_command
+from bench.run.servers import Server, free_port, server_command
 
 MODELS = """
 [models.chat]
@@ -184,7 +184,7 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
     lines = [
         "# A chat caller beside an embedding flood on another model (issue 30)",
         "",
-        f"`python -m bench.two_models_point --repeat {args.repeat} --turns {args.turns} "
+        f"`python -m bench.points.two_models_point --repeat {args.repeat} --turns {args.turns} "
         f"--concurrency {args.concurrency}"
         + (f" --sluice-flags '{args.sluice_flags}'" if args.sluice_flags else "")
         + "`: one Sluice, the demo chat model and the demo model under the pooling "

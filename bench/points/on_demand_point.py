@@ -15,7 +15,7 @@ start, the same engine start and its API server. Per repetition, alternating:
 - vLLM's server with the same engine flags: from `Popen` to its first answer
   on /health (polled every 0.5 s), plus the first streamed turn's first token.
 
-    python -m bench.on_demand_point [--repeat 3] [--out bench/results/on-demand-cpu.md]
+    python -m bench.points.on_demand_point [--repeat 3] [--out bench/results/on-demand-cpu.md]
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from pathlib import Path
 import httpx
 import orjson
 
-from bench.engine_flags import demo_flags
-from bench.models_point import MODELS  # chat at start, spare on demand
+from bench.points.models_point import MODELS  # chat at start, spare on demand
 from bench.report import SLUICE, VLLM
-from bench.servers import Server, free_port, server_command
+from bench.run.engine_flags import demo_flags
+from bench.run.servers import Server, free_port, server_command
 
 
 def first_token(base: str, model: str) -> float:
@@ -101,7 +101,7 @@ def main() -> int:
     lines = [
         "# First token of an on-demand model against a cold `vllm serve` (issue 30)",
         "",
-        f"`python -m bench.on_demand_point --repeat {args.repeat}`: the demo model, eager, "
+        f"`python -m bench.points.on_demand_point --repeat {args.repeat}`: the demo model, eager, "
         "64 MiB of KV cache, on this machine's CPU; systems alternate per repetition; "
         "seconds, median [min-max].",
         "",

@@ -11,7 +11,8 @@ request), `--repeat` rounds per server. Reported per server: req/s, latency
 p50 and p99 (the whole request: an embedding has no first token), and front
 CPU per request (the server process, its engine core excluded).
 
-    python -m bench.embed_point [--repeat 3] [--prompts 2048] [--out bench/results/embed-cpu.md]
+    python -m bench.points.embed_point [--repeat 3] [--prompts 2048] \
+        [--out bench/results/embed-cpu.md]
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.api_point import result_args
-from bench.engine_flags import demo_flags
+from bench.points.api_point import result_args
 from bench.report import SLUICE, VLLM
-from bench.servers import Server, free_port, process_cpu_seconds, server_command
-from bench.vllm_client import main as bench_serve
+from bench.run.engine_flags import demo_flags
+from bench.run.servers import Server, free_port, process_cpu_seconds, server_command
+from bench.run.vllm_client import main as bench_serve
 
 MODEL = "sluice-demo-embed"
 POOLING = ["--runner", "pooling", "--convert", "embed"]
@@ -87,7 +88,7 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
     lines = [
         "# Embeddings, one short string per request, on Sluice and vLLM's own server (issue 30)",
         "",
-        f"`python -m bench.embed_point --repeat {args.repeat} --prompts {args.prompts} "
+        f"`python -m bench.points.embed_point --repeat {args.repeat} --prompts {args.prompts} "
         f"--concurrency {args.concurrency} --input-len {args.input_len}"
         + (f" --sluice-flags '{args.sluice_flags}'" if args.sluice_flags else "")
         + "`: the demo model "
