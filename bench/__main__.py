@@ -28,7 +28,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench import report as rp
+from bench.log import log
+from bench.report.systems import NOHOLD, SLUICE, VLLM
+from bench.report.tables import Record
 from bench.run.engine_flags import DEMO_NAME, demo_flags, step_flags
 from bench.scenarios import (
     DATA_PARALLEL,
@@ -102,7 +104,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     ap.add_argument(
         "--systems",
-        default=f"{rp.SLUICE},{rp.VLLM}",
+        default=f"{SLUICE},{VLLM}",
         help="servers to run, comma-separated (default: sluice,vllm; `sluice` alone "
         "for an A/B of Sluice flags under --name; `nohold` adds Sluice with "
         "--no-hold-backlog)",
@@ -154,10 +156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"unknown scenarios: {', '.join(sorted(unknown))}", file=sys.stderr)
         return 2
     systems = tuple(s.strip() for s in ns.systems.split(",") if s.strip())
-    if not systems or set(systems) - {rp.SLUICE, rp.VLLM, rp.NOHOLD}:
+    if not systems or set(systems) - {SLUICE, VLLM, NOHOLD}:
         print(
-            f"--systems takes {rp.SLUICE}, {rp.VLLM} and/or {rp.NOHOLD} (Sluice with "
-            "--no-hold-backlog)",
+            f"--systems takes {SLUICE}, {VLLM} and/or {NOHOLD} (Sluice with --no-hold-backlog)",
             file=sys.stderr,
         )
         return 2
@@ -167,15 +168,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         name += "-quick"
     repeat = ns.repeat or (1 if ns.quick else 3)
 
+    from bench.report import markdown as page
     from bench.run import runner as rn
 
     if ns.plot_from_md:
-        print(rn.replot_from_markdown(name, ns.results_dir))
+        print(page.replot_from_markdown(name, ns.results_dir))
         return 0
     if ns.report_only:
         rec_path = ns.results_dir / "raw" / name / "records.json"
-        records = [rp.Record.from_json(d) for d in json.loads(rec_path.read_text())]
-        path = rn.write_report(None, name, ns.results_dir, ns.quick, repeat, records)
+        records = [Record.from_json(d) for d in json.loads(rec_path.read_text())]
+        path = page.write_report(None, name, ns.results_dir, ns.quick, repeat, records)
         print(path)
         return 0
 
@@ -192,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine_flags = base + passthrough
     step = step_flags(engine_flags)
     if step:
-        rn.log(f"engine step flags Sluice would set, given to every system: {' '.join(step)}")
+        log(f"engine step flags Sluice would set, given to every system: {' '.join(step)}")
     engine_flags += step
     served = _flag(engine_flags, "--served-model-name") or served
     tokenizer = _flag(engine_flags, "--tokenizer") or tokenizer
@@ -200,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     max_model_len = ns.max_model_len or (int(mml) if mml else None) or _model_context(tokenizer)
     if not max_model_len:
         max_model_len = 8192
-        rn.log("context length unknown: scaling the mixed load for 8192 (set --max-model-len)")
+        log("context length unknown: scaling the mixed load for 8192 (set --max-model-len)")
     bpt = ns.kv_bytes_per_token or kv_bytes_per_token(_model_config(tokenizer))
     if bpt is None and KV_BOUND_SCENARIOS & set(scenarios):
         print(
@@ -232,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         env=env,
         server_timeout=ns.server_timeout,
     )
-    rn.log(
+    log(
         f"run {name}: {len(plan.points)} comparison points, {len(plan.raw_points)} raw points, "
         f"{len(plan.window_configs)} window configs x {len(plan.window_points)} points, "
         f"{repeat} repetition(s); engine flags: {' '.join(engine_flags)}"
@@ -241,10 +243,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         runner.run()
     except KeyboardInterrupt:
-        rn.log("interrupted: writing the report from what was measured")
+        log("interrupted: writing the report from what was measured")
     finally:
-        path = rn.write_report(runner, name, ns.results_dir, ns.quick, repeat)
-        rn.log(f"report: {path}")
+        path = page.write_report(runner, name, ns.results_dir, ns.quick, repeat)
+        log(f"report: {path}")
     return 0
 
 

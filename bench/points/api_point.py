@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.report import SLUICE, VLLM
+from bench.report.systems import SLUICE, VLLM
 from bench.run.engine_flags import demo_flags
 from bench.run.servers import Server, free_port, server_command
 from bench.run.vllm_client import main as bench_serve

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.points.api_point import result_args
-from bench.report import SLUICE, VLLM
+from bench.report.systems import SLUICE, VLLM
 from bench.run.engine_flags import demo_flags
 from bench.run.servers import Server, free_port, process_cpu_seconds, server_command
 from bench.run.vllm_client import main as bench_serve

@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from bench.report import SLUICE
+from bench.report.systems import SLUICE
 from bench.run.servers import Server, free_port, server_command
 
 MODELS = """

@@ -32,7 +32,7 @@ import httpx
 import orjson
 
 from bench.points.models_point import MODELS  # chat at start, spare on demand
-from bench.report import SLUICE, VLLM
+from bench.report.systems import SLUICE, VLLM
 from bench.run.engine_flags import demo_flags
 from bench.run.servers import Server, free_port, server_command
 

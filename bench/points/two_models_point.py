@@ -38,7 +38,7 @@ import aiohttp
 import orjson
 import psutil
 
-from bench.report import SLUICE
+from bench.report.systems import SLUICE
 from bench.run.servers import Server, free_port, server_command
 
 MODELS = """

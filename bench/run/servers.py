@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from bench.report import NOHOLD, SLUICE_SYSTEMS, VLLM
+from bench.report.systems import NOHOLD, SLUICE_SYSTEMS, VLLM
 
 HOST = "127.0.0.1"
 

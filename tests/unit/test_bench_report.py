@@ -773,7 +773,7 @@ def test_panel_point_filters() -> None:
 
 
 def test_report_renders_the_backlog_targets_notes_and_sections(tmp_path: Path) -> None:
-    from bench.run import runner as rn
+    from bench.report import markdown as rn
 
     recs = _noisy_records(30.0, 150.0, 7000.0)
     md = rn.render_markdown(
@@ -1029,7 +1029,7 @@ def test_callers_file_carries_the_weights() -> None:
 
 
 def test_report_renders_issue21_sections(tmp_path: Path) -> None:
-    from bench.run import runner as rn
+    from bench.report import markdown as rn
     from bench.scenarios import CHAT_MIX, SPREAD, THREE
 
     recs = _issue21_records(s_p99=6300.0, s_short=3000.0, s_three=45.0, s_bulk=9.6, per_a=3.3)
