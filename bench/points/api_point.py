@@ -25,13 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.report.cells import median, runs_cell, write_lines
 from bench.report.systems import SLUICE, VLLM
 from bench.run.engine_flags import demo_flags
 from bench.run.servers import Server, free_port, server_command
@@ -124,18 +124,13 @@ def _run(server: Server, api: str, tokenizer: str, prompts: int, seed: int, out:
 
 def _row(name: str, runs: list[dict[str, Any]]) -> str:
     def cell(key: str, fmt: str) -> str:
-        vals = [r[key] for r in runs]
-        return f"{statistics.median(vals):{fmt}} [{min(vals):{fmt}}-{max(vals):{fmt}}]"
+        return runs_cell(runs, key, fmt)
 
     return (
         f"| {name} | {cell('req_s', '.1f')} | {cell('ttft_p50', '.0f')} | "
         f"{cell('ttft_p99', '.0f')} | {cell('out_tok', '.1f')} | {cell('cpu_ms', '.2f')} | "
         f"{sum(r['failed'] for r in runs)} |"
     )
-
-
-def _median(runs: list[dict[str, Any]], key: str) -> float:
-    return float(statistics.median(r[key] for r in runs))
 
 
 def translation_cost(results: dict[tuple[str, str], list[dict[str, Any]]]) -> list[str]:
@@ -148,8 +143,8 @@ def translation_cost(results: dict[tuple[str, str], list[dict[str, Any]]]) -> li
             runs = results.get((system, api))
             if not chat or not runs:
                 continue
-            ratio = _median(runs, "req_s") / _median(chat, "req_s")
-            cpu, cpu_chat = _median(runs, "cpu_ms"), _median(chat, "cpu_ms")
+            ratio = median(runs, "req_s") / median(chat, "req_s")
+            cpu, cpu_chat = median(runs, "cpu_ms"), median(chat, "cpu_ms")
             extra = cpu / cpu_chat - 1
             budget = CPU_BUDGET.get(api)
             cpu_verdict = (
@@ -230,8 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         _run(srv, api, tokenizer, ns.prompts, rep, out)
                     )
     lines = report(results, ns.repeat, ns.prompts, chosen, ns.systems.split(","))
-    ns.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_lines(ns.out, lines)
     return 0
 
 

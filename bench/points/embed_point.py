@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from bench.points.api_point import result_args
+from bench.report.cells import median, runs_cell, write_lines
 from bench.report.systems import SLUICE, VLLM
 from bench.run.engine_flags import demo_flags
 from bench.run.servers import Server, free_port, process_cpu_seconds, server_command
@@ -76,15 +76,7 @@ def _run(server: Server, args: argparse.Namespace, tokenizer: str, seed: int, ou
     }
 
 
-def _median(runs: list[dict[str, Any]], key: str) -> float:
-    return float(statistics.median(r[key] for r in runs))
-
-
 def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> list[str]:
-    def cell(runs: list[dict[str, Any]], key: str, fmt: str) -> str:
-        vals = [r[key] for r in runs]
-        return f"{statistics.median(vals):{fmt}} [{min(vals):{fmt}}-{max(vals):{fmt}}]"
-
     lines = [
         "# Embeddings, one short string per request, on Sluice and vLLM's own server (issue 30)",
         "",
@@ -101,15 +93,15 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
         "|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {system} | {cell(runs, 'req_s', '.1f')} | {cell(runs, 'p50', '.0f')} | "
-        f"{cell(runs, 'p99', '.0f')} | {cell(runs, 'cpu_ms', '.2f')} | "
+        f"| {system} | {runs_cell(runs, 'req_s', '.1f')} | {runs_cell(runs, 'p50', '.0f')} | "
+        f"{runs_cell(runs, 'p99', '.0f')} | {runs_cell(runs, 'cpu_ms', '.2f')} | "
         f"{sum(r['failed'] for r in runs)} |"
         for system, runs in results.items()
     ]
     ours, theirs = results.get(SLUICE), results.get(VLLM)
     if ours and theirs:
-        rps = _median(ours, "req_s") / _median(theirs, "req_s")
-        p99 = _median(ours, "p99") / _median(theirs, "p99")
+        rps = median(ours, "req_s") / median(theirs, "req_s")
+        p99 = median(ours, "p99") / median(theirs, "p99")
         lines += [
             "",
             f"* req/s {rps:.2f}x vLLM's server (target >= 1.2x); p99 {p99:.2f}x (target <= 1.0x).",
@@ -143,8 +135,7 @@ def main() -> int:
                 out = tmp / f"{system}-{rep}.json"
                 results.setdefault(system, []).append(_run(srv, args, tokenizer, rep, out))
     lines = report(results, args)
-    args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_lines(args.out, lines)
     return 0
 
 

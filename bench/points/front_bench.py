@@ -31,7 +31,6 @@ import dataclasses
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -406,10 +405,12 @@ def _run(
                 print(json.dumps(dataclasses.asdict(r)), flush=True)
     finally:
         listener.stop()
+    from bench.report.cells import spread_cell
+
     for (c, o), rs in results.items():
 
         def cell(vals: list[float]) -> str:
-            return f"{statistics.median(vals):.2f} [{min(vals):.2f}-{max(vals):.2f}]"
+            return spread_cell(vals, ".2f")
 
         print(
             f"c={c}, {o} out: front CPU {cell([r.cpu_ms_per_request for r in rs])} ms/request "

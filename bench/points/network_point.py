@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import sys
 import tempfile
 import threading
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.points.api_point import result_args
+from bench.report.cells import median, runs_cell, write_lines
 from bench.report.systems import SLUICE, VLLM
 from bench.run.engine_flags import demo_flags
 from bench.run.servers import HOST, Server, free_port, server_command
@@ -174,15 +174,6 @@ def _run(server: Server, tokenizer: str, prompts: int, seed: int, out: Path) -> 
     }
 
 
-def _cell(runs: list[dict[str, Any]], key: str, fmt: str) -> str:
-    vals = [r[key] for r in runs]
-    return f"{statistics.median(vals):{fmt}} [{min(vals):{fmt}}-{max(vals):{fmt}}]"
-
-
-def _median(runs: list[dict[str, Any]], key: str) -> float:
-    return float(statistics.median(r[key] for r in runs))
-
-
 def report(
     results: dict[tuple[str, str], list[dict[str, Any]]],
     spans: dict[tuple[str, str], int],
@@ -211,9 +202,9 @@ def report(
         done = sum(r["done"] for r in runs)
         per = spans.get((system, config), 0) / max(done, 1)
         lines.append(
-            f"| {system} | {config} | {_cell(runs, 'req_s', '.1f')} | "
-            f"{_cell(runs, 'ttft_p50', '.0f')} | {_cell(runs, 'ttft_p99', '.0f')} | "
-            f"{_cell(runs, 'cpu_ms', '.2f')} | {per:.2f} | "
+            f"| {system} | {config} | {runs_cell(runs, 'req_s', '.1f')} | "
+            f"{runs_cell(runs, 'ttft_p50', '.0f')} | {runs_cell(runs, 'ttft_p99', '.0f')} | "
+            f"{runs_cell(runs, 'cpu_ms', '.2f')} | {per:.2f} | "
             f"{sum(r['failed'] for r in runs)} |"
         )
     lines += ["", "Against the same server's `plain` (medians):", ""]
@@ -223,8 +214,8 @@ def report(
             got = results.get((system, config))
             if base is None or got is None:
                 continue
-            rate = _median(got, "req_s") / _median(base, "req_s")
-            cpu, cpu0 = _median(got, "cpu_ms"), _median(base, "cpu_ms")
+            rate = median(got, "req_s") / median(base, "req_s")
+            cpu, cpu0 = median(got, "cpu_ms"), median(base, "cpu_ms")
             lines.append(
                 f"* {system} {config}: req/s {rate:.3f}x; front CPU {cpu:.2f} against "
                 f"{cpu0:.2f} ms/req ({cpu - cpu0:+.2f} ms, {100 * (cpu / cpu0 - 1):+.1f}%)."
@@ -278,8 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # Stopped: its exporter flushed what it still held.
                 spans[(system, config)] = receiver.spans - before
     lines = report(results, spans, ns.repeat, ns.prompts)
-    ns.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_lines(ns.out, lines)
     return 0
 
 

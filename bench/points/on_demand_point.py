@@ -32,6 +32,7 @@ import httpx
 import orjson
 
 from bench.points.models_point import MODELS  # chat at start, spare on demand
+from bench.report.cells import spread_cell, write_lines
 from bench.report.systems import SLUICE, VLLM
 from bench.run.engine_flags import demo_flags
 from bench.run.servers import Server, free_port, server_command
@@ -95,7 +96,7 @@ def main() -> int:
                 runs[system].append(run(work))
 
     def cell(v: list[float]) -> str:
-        return f"{statistics.median(v):.1f} [{min(v):.1f}-{max(v):.1f}]"
+        return spread_cell(v, ".1f")
 
     ratio = statistics.median(runs[SLUICE]) / statistics.median(runs[VLLM])
     lines = [
@@ -112,8 +113,7 @@ def main() -> int:
         "",
         f"* Sluice's on-demand first token: {ratio:.2f}x a cold `vllm serve`.",
     ]
-    args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_lines(args.out, lines)
     return 0
 
 

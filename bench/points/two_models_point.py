@@ -38,6 +38,7 @@ import aiohttp
 import orjson
 import psutil
 
+from bench.report.cells import runs_cell, write_lines
 from bench.report.systems import SLUICE
 from bench.run.servers import Server, free_port, server_command
 
@@ -178,8 +179,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, list[dict[str, Any
 
 def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> list[str]:
     def cell(runs: list[dict[str, Any]], key: str) -> str:
-        v = [r[key] for r in runs]
-        return f"{statistics.median(v):.1f} [{min(v):.1f}-{max(v):.1f}]"
+        return runs_cell(runs, key, ".1f")
 
     lines = [
         "# A chat caller beside an embedding flood on another model (issue 30)",
@@ -228,8 +228,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="sluice-two-models-") as tmp:
         results = run(args, Path(tmp))
     lines = report(results, args)
-    args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_lines(args.out, lines)
     return 0
 
 
