@@ -22,10 +22,11 @@ the tables of a committed report (for a run whose raw/ is gone).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from bench.log import log
@@ -42,6 +43,12 @@ from bench.scenarios import (
     build_plan,
     kv_bytes_per_token,
 )
+
+# The points `python -m bench NAME ...` runs, by name (the rest of the line is theirs).
+POINTS = {
+    "apis": "bench.points.api_point",  # the APIs against chat
+    "network": "bench.points.network_point",  # issue 44: TLS and traces against plain
+}
 
 
 def _flag(flags: Sequence[str], name: str) -> str | None:
@@ -139,16 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import shlex
 
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["apis"]:
-        # The API point (bench/points/api_point.py): one command with the rest.
-        from bench.points import api_point
-
-        return api_point.main(args[1:])
-    if args[:1] == ["network"]:
-        # Issue 44's point (bench/points/network_point.py): TLS and traces against plain.
-        from bench.points import network_point
-
-        return network_point.main(args[1:])
+    if args[:1] and args[0] in POINTS:
+        point: Callable[[list[str]], int] = importlib.import_module(POINTS[args[0]]).main
+        return point(args[1:])
     ns, passthrough = parse_args(args)
     scenarios = [s.strip() for s in ns.scenarios.split(",") if s.strip()]
     unknown = set(scenarios) - set(SCENARIOS)

@@ -1,4 +1,4 @@
-"""The pure parts of the benchmark (bench/report.py, bench/scenarios.py): no servers."""
+"""The pure parts of the benchmark (bench/report/, bench/scenarios.py): no servers."""
 
 from __future__ import annotations
 
