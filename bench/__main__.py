@@ -22,7 +22,6 @@ the tables of a committed report (for a run whose raw/ is gone).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -30,6 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from bench.log import log
+from bench.points import api_point, network_point
 from bench.report.systems import NOHOLD, SLUICE, VLLM
 from bench.report.tables import Record
 from bench.run.engine_flags import DEMO_NAME, demo_flags, step_flags
@@ -45,9 +45,9 @@ from bench.scenarios import (
 )
 
 # The points `python -m bench NAME ...` runs, by name (the rest of the line is theirs).
-POINTS = {
-    "apis": "bench.points.api_point",  # the APIs against chat
-    "network": "bench.points.network_point",  # issue 44: TLS and traces against plain
+POINTS: dict[str, Callable[[Sequence[str]], int]] = {
+    "apis": api_point.main,  # the APIs against chat
+    "network": network_point.main,  # issue 44: TLS and traces against plain
 }
 
 
@@ -147,8 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] and args[0] in POINTS:
-        point: Callable[[list[str]], int] = importlib.import_module(POINTS[args[0]]).main
-        return point(args[1:])
+        return POINTS[args[0]](args[1:])
     ns, passthrough = parse_args(args)
     scenarios = [s.strip() for s in ns.scenarios.split(",") if s.strip()]
     unknown = set(scenarios) - set(SCENARIOS)
