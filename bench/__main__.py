@@ -3,10 +3,10 @@
 Usage:
 
     python -m bench [--quick] [--repeat N] [--scenarios a,b,...] [--model M] [-- ENGINE FLAGS]
-    python -m bench apis [--apis chat,ollama] [--systems sluice] ...   # bench/api_point.py
-    python -m bench network [--configs plain,tls,traces] ...           # bench/network_point.py
-    python -m bench faults [--repeat 3] [--calm 15]                    # bench/fault_point.py
-    python -m bench batches [--repeat 3] [--lines 500]                 # bench/batch_point.py
+    python -m bench apis [--apis chat,ollama] [--systems sluice] ...  # bench/points/api_point.py
+    python -m bench network [--configs plain,tls,traces] ...  # bench/points/network_point.py
+    python -m bench faults [--repeat 3] [--calm 15]           # bench/points/fault_point.py
+    python -m bench batches [--repeat 3] [--lines 500]        # bench/points/batch_point.py
 
 With no --model on a machine without a GPU the offline demo model is built and
 served with its measured CPU flags (bfloat16, max_model_len 8192 rather than
@@ -27,11 +27,14 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from bench import report as rp
-from bench.engine_flags import DEMO_NAME, demo_flags, step_flags
+from bench.log import log
+from bench.points import api_point, batch_point, fault_point, network_point
+from bench.report.systems import NOHOLD, SLUICE, VLLM
+from bench.report.tables import Record
+from bench.run.engine_flags import DEMO_NAME, demo_flags, step_flags
 from bench.scenarios import (
     DATA_PARALLEL,
     DEFAULT_SCENARIOS,
@@ -42,6 +45,14 @@ from bench.scenarios import (
     build_plan,
     kv_bytes_per_token,
 )
+
+# The points `python -m bench NAME ...` runs, by name (the rest of the line is theirs).
+POINTS: dict[str, Callable[[Sequence[str]], int]] = {
+    "apis": api_point.main,  # the APIs against chat
+    "network": network_point.main,  # issue 44: TLS and traces against plain
+    "faults": fault_point.main,  # issue 41: one model's engine killed beside another
+    "batches": batch_point.main,  # issue 42: a batch beside a chat caller
+}
 
 
 def _flag(flags: Sequence[str], name: str) -> str | None:
@@ -104,7 +115,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     ap.add_argument(
         "--systems",
-        default=f"{rp.SLUICE},{rp.VLLM}",
+        default=f"{SLUICE},{VLLM}",
         help="servers to run, comma-separated (default: sluice,vllm; `sluice` alone "
         "for an A/B of Sluice flags under --name; `nohold` adds Sluice with "
         "--no-hold-backlog)",
@@ -139,26 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import shlex
 
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["apis"]:
-        # The API point (bench/api_point.py): one command with the rest.
-        from bench import api_point
-
-        return api_point.main(args[1:])
-    if args[:1] == ["network"]:
-        # Issue 44's point (bench/network_point.py): TLS and traces against plain.
-        from bench import network_point
-
-        return network_point.main(args[1:])
-    if args[:1] == ["batches"]:
-        # Issue 42's point (bench/batch_point.py): a batch beside a chat caller.
-        from bench import batch_point
-
-        return batch_point.main(args[1:])
-    if args[:1] == ["faults"]:
-        # Issue 41's point (bench/fault_point.py): one model's engine killed beside another.
-        from bench import fault_point
-
-        return fault_point.main(args[1:])
+    if args[:1] and args[0] in POINTS:
+        return POINTS[args[0]](args[1:])
     ns, passthrough = parse_args(args)
     scenarios = [s.strip() for s in ns.scenarios.split(",") if s.strip()]
     unknown = set(scenarios) - set(SCENARIOS)
@@ -166,10 +159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"unknown scenarios: {', '.join(sorted(unknown))}", file=sys.stderr)
         return 2
     systems = tuple(s.strip() for s in ns.systems.split(",") if s.strip())
-    if not systems or set(systems) - {rp.SLUICE, rp.VLLM, rp.NOHOLD}:
+    if not systems or set(systems) - {SLUICE, VLLM, NOHOLD}:
         print(
-            f"--systems takes {rp.SLUICE}, {rp.VLLM} and/or {rp.NOHOLD} (Sluice with "
-            "--no-hold-backlog)",
+            f"--systems takes {SLUICE}, {VLLM} and/or {NOHOLD} (Sluice with --no-hold-backlog)",
             file=sys.stderr,
         )
         return 2
@@ -179,15 +171,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         name += "-quick"
     repeat = ns.repeat or (1 if ns.quick else 3)
 
-    from bench import runner as rn
+    from bench.report import markdown as page
+    from bench.run import runner as rn
 
     if ns.plot_from_md:
-        print(rn.replot_from_markdown(name, ns.results_dir))
+        print(page.replot_from_markdown(name, ns.results_dir))
         return 0
     if ns.report_only:
         rec_path = ns.results_dir / "raw" / name / "records.json"
-        records = [rp.Record.from_json(d) for d in json.loads(rec_path.read_text())]
-        path = rn.write_report(None, name, ns.results_dir, ns.quick, repeat, records)
+        records = [Record.from_json(d) for d in json.loads(rec_path.read_text())]
+        path = page.write_report(None, name, ns.results_dir, ns.quick, repeat, records)
         print(path)
         return 0
 
@@ -204,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine_flags = base + passthrough
     step = step_flags(engine_flags)
     if step:
-        rn.log(f"engine step flags Sluice would set, given to every system: {' '.join(step)}")
+        log(f"engine step flags Sluice would set, given to every system: {' '.join(step)}")
     engine_flags += step
     served = _flag(engine_flags, "--served-model-name") or served
     tokenizer = _flag(engine_flags, "--tokenizer") or tokenizer
@@ -212,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     max_model_len = ns.max_model_len or (int(mml) if mml else None) or _model_context(tokenizer)
     if not max_model_len:
         max_model_len = 8192
-        rn.log("context length unknown: scaling the mixed load for 8192 (set --max-model-len)")
+        log("context length unknown: scaling the mixed load for 8192 (set --max-model-len)")
     bpt = ns.kv_bytes_per_token or kv_bytes_per_token(_model_config(tokenizer))
     if bpt is None and KV_BOUND_SCENARIOS & set(scenarios):
         print(
@@ -244,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         env=env,
         server_timeout=ns.server_timeout,
     )
-    rn.log(
+    log(
         f"run {name}: {len(plan.points)} comparison points, {len(plan.raw_points)} raw points, "
         f"{len(plan.window_configs)} window configs x {len(plan.window_points)} points, "
         f"{repeat} repetition(s); engine flags: {' '.join(engine_flags)}"
@@ -253,10 +246,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         runner.run()
     except KeyboardInterrupt:
-        rn.log("interrupted: writing the report from what was measured")
+        log("interrupted: writing the report from what was measured")
     finally:
-        path = rn.write_report(runner, name, ns.results_dir, ns.quick, repeat)
-        rn.log(f"report: {path}")
+        path = page.write_report(runner, name, ns.results_dir, ns.quick, repeat)
+        log(f"report: {path}")
     return 0
 
 

@@ -20,12 +20,79 @@ bearer key (and Sluice a callers file naming them).
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.report import mixed_classes, split_mixed
+# The mixed load: its classes and their client jobs.
+
+
+@dataclass(frozen=True, slots=True)
+class MixedClass:
+    """One class of the mixed load: its share and its lengths."""
+
+    role: str
+    share: float
+    input_len: int
+    output_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class MixedJob:
+    """One of the concurrent client processes of the mixed load."""
+
+    role: str
+    input_len: int
+    output_len: int
+    request_rate: float
+    num_prompts: int
+
+
+def mixed_classes(max_model_len: int) -> tuple[MixedClass, ...]:
+    """70% short chat turns, 20% medium summaries, 10% long documents.
+
+    Input lengths scale with the context: 1/128, 1/16 and 1/2 of it (64, 512,
+    4096 tokens at 8,192; 256, 2,048, 16,384 at 32,768). Outputs are short for
+    chat and longer for summaries.
+    """
+    ctx = max(256, max_model_len)
+    return (
+        MixedClass("short", 0.70, max(16, ctx // 128), 64),
+        MixedClass("medium", 0.20, ctx // 16, 128),
+        MixedClass("long", 0.10, ctx // 2, 128),
+    )
+
+
+def split_mixed(
+    classes: Sequence[MixedClass], total_rate: float, duration_s: float
+) -> list[MixedJob]:
+    """Split a fixed total Poisson rate over the classes, by share.
+
+    Each class gets `share x total_rate` requests per second and as many prompts
+    as that rate sends in `duration_s` (at least one), so the three clients run
+    for about the same time and the short requests see the long ones all along.
+    """
+    if total_rate <= 0 or duration_s <= 0:
+        raise ValueError("mixed load needs a positive rate and duration")
+    total_share = sum(c.share for c in classes)
+    if not math.isclose(total_share, 1.0, abs_tol=1e-6):
+        raise ValueError(f"mixed-load shares sum to {total_share}, not 1")
+    jobs = []
+    for c in classes:
+        rate = c.share * total_rate
+        jobs.append(
+            MixedJob(
+                role=c.role,
+                input_len=c.input_len,
+                output_len=c.output_len,
+                request_rate=rate,
+                num_prompts=max(1, round(rate * duration_s)),
+            )
+        )
+    return jobs
+
 
 CONCURRENCY = "concurrency"
 POISSON = "poisson"

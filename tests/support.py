@@ -248,7 +248,7 @@ def vllm_on_demo(model_dir: Path, name: str, extra: Sequence[str], log_dir: Path
     the reference a test compares Sluice with.
     Yields its base URL; stopped afterwards (its whole process group)."""
     from bench.report import VLLM
-    from bench.servers import Server, server_command
+    from bench.run.servers import Server, server_command
     from server.engines.demo.model import demo_engine_kwargs
 
     kw = demo_engine_kwargs(model_dir)

@@ -30,7 +30,7 @@ module does the I/O, in tasks of the app's task group:
 
 Work on the models that are serving goes on meanwhile: an engine start runs
 on a worker thread (server/engines/vllm_adapter.py `start`), and the loop keeps
-streaming (bench/models_point.py measures a chat stream's inter-token latency
+streaming (bench/points/models_point.py measures a chat stream's inter-token latency
 on one model while another loads).
 """
 

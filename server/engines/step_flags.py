@@ -18,7 +18,7 @@ them: with one or two long prompts and little else, they keep larger chunks
 of the step. Sluice turns it on with the cap.
 
 Pure: the numbers only; server/cli.py applies them and logs what it set, and
-the benchmark passes the same flags to vLLM's server (bench/servers.py).
+the benchmark passes the same flags to vLLM's server (bench/run/servers.py).
 """
 
 from __future__ import annotations

@@ -245,7 +245,7 @@ def test_vllm_bench_client(sluice_server: SluiceProcess, demo_model_dir: Any) ->
     out = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "bench" / "vllm_client.py"),
+            str(ROOT / "bench" / "run" / "vllm_client.py"),
             "--backend",
             "openai-chat",
             "--base-url",

@@ -1,11 +1,11 @@
-"""bench/embed_point.py's report: the table over servers and the ratio lines
+"""bench/points/embed_point.py's report: the table over servers and the ratio lines
 against issue 30's targets, from recorded runs (no server here)."""
 
 from __future__ import annotations
 
 import argparse
 
-from bench.embed_point import report
+from bench.points.embed_point import report
 from bench.report import SLUICE, VLLM
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench import report as rp
-from bench import targets as tg
+from bench.report import targets as tg
 from bench.scenarios import (
     ADAPTER_DIR,
     DEFAULT_SCENARIOS,

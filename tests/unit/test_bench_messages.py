@@ -1,4 +1,4 @@
-"""bench/messages_backend.py against a tiny aiohttp server replaying a recorded
+"""bench/run/messages_backend.py against a tiny aiohttp server replaying a recorded
 /v1/messages stream: what the request sends and how it times the answer."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from vllm.benchmarks.lib import endpoint_request_func as erf
 
-from bench import messages_backend as mb
+from bench.run import messages_backend as mb
 
 
 def _ev(payload: dict[str, Any]) -> bytes:

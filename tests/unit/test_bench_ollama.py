@@ -1,4 +1,4 @@
-"""bench/ollama_backend.py against a tiny aiohttp server replaying an /api/chat
+"""bench/run/ollama_backend.py against a tiny aiohttp server replaying an /api/chat
 stream (newline-delimited JSON): what the request sends and how it times the
 answer."""
 
@@ -12,7 +12,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from vllm.benchmarks.lib import endpoint_request_func as erf
 
-from bench import ollama_backend as ob
+from bench.run import ollama_backend as ob
 
 
 def _line(content: str = "", thinking: str = "", **extra: Any) -> bytes:

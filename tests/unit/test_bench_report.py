@@ -1,4 +1,4 @@
-"""The pure parts of the benchmark (bench/report.py, bench/scenarios.py): no servers."""
+"""The pure parts of the benchmark (bench/report/, bench/scenarios.py): no servers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench import report as rp
-from bench import targets as tg
+from bench.report import targets as tg
 from bench.scenarios import (
     ALONE_POINT,
     CONCURRENCY,
@@ -710,7 +710,7 @@ def test_issue11_sweep_and_past_capacity_targets() -> None:
 def test_callers_file_is_valid_toml() -> None:
     import tomllib
 
-    from bench.servers import callers_toml
+    from bench.run.servers import callers_toml
 
     text = callers_toml({"chat": "sk-bench-1", "batch": 'k"ey'})
     assert tomllib.loads(text) == {
@@ -724,7 +724,7 @@ def test_callers_file_is_valid_toml() -> None:
 
 
 def test_has_flag_reads_whole_options() -> None:
-    from bench.servers import has_flag
+    from bench.run.servers import has_flag
 
     help_text = "usage: sluice serve [-h] [--callers CALLERS]\n  --callers-reload  x\n"
     assert has_flag(help_text, "--callers")
@@ -733,7 +733,7 @@ def test_has_flag_reads_whole_options() -> None:
 
 
 def test_client_argv_sends_the_callers_key_as_a_header(tmp_path: Path) -> None:
-    from bench import runner as rn
+    from bench.run import runner as rn
     from bench.scenarios import Job
 
     cfg = rn.RunConfig(
@@ -773,7 +773,7 @@ def test_panel_point_filters() -> None:
 
 
 def test_report_renders_the_backlog_targets_notes_and_sections(tmp_path: Path) -> None:
-    from bench import runner as rn
+    from bench.report import markdown as rn
 
     recs = _noisy_records(30.0, 150.0, 7000.0)
     md = rn.render_markdown(
@@ -1020,8 +1020,8 @@ def test_issue21_targets() -> None:
 def test_callers_file_carries_the_weights() -> None:
     import tomllib
 
+    from bench.run.servers import callers_toml
     from bench.scenarios import CALLER_WEIGHTS
-    from bench.servers import callers_toml
 
     text = callers_toml({"chat": "k1", "bulk_a": "k2", "bulk_b": "k3"}, CALLER_WEIGHTS)
     weights = {n: c["weight"] for n, c in tomllib.loads(text)["callers"].items()}
@@ -1029,7 +1029,7 @@ def test_callers_file_carries_the_weights() -> None:
 
 
 def test_report_renders_issue21_sections(tmp_path: Path) -> None:
-    from bench import runner as rn
+    from bench.report import markdown as rn
     from bench.scenarios import CHAT_MIX, SPREAD, THREE
 
     recs = _issue21_records(s_p99=6300.0, s_short=3000.0, s_three=45.0, s_bulk=9.6, per_a=3.3)
@@ -1056,7 +1056,7 @@ def test_report_renders_issue21_sections(tmp_path: Path) -> None:
 
 
 def test_bench_gives_every_system_the_step_flags_sluice_would_set(demo_model_dir: Path) -> None:
-    from bench.engine_flags import step_flags as _step_flags
+    from bench.run.engine_flags import step_flags as _step_flags
 
     flags = ["--model", str(demo_model_dir), "--max-model-len", "4096"]
     assert _step_flags(flags) == [
@@ -1070,7 +1070,7 @@ def test_bench_gives_every_system_the_step_flags_sluice_would_set(demo_model_dir
 
 
 def test_api_point_reports_the_apis_and_their_translation_cost() -> None:
-    from bench import api_point as ap
+    from bench.points import api_point as ap
 
     def run(req_s: float, cpu_ms: float, out_tok: float = 64.0) -> dict[str, float]:
         return {"req_s": req_s, "ttft_p50": 30, "ttft_p99": 90, "cpu_ms": cpu_ms,
@@ -1108,7 +1108,7 @@ def test_api_point_reports_the_apis_and_their_translation_cost() -> None:
 def test_running_summary_and_the_sampler_read_each_servers_gauge() -> None:
     """The runner's /metrics sampler sums vLLM's per-engine series (one per DP
     rank) and reads Sluice's gauge; peak and median of what it saw."""
-    from bench.runner import _running_sampler
+    from bench.run.runner import _running_sampler
 
     class Scraped:
         def __init__(self, texts: list[str]) -> None:
@@ -1268,7 +1268,7 @@ def test_issue27_targets() -> None:
 
 
 def test_nohold_is_sluice_without_its_held_backlog() -> None:
-    from bench.servers import ready_path, server_command
+    from bench.run.servers import ready_path, server_command
 
     cmd = server_command(rp.NOHOLD, 8000, ["--model", "m"], ["--window-ms", "5"])
     assert cmd == [
@@ -1298,7 +1298,7 @@ def test_front_cpu_is_the_server_process_cpu_per_completed_request() -> None:
 def test_process_cpu_seconds_reads_one_process_user_and_system_time() -> None:
     import os
 
-    from bench.servers import process_cpu_seconds
+    from bench.run.servers import process_cpu_seconds
 
     t0 = time.process_time()
     end = t0 + 0.3

@@ -1,10 +1,10 @@
-"""bench/room_sim.py, the model the room's constants were chosen on: its engine
+"""bench/points/room_sim.py, the model the room's constants were chosen on: its engine
 keeps vLLM's rules, and it tells a held backlog from none (short runs)."""
 
 from __future__ import annotations
 
 import batching
-from bench.room_sim import Engine, Req, run
+from bench.points.room_sim import Engine, Req, run
 
 
 def test_the_engine_runs_prefills_first_then_its_queue_in_order_within_kv() -> None:

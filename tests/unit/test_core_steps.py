@@ -255,7 +255,7 @@ def test_a_prompt_in_prefill_counts_only_what_is_left_of_it() -> None:
     """Rule 2 counts an unstarted prompt at what the engine still prefills of it:
     a 300-token prompt whose first 250-token chunk the last step ran has 50 left, not
     300. Counted whole until its first output, the feed held back a step's worth of
-    prompts (at the c=384 spread, modelled: bench/room_sim.py, under-fed steps 2.4-2.7%
+    prompts (at the c=384 spread, modelled: bench/points/room_sim.py, under-fed steps 2.4-2.7%
     against 0.7-1.0% counted this way)."""
     co = co_(EngineCapacity(max_seqs=64, step_tokens=1000, prefill_chunk=250))
     co.add(req("p", 300), 0.0)

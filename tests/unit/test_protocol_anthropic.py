@@ -159,7 +159,7 @@ def test_sampling_and_stop_sequences() -> None:
 
 
 def test_ignore_eos_is_honoured_as_on_chat() -> None:
-    # The benchmark point (bench/api_point.py) runs the three APIs to the same length.
+    # The benchmark point (bench/points/api_point.py) runs the three APIs to the same length.
     assert parse(messages=HI, ignore_eos=True).sampling.ignore_eos is True
     assert parse(messages=HI).sampling.ignore_eos is False
 

@@ -31,16 +31,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 
-from bench.engine_flags import DEMO_NAME, demo_flags
-from bench.fault_point import Caller, drop_flags, quantile
-from bench.report import SLUICE
-from bench.servers import Server, free_port, server_command
+from bench.points.fault_point import Caller, drop_flags, quantile
+from bench.report.cells import runs_cell, spread_cell, write_lines
+from bench.report.systems import SLUICE
+from bench.run.engine_flags import DEMO_NAME, demo_flags
+from bench.run.servers import Server, free_port, server_command
 
 CHAT = "/v1/chat/completions"
 
@@ -178,9 +180,6 @@ def one_repetition(base: str, args: argparse.Namespace, data: bytes, bodies: lis
 
 
 def report(runs: list[dict[str, Any]], raw: list[float], args: argparse.Namespace) -> list[str]:
-    def cell(vals: list[float], fmt: str = ".1f") -> str:
-        return f"{statistics.median(vals):{fmt}} [{min(vals):{fmt}}-{max(vals):{fmt}}]"
-
     def col(key: str) -> list[float]:
         return [float(r[key]) for r in runs]
 
@@ -200,21 +199,23 @@ def report(runs: list[dict[str, Any]], raw: list[float], args: argparse.Namespac
         "",
         "| | lines/s | chat TTFT p95 ms |",
         "|---|---|---|",
-        f"| chat caller alone | | {cell(col('chat_alone_p95'), '.0f')} |",
-        f"| the batch alone | {cell(col('batch_alone'))} | |",
-        f"| the batch beside the chat caller | {cell(col('batch_beside'))} "
-        f"| {cell(col('chat_beside_p95'), '.0f')} |",
-        f"| the same lines closed loop, c={args.concurrency} | {cell(col('closed_loop'))} | |",
-        f"| `vllm run-batch` | {cell(raw)} | |",
+        f"| chat caller alone | | {runs_cell(runs, 'chat_alone_p95', '.0f')} |",
+        f"| the batch alone | {runs_cell(runs, 'batch_alone', '.1f')} | |",
+        f"| the batch beside the chat caller | {runs_cell(runs, 'batch_beside', '.1f')} "
+        f"| {runs_cell(runs, 'chat_beside_p95', '.0f')} |",
+        f"| the same lines closed loop, c={args.concurrency} "
+        f"| {runs_cell(runs, 'closed_loop', '.1f')} | |",
+        f"| `vllm run-batch` | {spread_cell(raw, '.1f')} | |",
         "",
-        f"* chat TTFT p95 beside the batch: {cell(beside_ratio, '.2f')}x alone (target <= 1.5x); "
+        f"* chat TTFT p95 beside the batch: {spread_cell(beside_ratio, '.2f')}x alone "
+        "(target <= 1.5x); "
         f"{sum(int(r['chat_failed']) for r in runs)} failed chat turns.",
-        f"* the batch's lines/s: {cell(vs_closed, '.2f')}x the same lines closed loop "
+        f"* the batch's lines/s: {spread_cell(vs_closed, '.2f')}x the same lines closed loop "
         f"(target >= 0.95x), {vs_raw:.2f}x `vllm run-batch` (target >= 0.9x).",
     ]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench batches", description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--lines", type=int, default=500)
@@ -253,9 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"sluice repetition: {runs[-1]}", flush=True)
             raw.append(run_vllm_batch(workdir / "in.jsonl", workdir, args.lines))
             print(f"vllm run-batch: {raw[-1]:.1f} lines/s", flush=True)
-    out = report(runs, raw, args)
-    args.out.write_text("\n".join(out) + "\n")
-    print("\n".join(out))
+    write_lines(args.out, report(runs, raw, args))
     return 0
 
 

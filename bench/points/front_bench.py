@@ -20,7 +20,7 @@ and per output, less the stand-in's own step work (timed on its thread), and
 req/s. It is a stand-in only here, to price the front alone: every test of the
 front against an engine runs the real one (tests/integration).
 
-    python -m bench.front_bench [--points 128x64,512x32] [--requests 512,1536] [--repeat 3]
+    python -m bench.points.front_bench [--points 128x64,512x32] [--requests 512,1536] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import dataclasses
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -292,7 +291,7 @@ async def _serve_point(
     from aiohttp import web
 
     from batching import CoalescerConfig
-    from bench.servers import HOST, free_port
+    from bench.run.servers import HOST, free_port
     from server.app import build_app
     from server.settings import Settings
 
@@ -314,7 +313,7 @@ async def _serve_point(
             cmd = [
                 sys.executable,
                 "-m",
-                "bench.front_bench",
+                "bench.points.front_bench",
                 "--client",
                 f"http://{HOST}:{port}/v1/completions",
                 str(concurrency),
@@ -409,10 +408,12 @@ def _run(
                 print(json.dumps(dataclasses.asdict(r)), flush=True)
     finally:
         listener.stop()
+    from bench.report.cells import spread_cell
+
     for (c, o), rs in results.items():
 
         def cell(vals: list[float]) -> str:
-            return f"{statistics.median(vals):.2f} [{min(vals):.2f}-{max(vals):.2f}]"
+            return spread_cell(vals, ".2f")
 
         print(
             f"c={c}, {o} out: front CPU {cell([r.cpu_ms_per_request for r in rs])} ms/request "

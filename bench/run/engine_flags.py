@@ -1,8 +1,8 @@
 """The engine flags a benchmark gives every system it compares: the offline demo
 model's, and the engine-step flags `sluice serve` would set.
 
-Why it exists: `python -m bench` and the benchmark points (bench/api_point.py,
-bench/embed_point.py, ...) all start servers with these flags; here, below all of
+Why it exists: `python -m bench` and the benchmark points (bench/points/api_point.py,
+bench/points/embed_point.py, ...) all start servers with these flags; here, below all of
 them, none of them imports another's command line for it.
 """
 

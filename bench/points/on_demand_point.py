@@ -15,7 +15,7 @@ start, the same engine start and its API server. Per repetition, alternating:
 - vLLM's server with the same engine flags: from `Popen` to its first answer
   on /health (polled every 0.5 s), plus the first streamed turn's first token.
 
-    python -m bench.on_demand_point [--repeat 3] [--out bench/results/on-demand-cpu.md]
+    python -m bench.points.on_demand_point [--repeat 3] [--out bench/results/on-demand-cpu.md]
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ from pathlib import Path
 import httpx
 import orjson
 
-from bench.engine_flags import demo_flags
-from bench.models_point import MODELS  # chat at start, spare on demand
-from bench.report import SLUICE, VLLM
-from bench.servers import Server, free_port, server_command
+from bench.points.models_point import MODELS  # chat at start, spare on demand
+from bench.report.cells import spread_cell, write_lines
+from bench.report.systems import SLUICE, VLLM
+from bench.run.engine_flags import demo_flags
+from bench.run.servers import Server, free_port, server_command
 
 
 def first_token(base: str, model: str) -> float:
@@ -95,13 +96,13 @@ def main() -> int:
                 runs[system].append(run(work))
 
     def cell(v: list[float]) -> str:
-        return f"{statistics.median(v):.1f} [{min(v):.1f}-{max(v):.1f}]"
+        return spread_cell(v, ".1f")
 
     ratio = statistics.median(runs[SLUICE]) / statistics.median(runs[VLLM])
     lines = [
         "# First token of an on-demand model against a cold `vllm serve` (issue 30)",
         "",
-        f"`python -m bench.on_demand_point --repeat {args.repeat}`: the demo model, eager, "
+        f"`python -m bench.points.on_demand_point --repeat {args.repeat}`: the demo model, eager, "
         "64 MiB of KV cache, on this machine's CPU; systems alternate per repetition; "
         "seconds, median [min-max].",
         "",
@@ -112,8 +113,7 @@ def main() -> int:
         "",
         f"* Sluice's on-demand first token: {ratio:.2f}x a cold `vllm serve`.",
     ]
-    args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_lines(args.out, lines)
     return 0
 
 

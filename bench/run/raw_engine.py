@@ -10,7 +10,7 @@ servers apply them to requests that set none.
 
 Run as a subprocess (vLLM spawns engine processes, hence the main guard):
 
-    python bench/raw_engine.py --jobs jobs.json --out out.json -- <engine flags>
+    python bench/run/raw_engine.py --jobs jobs.json --out out.json -- <engine flags>
 
 jobs.json: a list of {"point", "rep", "concurrency", "client_args": [...]}, the
 client flags exactly as given to `vllm bench serve` for that point and rep.

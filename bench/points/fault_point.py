@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,9 +44,10 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench.engine_flags import DEMO_NAME, demo_flags
-from bench.report import SLUICE, VLLM
-from bench.servers import HOST, Server, free_port, kill_group, server_command
+from bench.report.cells import runs_cell, spread_cell, write_lines
+from bench.report.systems import SLUICE, VLLM
+from bench.run.engine_flags import DEMO_NAME, demo_flags
+from bench.run.servers import HOST, Server, free_port, kill_group, server_command
 
 JSON = {"content-type": "application/json"}
 _TOKEN_KEYS = ("content", "reasoning_content", "reasoning")  # a chunk that carries a token
@@ -252,11 +254,11 @@ def drop_flags(flags: list[str], *names: str) -> list[str]:
 
 
 def report(runs: list[dict[str, Any]], cold: dict[str, list[float]], repeat: int) -> list[str]:
-    def cell(vals: list[float], fmt: str = ".0f") -> str:
-        return f"{statistics.median(vals):{fmt}} [{min(vals):{fmt}}-{max(vals):{fmt}}]"
-
     def col(key: str) -> list[float]:
         return [float(r[key]) for r in runs]
+
+    def ms(key: str) -> str:
+        return runs_cell(runs, key, ".0f")
 
     ratio = [r["fault_p95"] / r["calm_p95"] for r in runs]
     back = statistics.median(col("back_s"))
@@ -274,19 +276,19 @@ def report(runs: list[dict[str, Any]], cold: dict[str, list[float]], repeat: int
         "",
         "| | chat TTFT p50 ms | chat TTFT p95 ms | chat turns | failed on chat |",
         "|---|---|---|---|---|",
-        f"| calm | {cell(col('calm_p50'))} | {cell(col('calm_p95'))} | | |",
-        f"| during the fault | {cell(col('fault_p50'))} | {cell(col('fault_p95'))} "
-        f"| {cell(col('fault_turns'))} | {sum(int(r['failed']) for r in runs)} |",
+        f"| calm | {ms('calm_p50')} | {ms('calm_p95')} | | |",
+        f"| during the fault | {ms('fault_p50')} | {ms('fault_p95')} "
+        f"| {ms('fault_turns')} | {sum(int(r['failed']) for r in runs)} |",
         "",
-        f"* chat TTFT p95 during the fault: {cell(ratio, '.2f')}x calm (target <= 1.5x); "
+        f"* chat TTFT p95 during the fault: {spread_cell(ratio, '.2f')}x calm (target <= 1.5x); "
         f"{sum(int(r['failed']) for r in runs)} failed chat requests (target 0).",
         "",
         "| from | to a first token, s |",
         "|---|---|",
-        f"| `other`'s death, restarted in-process | {cell(col('back_s'), '.1f')} |",
+        f"| `other`'s death, restarted in-process | {runs_cell(runs, 'back_s', '.1f')} |",
     ]
     for system, name in ((SLUICE, "a cold `sluice serve`"), (VLLM, "a cold `vllm serve`")):
-        lines.append(f"| {name}'s exec | {cell(cold[system], '.1f')} |")
+        lines.append(f"| {name}'s exec | {spread_cell(cold[system], '.1f')} |")
     lines += [
         "",
         f"* death to first token: {back / statistics.median(cold[SLUICE]):.2f}x a cold "
@@ -299,7 +301,7 @@ def report(runs: list[dict[str, Any]], cold: dict[str, list[float]], repeat: int
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench faults", description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--calm", type=float, default=15.0, help="seconds of the calm phase")
@@ -317,9 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             for system in (SLUICE, VLLM) if i % 2 == 0 else (VLLM, SLUICE):
                 cold[system].append(cold_start(system, workdir))
                 print(f"cold {system}: {cold[system][-1]:.1f} s", flush=True)
-    lines = report(runs, cold, args.repeat)
-    args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_lines(args.out, report(runs, cold, args.repeat))
     return 0
 
 

@@ -7,8 +7,8 @@ under 5% of its req/s and 10% of its front CPU. One server at a time
 (Sluice, then vLLM's own server, which serves all but Ollama's API, with the
 same engine flags: the demo model unless given), the same random prompts (128
 in, 64 out, `ignore_eos`) at concurrency 32 through `vllm bench serve`
-(backends `openai-chat`, `openai-responses`, bench/messages_backend.py's
-`anthropic-messages` and bench/ollama_backend.py's `ollama-chat`), the APIs
+(backends `openai-chat`, `openai-responses`, bench/run/messages_backend.py's
+`anthropic-messages` and bench/run/ollama_backend.py's `ollama-chat`), the APIs
 in a rotated order each of the `--repeat` rounds. Reported per API: req/s,
 TTFT p50 and p99 (every client times the first token: chat's role frame goes
 out with it on both servers), output tokens per request, and front CPU per
@@ -16,7 +16,7 @@ request: the CPU seconds of the server's own process (not its engine-core
 child) over the run, divided by the requests. Thinking is off in every body
 (`chat_template_kwargs` / `reasoning.effort` / `thinking.type` / `think`).
 
-    python -m bench.api_point [--repeat 3] [--prompts 256] [--out bench/results/apis-cpu.md]
+    python -m bench.points.api_point [--repeat 3] [--prompts 256] [--out bench/results/apis-cpu.md]
     ./scripts/bench apis [--apis chat,ollama --systems sluice ...]   # the same
 """
 
@@ -25,17 +25,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.engine_flags import demo_flags
-from bench.report import SLUICE, VLLM
-from bench.servers import Server, free_port, server_command
-from bench.vllm_client import main as bench_serve
+from bench.report.cells import median, runs_cell, write_lines
+from bench.report.systems import SLUICE, VLLM
+from bench.run.engine_flags import demo_flags
+from bench.run.servers import Server, free_port, server_command
+from bench.run.vllm_client import main as bench_serve
 
 APIS = {
     "chat": (
@@ -124,18 +124,13 @@ def _run(server: Server, api: str, tokenizer: str, prompts: int, seed: int, out:
 
 def _row(name: str, runs: list[dict[str, Any]]) -> str:
     def cell(key: str, fmt: str) -> str:
-        vals = [r[key] for r in runs]
-        return f"{statistics.median(vals):{fmt}} [{min(vals):{fmt}}-{max(vals):{fmt}}]"
+        return runs_cell(runs, key, fmt)
 
     return (
         f"| {name} | {cell('req_s', '.1f')} | {cell('ttft_p50', '.0f')} | "
         f"{cell('ttft_p99', '.0f')} | {cell('out_tok', '.1f')} | {cell('cpu_ms', '.2f')} | "
         f"{sum(r['failed'] for r in runs)} |"
     )
-
-
-def _median(runs: list[dict[str, Any]], key: str) -> float:
-    return float(statistics.median(r[key] for r in runs))
 
 
 def translation_cost(results: dict[tuple[str, str], list[dict[str, Any]]]) -> list[str]:
@@ -148,8 +143,8 @@ def translation_cost(results: dict[tuple[str, str], list[dict[str, Any]]]) -> li
             runs = results.get((system, api))
             if not chat or not runs:
                 continue
-            ratio = _median(runs, "req_s") / _median(chat, "req_s")
-            cpu, cpu_chat = _median(runs, "cpu_ms"), _median(chat, "cpu_ms")
+            ratio = median(runs, "req_s") / median(chat, "req_s")
+            cpu, cpu_chat = median(runs, "cpu_ms"), median(chat, "cpu_ms")
             extra = cpu / cpu_chat - 1
             budget = CPU_BUDGET.get(api)
             cpu_verdict = (
@@ -177,12 +172,12 @@ def report(
         "# Chat, Responses, Anthropic Messages and Ollama's chat, on Sluice and vLLM's "
         "own server (issues 17 and 31)",
         "",
-        f"`python -m bench.api_point --repeat {repeat} --prompts {prompts} --apis "
+        f"`python -m bench.points.api_point --repeat {repeat} --prompts {prompts} --apis "
         f"{','.join(apis)} --systems {','.join(systems)}`: the demo "
         "model on CPU, random prompts of 128 tokens in and 64 out (`ignore_eos`), "
         "concurrency 32, `vllm bench serve` with the `openai-chat`, `openai-responses`, "
-        "`anthropic-messages` (bench/messages_backend.py) and `ollama-chat` "
-        "(bench/ollama_backend.py; Sluice only) backends, the APIs in a "
+        "`anthropic-messages` (bench/run/messages_backend.py) and `ollama-chat` "
+        "(bench/run/ollama_backend.py; Sluice only) backends, the APIs in a "
         "rotated order each round; medians [min-max] over the repetitions. TTFT is the "
         "first token on every API (chat's role frame goes out with it, Responses' first "
         "text delta, Messages' first text or thinking `content_block_delta`, Ollama's "
@@ -230,8 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         _run(srv, api, tokenizer, ns.prompts, rep, out)
                     )
     lines = report(results, ns.repeat, ns.prompts, chosen, ns.systems.split(","))
-    ns.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_lines(ns.out, lines)
     return 0
 
 

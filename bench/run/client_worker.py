@@ -3,7 +3,7 @@
 Why it exists: importing `vllm.benchmarks.serve` costs about 6.5 s of CPU on the
 2-core machines; a full run has ~80 client runs, so a fresh process per run
 would spend ~9 minutes importing, on the cores the servers need. A worker
-imports once and then calls the client's own `main` (through bench/vllm_client.py)
+imports once and then calls the client's own `main` (through bench/run/vllm_client.py)
 for each job. The mixed-load scenario runs three workers at once, so its three
 classes of requests start together instead of after three staggered imports.
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 def _run(argv: list[str], log: str) -> tuple[int, str | None]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import vllm_client  # bench/vllm_client.py
+    import vllm_client  # bench/run/vllm_client.py
 
     sys.stdout.flush()
     sys.stderr.flush()

@@ -20,7 +20,7 @@ group keys (a base model and LoRA adapters).
 
 No dedupe fingerprints.
 
-Run: `python bench/core_bench.py`.
+Run: `python bench/points/core_bench.py`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from batching import Coalescer, CoalescerConfig, EngineCapacity, Request, group_key
 

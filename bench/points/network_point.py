@@ -22,7 +22,8 @@ test CA through SSL_CERT_FILE (this process only); the load generator runs
 with `--insecure` (it encrypts, without checking the certificate); the
 receiver's CPU is this process's, not the server's.
 
-    python -m bench.network_point [--repeat 3] [--prompts 256] [--out bench/results/network-cpu.md]
+    python -m bench.points.network_point [--repeat 3] [--prompts 256] \
+        [--out bench/results/network-cpu.md]
     ./scripts/bench network [...]   # the same
 """
 
@@ -32,7 +33,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import sys
 import tempfile
 import threading
@@ -42,11 +42,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.api_point import result_args
-from bench.engine_flags import demo_flags
-from bench.report import SLUICE, VLLM
-from bench.servers import HOST, Server, free_port, server_command
-from bench.vllm_client import main as bench_serve
+from bench.points.api_point import result_args
+from bench.report.cells import median, runs_cell, write_lines
+from bench.report.systems import SLUICE, VLLM
+from bench.run.engine_flags import demo_flags
+from bench.run.servers import HOST, Server, free_port, server_command
+from bench.run.vllm_client import main as bench_serve
 
 CONFIGS = ("plain", "tls", "traces")
 
@@ -173,15 +174,6 @@ def _run(server: Server, tokenizer: str, prompts: int, seed: int, out: Path) -> 
     }
 
 
-def _cell(runs: list[dict[str, Any]], key: str, fmt: str) -> str:
-    vals = [r[key] for r in runs]
-    return f"{statistics.median(vals):{fmt}} [{min(vals):{fmt}}-{max(vals):{fmt}}]"
-
-
-def _median(runs: list[dict[str, Any]], key: str) -> float:
-    return float(statistics.median(r[key] for r in runs))
-
-
 def report(
     results: dict[tuple[str, str], list[dict[str, Any]]],
     spans: dict[tuple[str, str], int],
@@ -192,7 +184,7 @@ def report(
         "# What TLS and OpenTelemetry traces cost the front, on Sluice and vLLM's own "
         "server (issue 44)",
         "",
-        f"`python -m bench.network_point --repeat {repeat} --prompts {prompts}`: the demo "
+        f"`python -m bench.points.network_point --repeat {repeat} --prompts {prompts}`: the demo "
         "model on CPU, random prompts of 128 tokens in and 64 out (`ignore_eos`), "
         "concurrency 32, `vllm bench serve --backend openai-chat`; each server in each "
         "configuration is its own start, with the runs of one start in a row; medians "
@@ -210,9 +202,9 @@ def report(
         done = sum(r["done"] for r in runs)
         per = spans.get((system, config), 0) / max(done, 1)
         lines.append(
-            f"| {system} | {config} | {_cell(runs, 'req_s', '.1f')} | "
-            f"{_cell(runs, 'ttft_p50', '.0f')} | {_cell(runs, 'ttft_p99', '.0f')} | "
-            f"{_cell(runs, 'cpu_ms', '.2f')} | {per:.2f} | "
+            f"| {system} | {config} | {runs_cell(runs, 'req_s', '.1f')} | "
+            f"{runs_cell(runs, 'ttft_p50', '.0f')} | {runs_cell(runs, 'ttft_p99', '.0f')} | "
+            f"{runs_cell(runs, 'cpu_ms', '.2f')} | {per:.2f} | "
             f"{sum(r['failed'] for r in runs)} |"
         )
     lines += ["", "Against the same server's `plain` (medians):", ""]
@@ -222,8 +214,8 @@ def report(
             got = results.get((system, config))
             if base is None or got is None:
                 continue
-            rate = _median(got, "req_s") / _median(base, "req_s")
-            cpu, cpu0 = _median(got, "cpu_ms"), _median(base, "cpu_ms")
+            rate = median(got, "req_s") / median(base, "req_s")
+            cpu, cpu0 = median(got, "cpu_ms"), median(base, "cpu_ms")
             lines.append(
                 f"* {system} {config}: req/s {rate:.3f}x; front CPU {cpu:.2f} against "
                 f"{cpu0:.2f} ms/req ({cpu - cpu0:+.2f} ms, {100 * (cpu / cpu0 - 1):+.1f}%)."
@@ -277,8 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # Stopped: its exporter flushed what it still held.
                 spans[(system, config)] = receiver.spans - before
     lines = report(results, spans, ns.repeat, ns.prompts)
-    ns.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_lines(ns.out, lines)
     return 0
 
 

@@ -11,7 +11,8 @@ request), `--repeat` rounds per server. Reported per server: req/s, latency
 p50 and p99 (the whole request: an embedding has no first token), and front
 CPU per request (the server process, its engine core excluded).
 
-    python -m bench.embed_point [--repeat 3] [--prompts 2048] [--out bench/results/embed-cpu.md]
+    python -m bench.points.embed_point [--repeat 3] [--prompts 2048] \
+        [--out bench/results/embed-cpu.md]
 """
 
 from __future__ import annotations
@@ -19,17 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.api_point import result_args
-from bench.engine_flags import demo_flags
-from bench.report import SLUICE, VLLM
-from bench.servers import Server, free_port, process_cpu_seconds, server_command
-from bench.vllm_client import main as bench_serve
+from bench.points.api_point import result_args
+from bench.report.cells import median, runs_cell, write_lines
+from bench.report.systems import SLUICE, VLLM
+from bench.run.engine_flags import demo_flags
+from bench.run.servers import Server, free_port, process_cpu_seconds, server_command
+from bench.run.vllm_client import main as bench_serve
 
 MODEL = "sluice-demo-embed"
 POOLING = ["--runner", "pooling", "--convert", "embed"]
@@ -75,19 +76,11 @@ def _run(server: Server, args: argparse.Namespace, tokenizer: str, seed: int, ou
     }
 
 
-def _median(runs: list[dict[str, Any]], key: str) -> float:
-    return float(statistics.median(r[key] for r in runs))
-
-
 def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> list[str]:
-    def cell(runs: list[dict[str, Any]], key: str, fmt: str) -> str:
-        vals = [r[key] for r in runs]
-        return f"{statistics.median(vals):{fmt}} [{min(vals):{fmt}}-{max(vals):{fmt}}]"
-
     lines = [
         "# Embeddings, one short string per request, on Sluice and vLLM's own server (issue 30)",
         "",
-        f"`python -m bench.embed_point --repeat {args.repeat} --prompts {args.prompts} "
+        f"`python -m bench.points.embed_point --repeat {args.repeat} --prompts {args.prompts} "
         f"--concurrency {args.concurrency} --input-len {args.input_len}"
         + (f" --sluice-flags '{args.sluice_flags}'" if args.sluice_flags else "")
         + "`: the demo model "
@@ -100,15 +93,15 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
         "|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {system} | {cell(runs, 'req_s', '.1f')} | {cell(runs, 'p50', '.0f')} | "
-        f"{cell(runs, 'p99', '.0f')} | {cell(runs, 'cpu_ms', '.2f')} | "
+        f"| {system} | {runs_cell(runs, 'req_s', '.1f')} | {runs_cell(runs, 'p50', '.0f')} | "
+        f"{runs_cell(runs, 'p99', '.0f')} | {runs_cell(runs, 'cpu_ms', '.2f')} | "
         f"{sum(r['failed'] for r in runs)} |"
         for system, runs in results.items()
     ]
     ours, theirs = results.get(SLUICE), results.get(VLLM)
     if ours and theirs:
-        rps = _median(ours, "req_s") / _median(theirs, "req_s")
-        p99 = _median(ours, "p99") / _median(theirs, "p99")
+        rps = median(ours, "req_s") / median(theirs, "req_s")
+        p99 = median(ours, "p99") / median(theirs, "p99")
         lines += [
             "",
             f"* req/s {rps:.2f}x vLLM's server (target >= 1.2x); p99 {p99:.2f}x (target <= 1.0x).",
@@ -142,8 +135,7 @@ def main() -> int:
                 out = tmp / f"{system}-{rep}.json"
                 results.setdefault(system, []).append(_run(srv, args, tokenizer, rep, out))
     lines = report(results, args)
-    args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_lines(args.out, lines)
     return 0
 
 

@@ -25,11 +25,11 @@ room gives 39.7 req/s and TTFT p99 9.8 s at the c=384 spread (measured: 39.8 and
 at once (--nohold) 43.7 req/s (vLLM's server measured 43.1, Sluice's
 --no-hold-backlog 44.9).
 
-    python -m bench.room_sim spread              # this checkout's core
-    python -m bench.room_sim spread --requests 1152   # the benchmark's count, tail included
-    python -m bench.room_sim noisy --set long_prefills=0
-    python -m bench.room_sim three --core /tmp/old   # an older `batching` package
-    python -m bench.room_sim three --slower 3        # every step 3x longer
+    python -m bench.points.room_sim spread              # this checkout's core
+    python -m bench.points.room_sim spread --requests 1152   # the benchmark's count, tail included
+    python -m bench.points.room_sim noisy --set long_prefills=0
+    python -m bench.points.room_sim three --core /tmp/old   # an older `batching` package
+    python -m bench.points.room_sim three --slower 3        # every step 3x longer
 """
 
 from __future__ import annotations

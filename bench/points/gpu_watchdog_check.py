@@ -15,7 +15,7 @@ child's CUDA context exists): chunk = free/12 (256 MiB..8 GiB), shed below
 (time, torch allocated, NVML free, nvidia-smi free, state); exit 0 on pass,
 1 on fail, 2 when it cannot run. Bounded: 170 s overall.
 
-    python bench/gpu_watchdog_check.py [--device 0]
+    python bench/points/gpu_watchdog_check.py [--device 0]
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.child:
         return child_main()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
     async def bounded() -> int:
         try:

@@ -12,7 +12,7 @@ token-id prompts with `ignore_eos`, one engine per variant and repetition, the
 variants alternated. Reported: this process's CPU time (all threads; the engine
 cores are child processes and are not counted) per completed request.
 
-    python -m bench.output_path_bench [--points 128x128x64,512x64x32] [--repeat 3] [-- FLAGS]
+    python -m bench.points.output_path_bench [--points 128x128x64,512x64x32] [--repeat 3] [-- FLAGS]
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--points takes CxPxO triples and --requests one count per point")
     points = [(c, p, o, n) for (c, p, o), n in zip(dims, counts, strict=True)]
     if not engine:
-        from bench.engine_flags import demo_flags, step_flags
+        from bench.run.engine_flags import demo_flags, step_flags
 
         engine, _ = demo_flags()
         engine += step_flags(engine)

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from bench import report as rp
+from bench.report.client import Spread, ratio
+from bench.report.systems import NOHOLD, RAW, SLUICE, VLLM
+from bench.report.tables import Record, Table, aggregate
 from bench.scenarios import (
     ALONE_POINT,
     CHAT_MIX,
@@ -41,37 +43,35 @@ Row = tuple[str, str, str]
 NOISE = 0.9  # a throughput ratio at or above this is within run-to-run noise
 
 
-def _get(
-    records: Sequence[rp.Record], sc: str, point: str, system: str, m: str
-) -> rp.Spread | None:
-    return rp.aggregate(records, sc).get(point, system, m)
+def _get(records: Sequence[Record], sc: str, point: str, system: str, m: str) -> Spread | None:
+    return aggregate(records, sc).get(point, system, m)
 
 
-def issue7(records: Sequence[rp.Record]) -> list[Row]:
+def issue7(records: Sequence[Record]) -> list[Row]:
     """Issue 7: throughput and latency against vLLM's server and the raw engine."""
     rows: list[Row] = []
 
-    def get(sc: str, point: str, system: str, m: str) -> rp.Spread | None:
+    def get(sc: str, point: str, system: str, m: str) -> Spread | None:
         return _get(records, sc, point, system, m)
 
     for c in ("c=32", "c=128"):
-        s, v = get(CONCURRENCY, c, rp.SLUICE, "req_s"), get(CONCURRENCY, c, rp.VLLM, "req_s")
-        r = rp.ratio(s, v)
+        s, v = get(CONCURRENCY, c, SLUICE, "req_s"), get(CONCURRENCY, c, VLLM, "req_s")
+        r = ratio(s, v)
         if r is not None:
             rows.append(
                 (f"{c}: Sluice req/s >= 1.3x vLLM", f"{r:.2f}x", "met" if r >= 1.3 else "MISSED")
             )
         s99, v99 = (
-            get(CONCURRENCY, c, rp.SLUICE, "ttft_p99"),
-            get(CONCURRENCY, c, rp.VLLM, "ttft_p99"),
+            get(CONCURRENCY, c, SLUICE, "ttft_p99"),
+            get(CONCURRENCY, c, VLLM, "ttft_p99"),
         )
-        r = rp.ratio(s99, v99)
+        r = ratio(s99, v99)
         if r is not None:
             rows.append(
                 (f"{c}: Sluice TTFT p99 <= vLLM", f"{r:.2f}x", "met" if r <= 1.0 else "MISSED")
             )
-        raw = get(CONCURRENCY, c, rp.RAW, "req_s")
-        r = rp.ratio(s, raw)
+        raw = get(CONCURRENCY, c, RAW, "req_s")
+        r = ratio(s, raw)
         if r is not None:
             rows.append(
                 (
@@ -81,21 +81,21 @@ def issue7(records: Sequence[rp.Record]) -> list[Row]:
                 )
             )
     s, v = (
-        get(CONCURRENCY, "c=1", rp.SLUICE, "ttft_p50"),
-        get(CONCURRENCY, "c=1", rp.VLLM, "ttft_p50"),
+        get(CONCURRENCY, "c=1", SLUICE, "ttft_p50"),
+        get(CONCURRENCY, "c=1", VLLM, "ttft_p50"),
     )
     if s is not None and v is not None:
         d = s.median - v.median
         rows.append(
             ("c=1: Sluice TTFT p50 <= vLLM + 1 ms", f"{d:+.1f} ms", "met" if d <= 1.0 else "MISSED")
         )
-    mixed = rp.aggregate(records, MIXED)
+    mixed = aggregate(records, MIXED)
     for point in mixed.points:
         s, v = (
-            mixed.get(point, rp.SLUICE, "short_ttft_p95"),
-            mixed.get(point, rp.VLLM, "short_ttft_p95"),
+            mixed.get(point, SLUICE, "short_ttft_p95"),
+            mixed.get(point, VLLM, "short_ttft_p95"),
         )
-        r = rp.ratio(v, s)
+        r = ratio(v, s)
         if r is not None:
             rows.append(
                 (
@@ -105,11 +105,11 @@ def issue7(records: Sequence[rp.Record]) -> list[Row]:
                 )
             )
     for sc in (PREFIX, IDENTICAL):
-        tab = rp.aggregate(records, sc)
+        tab = aggregate(records, sc)
         for point in tab.points:
             s, v = (
-                tab.get(point, rp.SLUICE, "prefill_tokens"),
-                tab.get(point, rp.VLLM, "prefill_tokens"),
+                tab.get(point, SLUICE, "prefill_tokens"),
+                tab.get(point, VLLM, "prefill_tokens"),
             )
             if s is not None and v is not None:
                 rows.append(
@@ -126,14 +126,14 @@ def _ms(x: float) -> str:
     return f"{x:,.0f} ms" if x >= 10 else f"{x:.1f} ms"
 
 
-def issue11(records: Sequence[rp.Record]) -> list[Row]:
+def issue11(records: Sequence[Record]) -> list[Row]:
     """Issue 11: the held backlog (noisy neighbour, mixed load past capacity, the sweep)."""
     rows: list[Row] = []
-    noisy = rp.aggregate(records, NOISY)
-    alone = noisy.get(ALONE_POINT, rp.SLUICE, "chat_ttft_p95")
-    flood = noisy.get(FLOOD_POINT, rp.SLUICE, "chat_ttft_p95")
-    v_alone = noisy.get(ALONE_POINT, rp.VLLM, "chat_ttft_p95")
-    v_flood = noisy.get(FLOOD_POINT, rp.VLLM, "chat_ttft_p95")
+    noisy = aggregate(records, NOISY)
+    alone = noisy.get(ALONE_POINT, SLUICE, "chat_ttft_p95")
+    flood = noisy.get(FLOOD_POINT, SLUICE, "chat_ttft_p95")
+    v_alone = noisy.get(ALONE_POINT, VLLM, "chat_ttft_p95")
+    v_flood = noisy.get(FLOOD_POINT, VLLM, "chat_ttft_p95")
     if alone is not None and flood is not None and alone.median > 0:
         bound = max(3 * alone.median, alone.median + 150)
         rows.append(
@@ -144,7 +144,7 @@ def issue11(records: Sequence[rp.Record]) -> list[Row]:
                 "met" if flood.median <= bound else "MISSED",
             )
         )
-    r = rp.ratio(v_flood, flood)
+    r = ratio(v_flood, flood)
     if r is not None and flood is not None and v_flood is not None:
         v_note = f", vLLM {_ms(v_alone.median)} alone" if v_alone is not None else ""
         rows.append(
@@ -154,9 +154,9 @@ def issue11(records: Sequence[rp.Record]) -> list[Row]:
                 "met" if r >= 5 else "MISSED",
             )
         )
-    refused = noisy.get(FLOOD_POINT, rp.SLUICE, "chat_failed")
+    refused = noisy.get(FLOOD_POINT, SLUICE, "chat_failed")
     if refused is not None:
-        sent = noisy.get(FLOOD_POINT, rp.SLUICE, "chat_completed")
+        sent = noisy.get(FLOOD_POINT, SLUICE, "chat_completed")
         of = f" of {refused.high + sent.high:.0f}" if sent is not None else ""
         rows.append(
             (
@@ -165,12 +165,12 @@ def issue11(records: Sequence[rp.Record]) -> list[Row]:
                 "met" if refused.high == 0 else "MISSED",
             )
         )
-    s_fl = noisy.get(FLOOD_POINT, rp.SLUICE, "flood_span_req_s")
-    v_fl = noisy.get(FLOOD_POINT, rp.VLLM, "flood_span_req_s")
-    r = rp.ratio(s_fl, v_fl)
+    s_fl = noisy.get(FLOOD_POINT, SLUICE, "flood_span_req_s")
+    v_fl = noisy.get(FLOOD_POINT, VLLM, "flood_span_req_s")
+    r = ratio(s_fl, v_fl)
     if r is not None and s_fl is not None and v_fl is not None:
-        s_n = noisy.get(FLOOD_POINT, rp.SLUICE, "flood_span_completed")
-        v_n = noisy.get(FLOOD_POINT, rp.VLLM, "flood_span_completed")
+        s_n = noisy.get(FLOOD_POINT, SLUICE, "flood_span_completed")
+        v_n = noisy.get(FLOOD_POINT, VLLM, "flood_span_completed")
         done = f"; {s_n.median:.0f} vs {v_n.median:.0f} completed" if s_n and v_n else ""
         rows.append(
             (
@@ -193,13 +193,13 @@ def issue11(records: Sequence[rp.Record]) -> list[Row]:
                 "ok" if min(shares) >= 0.8 else "SET-UP: the flood ran beside too few",
             )
         )
-    past = rp.aggregate(records, PAST_CAPACITY)
+    past = aggregate(records, PAST_CAPACITY)
     for point in past.points:
         s, v = (
-            past.get(point, rp.SLUICE, "short_ttft_p95"),
-            past.get(point, rp.VLLM, "short_ttft_p95"),
+            past.get(point, SLUICE, "short_ttft_p95"),
+            past.get(point, VLLM, "short_ttft_p95"),
         )
-        r = rp.ratio(v, s)
+        r = ratio(v, s)
         if r is not None and s is not None and v is not None:
             rows.append(
                 (
@@ -209,7 +209,7 @@ def issue11(records: Sequence[rp.Record]) -> list[Row]:
                 )
             )
         # a refused request is not a fast one: the percentiles count answers only
-        refused = past.get(point, rp.SLUICE, "failed")
+        refused = past.get(point, SLUICE, "failed")
         if refused is not None:
             rows.append(
                 (
@@ -218,9 +218,9 @@ def issue11(records: Sequence[rp.Record]) -> list[Row]:
                     "met" if refused.high == 0 else "MISSED",
                 )
             )
-    conc = rp.aggregate(records, CONCURRENCY)
+    conc = aggregate(records, CONCURRENCY)
     for c in ("c=1", "c=32", "c=128"):
-        r = rp.ratio(conc.get(c, rp.SLUICE, "req_s"), conc.get(c, rp.VLLM, "req_s"))
+        r = ratio(conc.get(c, SLUICE, "req_s"), conc.get(c, VLLM, "req_s"))
         if r is not None:
             rows.append(
                 (
@@ -229,8 +229,8 @@ def issue11(records: Sequence[rp.Record]) -> list[Row]:
                     "met" if r >= NOISE else "MISSED",
                 )
             )
-    s, v = conc.get(WIDE_POINT, rp.SLUICE, "req_s"), conc.get(WIDE_POINT, rp.VLLM, "req_s")
-    r = rp.ratio(s, v)
+    s, v = conc.get(WIDE_POINT, SLUICE, "req_s"), conc.get(WIDE_POINT, VLLM, "req_s")
+    r = ratio(s, v)
     if r is not None and s is not None and v is not None:
         verdict = "met" if r >= 1.0 else "parity within noise" if r >= NOISE else "MISSED"
         rows.append(
@@ -240,8 +240,8 @@ def issue11(records: Sequence[rp.Record]) -> list[Row]:
                 verdict,
             )
         )
-    s, v = conc.get(WIDE_POINT, rp.SLUICE, "ttft_p99"), conc.get(WIDE_POINT, rp.VLLM, "ttft_p99")
-    r = rp.ratio(s, v)
+    s, v = conc.get(WIDE_POINT, SLUICE, "ttft_p99"), conc.get(WIDE_POINT, VLLM, "ttft_p99")
+    r = ratio(s, v)
     if r is not None and s is not None and v is not None:
         rows.append(
             (
@@ -254,19 +254,19 @@ def issue11(records: Sequence[rp.Record]) -> list[Row]:
 
 
 def _row(
-    name: str, s: rp.Spread | None, v: rp.Spread | None, ok: Callable[[float], bool], unit: str
+    name: str, s: Spread | None, v: Spread | None, ok: Callable[[float], bool], unit: str
 ) -> list[Row]:
     """A Sluice/vLLM ratio row (`ok` judges the ratio of medians), or none without both."""
-    r = rp.ratio(s, v)
+    r = ratio(s, v)
     if r is None or s is None or v is None:
         return []
     fmt = _ms if unit == "ms" else (lambda x: f"{x:,.2f} {unit}")
     return [(name, f"{fmt(s.median)} vs {fmt(v.median)} ({r:.2f}x)", _met(ok(r)))]
 
 
-def _pair(tab: rp.Table, point: str, m: str) -> tuple[rp.Spread | None, rp.Spread | None]:
+def _pair(tab: Table, point: str, m: str) -> tuple[Spread | None, Spread | None]:
     """One point's metric on Sluice and on vLLM's server, for `_row`."""
-    return tab.get(point, rp.SLUICE, m), tab.get(point, rp.VLLM, m)
+    return tab.get(point, SLUICE, m), tab.get(point, VLLM, m)
 
 
 def _met(ok: bool) -> str:
@@ -278,14 +278,14 @@ def _chat_bound(alone: float) -> float:
     return max(2 * alone, alone + 30)
 
 
-def issue21(records: Sequence[rp.Record]) -> list[Row]:
+def issue21(records: Sequence[Record]) -> list[Row]:
     """Issue 21: the release key and an engine step that leaves room for a chat turn."""
     rows: list[Row] = []
-    spread = rp.aggregate(records, SPREAD)
+    spread = aggregate(records, SPREAD)
     for point in spread.points:
 
-        def cmp(m: str, point: str = point) -> tuple[rp.Spread | None, rp.Spread | None]:
-            return spread.get(point, rp.SLUICE, m), spread.get(point, rp.VLLM, m)
+        def cmp(m: str, point: str = point) -> tuple[Spread | None, Spread | None]:
+            return spread.get(point, SLUICE, m), spread.get(point, VLLM, m)
 
         rows += _row(
             f"{point}: TTFT p99 <= 1.1x vLLM's", *cmp("ttft_p99"), lambda r: r <= 1.1, "ms"
@@ -300,7 +300,7 @@ def issue21(records: Sequence[rp.Record]) -> list[Row]:
             "ms",
         )
         s, v = cmp("long_third_ttft_p99")
-        r = rp.ratio(s, v)
+        r = ratio(s, v)
         if r is not None and s is not None and v is not None:
             rows.append(
                 (
@@ -316,7 +316,7 @@ def issue21(records: Sequence[rp.Record]) -> list[Row]:
             lambda r: r >= 0.95,
             "req/s",
         )
-    conc = rp.aggregate(records, CONCURRENCY)
+    conc = aggregate(records, CONCURRENCY)
     rows += _row(
         f"{WIDE_POINT}: TTFT p99 <= vLLM's",
         *_pair(conc, WIDE_POINT, "ttft_p99"),
@@ -329,14 +329,14 @@ def issue21(records: Sequence[rp.Record]) -> list[Row]:
         lambda r: r >= 0.95,
         "req/s",
     )
-    noisy = rp.aggregate(records, NOISY)
-    alone = noisy.get(ALONE_POINT, rp.SLUICE, "chat_ttft_p95")
-    three = rp.aggregate(records, THREE)
+    noisy = aggregate(records, NOISY)
+    alone = noisy.get(ALONE_POINT, SLUICE, "chat_ttft_p95")
+    three = aggregate(records, THREE)
     for label, tab, point in (
         ("noisy neighbour", noisy, FLOOD_POINT),
         ("three callers", three, THREE_POINT),
     ):
-        beside = tab.get(point, rp.SLUICE, "chat_ttft_p95")
+        beside = tab.get(point, SLUICE, "chat_ttft_p95")
         if alone is not None and beside is not None and alone.median > 0:
             bound = _chat_bound(alone.median)
             rows.append(
@@ -359,7 +359,7 @@ def issue21(records: Sequence[rp.Record]) -> list[Row]:
         lambda r: r >= 0.95,
         "req/s",
     )
-    share = three.get(THREE_POINT, rp.SLUICE, "bulk_b_per_a")
+    share = three.get(THREE_POINT, SLUICE, "bulk_b_per_a")
     if share is not None:
         rows.append(
             (
@@ -369,7 +369,7 @@ def issue21(records: Sequence[rp.Record]) -> list[Row]:
             )
         )
     rows += _every_rep_short_p95(records)
-    mix = rp.aggregate(records, CHAT_MIX)
+    mix = aggregate(records, CHAT_MIX)
     for point in mix.points:
         rows += _row(
             f"chat mix below capacity ({point}): short TTFT p95 <= 0.8x vLLM's",
@@ -380,7 +380,7 @@ def issue21(records: Sequence[rp.Record]) -> list[Row]:
     return rows
 
 
-def _every_rep_short_p95(records: Sequence[rp.Record]) -> list[Row]:
+def _every_rep_short_p95(records: Sequence[Record]) -> list[Row]:
     """Mixed past capacity: short p95 >= 2x better than vLLM's in every repetition
     (pairs of one repetition's Sluice and vLLM records)."""
     rows: list[Row] = []
@@ -392,9 +392,9 @@ def _every_rep_short_p95(records: Sequence[rp.Record]) -> list[Row]:
     for point in points:
         reps = sorted({rep for p, rep, _ in by if p == point})
         better = [
-            by[(point, rep, rp.VLLM)] / by[(point, rep, rp.SLUICE)]
+            by[(point, rep, VLLM)] / by[(point, rep, SLUICE)]
             for rep in reps
-            if (point, rep, rp.VLLM) in by and by.get((point, rep, rp.SLUICE), 0) > 0
+            if (point, rep, VLLM) in by and by.get((point, rep, SLUICE), 0) > 0
         ]
         if better:
             rows.append(
@@ -408,19 +408,19 @@ def _every_rep_short_p95(records: Sequence[rp.Record]) -> list[Row]:
     return rows
 
 
-def issue20(records: Sequence[rp.Record]) -> list[Row]:
+def issue20(records: Sequence[Record]) -> list[Row]:
     """Issue 20, item 4: four callers on four adapters at max_loras 2, against vLLM's
     server on the same load."""
-    tab = rp.aggregate(records, LORA)
+    tab = aggregate(records, LORA)
     rows = _row(
         f"LoRA ({LORA_POINT}): req/s >= 0.95x vLLM's",
         *_pair(tab, LORA_POINT, "req_s"),
         lambda r: r >= 0.95,
         "req/s",
     )
-    dev = tab.get(LORA_POINT, rp.SLUICE, "share_dev")
+    dev = tab.get(LORA_POINT, SLUICE, "share_dev")
     if dev is not None:
-        shares = [tab.get(LORA_POINT, rp.SLUICE, f"{c}_share") for c in LORA_CALLERS]
+        shares = [tab.get(LORA_POINT, SLUICE, f"{c}_share") for c in LORA_CALLERS]
         text = ", ".join(f"{s.median:.3f}" for s in shares if s is not None)
         rows.append(
             (
@@ -444,14 +444,14 @@ DP_SLOTS = 2 * 128
 DP_SLOTS_REACHED = 0.95
 
 
-def issue19(records: Sequence[rp.Record]) -> list[Row]:
+def issue19(records: Sequence[Record]) -> list[Row]:
     """Issue 19: data parallelism fed to its summed slots, at vLLM's throughput and tail."""
     rows: list[Row] = []
-    dp = rp.aggregate(records, DATA_PARALLEL)
+    dp = aggregate(records, DATA_PARALLEL)
     for point in dp.points:
-        peak = dp.get(point, rp.SLUICE, "running_peak")
+        peak = dp.get(point, SLUICE, "running_peak")
         if peak is not None:
-            other = dp.get(point, rp.VLLM, "running_peak")
+            other = dp.get(point, VLLM, "running_peak")
             rows.append(
                 (
                     f"data parallel ({point}): the engine's running count reaches the summed "
@@ -491,20 +491,20 @@ SATURATED: tuple[tuple[str, str | None], ...] = (
 )
 
 
-def issue27(records: Sequence[rp.Record]) -> list[Row]:
+def issue27(records: Sequence[Record]) -> list[Row]:
     """Issue 27: the held backlog costs nothing. The engine's steps are not under-fed
     where the backlog holds work, and what the backlog is for does not move."""
     rows: list[Row] = []
     for sc, only in SATURATED:
-        tab = rp.aggregate(records, sc)
+        tab = aggregate(records, sc)
         for point in tab.points:
-            share = tab.get(point, rp.SLUICE, "underfed_share")
+            share = tab.get(point, SLUICE, "underfed_share")
             if (only is not None and point != only) or share is None:
                 continue
-            n = tab.get(point, rp.SLUICE, "underfed_steps")
-            held = tab.get(point, rp.SLUICE, "held_steps")
+            n = tab.get(point, SLUICE, "underfed_steps")
+            held = tab.get(point, SLUICE, "held_steps")
             of = f" ({n.median:,.0f} of {held.median:,.0f})" if n and held else ""
-            rest = tab.get(point, rp.SLUICE, "underfed_rest_share")
+            rest = tab.get(point, SLUICE, "underfed_rest_share")
             if rest is not None and rest.median < share.median:
                 # The rest were beside work only rules 4-5 held: a short turn's room.
                 of += (
@@ -519,7 +519,7 @@ def issue27(records: Sequence[rp.Record]) -> list[Row]:
                     _met(share.median <= UNDERFED_SHARE),
                 )
             )
-    spread = rp.aggregate(records, SPREAD)
+    spread = aggregate(records, SPREAD)
     for point in spread.points:
         rows += _row(
             f"{point}: req/s >= 1.0x vLLM's",
@@ -529,8 +529,8 @@ def issue27(records: Sequence[rp.Record]) -> list[Row]:
         )
         rows += _row(
             f"{point}: req/s >= 0.98x Sluice's own --no-hold-backlog",
-            spread.get(point, rp.SLUICE, "req_s"),
-            spread.get(point, rp.NOHOLD, "req_s"),
+            spread.get(point, SLUICE, "req_s"),
+            spread.get(point, NOHOLD, "req_s"),
             lambda r: r >= 0.98,
             "req/s",
         )
@@ -546,14 +546,14 @@ def issue27(records: Sequence[rp.Record]) -> list[Row]:
             lambda r: r >= 0.95,
             "running",
         )
-    conc = rp.aggregate(records, CONCURRENCY)
+    conc = aggregate(records, CONCURRENCY)
     rows += _row(
         f"{WIDE_POINT}: TTFT p99 <= 1.07x vLLM's",
         *_pair(conc, WIDE_POINT, "ttft_p99"),
         lambda r: r <= 1.07,
         "ms",
     )
-    dp = rp.aggregate(records, DATA_PARALLEL)
+    dp = aggregate(records, DATA_PARALLEL)
     rows += _row(
         f"data parallel ({DP_WIDE_POINT}): req/s >= 0.98x vLLM's",
         *_pair(dp, DP_WIDE_POINT, "req_s"),
@@ -566,14 +566,14 @@ def issue27(records: Sequence[rp.Record]) -> list[Row]:
         lambda r: r <= 1.1,
         "ms",
     )
-    lora = rp.aggregate(records, LORA)
+    lora = aggregate(records, LORA)
     rows += _row(
         "LoRA: worst caller's TTFT p95 <= vLLM's worst",
         *_pair(lora, LORA_POINT, "worst_ttft_p95"),
         lambda r: r <= 1.0,
         "ms",
     )
-    dev = lora.get(LORA_POINT, rp.SLUICE, "share_dev")
+    dev = lora.get(LORA_POINT, SLUICE, "share_dev")
     if dev is not None:
         rows.append(
             (
@@ -586,7 +586,7 @@ def issue27(records: Sequence[rp.Record]) -> list[Row]:
         ("noisy neighbour", NOISY, FLOOD_POINT, 75.0),
         ("three callers", THREE, THREE_POINT, 68.0),
     ):
-        chat = rp.aggregate(records, sc).get(point, rp.SLUICE, "chat_ttft_p95")
+        chat = aggregate(records, sc).get(point, SLUICE, "chat_ttft_p95")
         if chat is not None:
             rows.append(
                 (
@@ -595,7 +595,7 @@ def issue27(records: Sequence[rp.Record]) -> list[Row]:
                     _met(chat.median <= bound),
                 )
             )
-    share = rp.aggregate(records, THREE).get(THREE_POINT, rp.SLUICE, "bulk_b_per_a")
+    share = aggregate(records, THREE).get(THREE_POINT, SLUICE, "bulk_b_per_a")
     if share is not None:
         rows.append(
             (
@@ -616,7 +616,7 @@ FRONT_CPU_POINTS = (
 )
 
 
-def issue27_cpu(records: Sequence[rp.Record]) -> list[Row]:
+def issue27_cpu(records: Sequence[Record]) -> list[Row]:
     """Issue 27, item 3: on these 2 cores the front competes with the engine; its
     own CPU per request (the server process, not the engine cores) against vLLM's
     server's, at c=128, c=512 and data parallelism's c=512."""
@@ -625,14 +625,14 @@ def issue27_cpu(records: Sequence[rp.Record]) -> list[Row]:
         rows += _row(
             f"{point}{' (DP=2)' if sc == DATA_PARALLEL else ''}: front CPU per request "
             f"<= {FRONT_CPU_BOUND}x vLLM's server's",
-            *_pair(rp.aggregate(records, sc), point, "front_cpu_ms"),
+            *_pair(aggregate(records, sc), point, "front_cpu_ms"),
             lambda r: r <= FRONT_CPU_BOUND,
             "ms/req",
         )
     return rows
 
 
-TARGET_SETS: tuple[tuple[str, Callable[[Sequence[rp.Record]], list[Row]]], ...] = (
+TARGET_SETS: tuple[tuple[str, Callable[[Sequence[Record]], list[Row]]], ...] = (
     ("issue 27: the held backlog costs nothing", issue27),
     ("issue 27, item 3: the front's own CPU", issue27_cpu),
     ("issue 20: adapter-aware release (LoRA)", issue20),

@@ -2,7 +2,7 @@
 
 Why this module exists: issue 17's benchmark point compares Anthropic Messages
 with chat and Responses through the same client, so this request function is
-registered into vLLM's `ASYNC_REQUEST_FUNCS` (bench/vllm_client.py does it
+registered into vLLM's `ASYNC_REQUEST_FUNCS` (bench/run/vllm_client.py does it
 before the parser is built, so `--backend anthropic-messages` is a choice).
 Modelled on vLLM's `async_request_openai_responses`:
 

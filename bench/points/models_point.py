@@ -8,7 +8,7 @@ gaps between its chunks before B's load and during it (p50, p99, max), and
 B's load time. One Sluice, two demo models from one models file (`chat` at
 start, `spare` on demand), both eager (no torch.compile).
 
-    python -m bench.models_point [--tokens 2000] [--out bench/results/models-load-cpu.json]
+    python -m bench.points.models_point [--tokens 2000] [--out bench/results/models-load-cpu.json]
 
 On CPU both engines share the same cores, so the gaps during the load measure
 the CPU the load takes as much as any stall of the event loop; compare the
@@ -31,8 +31,8 @@ from typing import Any
 
 import httpx
 
-from bench.report import SLUICE
-from bench.servers import Server, free_port, server_command
+from bench.report.systems import SLUICE
+from bench.run.servers import Server, free_port, server_command
 
 MODELS = """
 [models.chat]

@@ -2,9 +2,9 @@
 
 Why this module exists: issue 31's benchmark point compares Ollama's chat
 with chat completions through the same client, so this request function is
-registered into vLLM's `ASYNC_REQUEST_FUNCS` (bench/vllm_client.py does it
+registered into vLLM's `ASYNC_REQUEST_FUNCS` (bench/run/vllm_client.py does it
 before the parser is built, so `--backend ollama-chat` is a choice).
-Modelled on bench/messages_backend.py:
+Modelled on bench/run/messages_backend.py:
 
 1. POST `/api/chat`: the prompt as one user message, `stream: true`,
    `options.num_predict` the output length and `options.ignore_eos` (vLLM's
@@ -119,7 +119,7 @@ async def async_request_ollama_chat(
 
 def register() -> None:
     """Make `--backend ollama-chat` a choice of `vllm bench serve` (listed as
-    OpenAI-compatible for the same reason as bench/messages_backend.py's)."""
+    OpenAI-compatible for the same reason as bench/run/messages_backend.py's)."""
     erf.ASYNC_REQUEST_FUNCS[NAME] = async_request_ollama_chat
     if NAME not in erf.OPENAI_COMPATIBLE_BACKENDS:
         erf.OPENAI_COMPATIBLE_BACKENDS.append(NAME)

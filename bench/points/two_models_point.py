@@ -15,7 +15,7 @@ role-only first frame. Reported: TTFT p50/p95 alone and beside (medians
 [min-max] over repetitions), the flood's req/s, and CPU seconds per phase of
 the front and of each engine core (on CPU, what the cores went to).
 
-    python -m bench.two_models_point [--repeat 3] [--turns 40] [--concurrency 64]
+    python -m bench.points.two_models_point [--repeat 3] [--turns 40] [--concurrency 64]
         [--out bench/results/two-models-cpu.md]
 """
 
@@ -38,8 +38,9 @@ import aiohttp
 import orjson
 import psutil
 
-from bench.report import SLUICE
-from bench.servers import Server, free_port, server_command
+from bench.report.cells import runs_cell, write_lines
+from bench.report.systems import SLUICE
+from bench.run.servers import Server, free_port, server_command
 
 MODELS = """
 [models.chat]
@@ -178,13 +179,12 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, list[dict[str, Any
 
 def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> list[str]:
     def cell(runs: list[dict[str, Any]], key: str) -> str:
-        v = [r[key] for r in runs]
-        return f"{statistics.median(v):.1f} [{min(v):.1f}-{max(v):.1f}]"
+        return runs_cell(runs, key, ".1f")
 
     lines = [
         "# A chat caller beside an embedding flood on another model (issue 30)",
         "",
-        f"`python -m bench.two_models_point --repeat {args.repeat} --turns {args.turns} "
+        f"`python -m bench.points.two_models_point --repeat {args.repeat} --turns {args.turns} "
         f"--concurrency {args.concurrency}"
         + (f" --sluice-flags '{args.sluice_flags}'" if args.sluice_flags else "")
         + "`: one Sluice, the demo chat model and the demo model under the pooling "
@@ -228,8 +228,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="sluice-two-models-") as tmp:
         results = run(args, Path(tmp))
     lines = report(results, args)
-    args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_lines(args.out, lines)
     return 0
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from bench.report import NOHOLD, SLUICE_SYSTEMS, VLLM
+from bench.report.systems import NOHOLD, SLUICE_SYSTEMS, VLLM
 
 HOST = "127.0.0.1"
 
@@ -83,7 +83,7 @@ def callers_toml(keys: Mapping[str, str], weights: Mapping[str, float] | None = 
     """A Sluice callers file (`--callers`, issue 11): one table per caller, its
     bearer key and weight (1 unless `weights` names it), no limits (the
     benchmark measures sharing, not caps)."""
-    out = ["# Written by the benchmark (bench/runner.py): one caller per client job."]
+    out = ["# Written by the benchmark (bench/run/runner.py): one caller per client job."]
     for name, key in keys.items():
         if not name.replace("_", "").replace("-", "").isalnum():
             raise ValueError(f"caller name {name!r} is not a bare TOML key")

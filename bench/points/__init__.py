@@ -1,0 +1,1 @@
+"""The benchmark points and micro-benches: each one measurement, run as its own module."""
