@@ -388,12 +388,16 @@ def _files_dir(app: web.Application, state_dir: Path | None) -> Path:
 
 async def _sweep_responses(app: web.Application) -> None:
     """Delete stored responses past --responses-retention (already invisible
-    to reads): every minute, or a quarter of the retention when shorter."""
+    to reads), and files and ended batches past --batch-retention: every
+    minute, or a quarter of the shorter retention."""
     store = app[RESPONSES]
-    every = min(60.0, store.policy.retention / 4)
+    batches = app[BATCHES]
+    keep = app[SETTINGS].batch_retention
+    every = min(60.0, store.policy.retention / 4, keep / 4)
     while True:
         await asyncio.sleep(every)
         await store.sweep(time.time())
+        await batches.sweep(time.time(), keep)
 
 
 def _live(app: web.Application) -> list[tuple[str | None, dict[str, Any]]]:

@@ -325,6 +325,18 @@ OPTIONS: tuple[Option, ...] = (
         "200 MB as OpenAI's batch input files)",
     ),
     Option(
+        "--batch-retention", type=duration, metavar="SECONDS|Nh", gt=0,
+        fills="batch_retention",
+        help="how long files (/v1/files, a batch's results) and ended batches are kept: "
+        "seconds, or hours as 24h (default: %(default)s s, 30 days)",
+    ),
+    Option(
+        "--batch-disk-per-caller", type=int, fills="batch_disk_per_caller", gt=0,
+        metavar="BYTES",
+        help="the bytes of files one caller may keep (uploads past it: 413) "
+        "(default: %(default)s, 10 GB)",
+    ),
+    Option(
         "--batch-lines-in-flight", type=int, fills="batch_lines_in_flight", gt=0, metavar="N",
         help="lines of one batch sent at once (the rest stream from disk; the held "
         "backlog orders them behind interactive work) (default: %(default)s)",

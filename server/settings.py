@@ -157,6 +157,10 @@ class Settings:
     # of one batch's lines are sent at once.
     batch_file_max_bytes: int = 200 * 10**6
     batch_lines_in_flight: int = 256
+    # --batch-retention (files and ended batches, then deleted) and the bytes of
+    # files one caller may keep (--batch-disk-per-caller).
+    batch_retention: float = 30 * 24 * 3600.0
+    batch_disk_per_caller: int = 10 * 10**9
     warmup: bool = True
 
     # On a network (issue 44, vLLM's flag names): TLS with --ssl-* (None: plain

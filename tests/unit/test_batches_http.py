@@ -20,6 +20,7 @@ import pytest
 
 from server.api.openai_batches.output import batch_object, result_line, with_status
 from server.api.openai_batches.parse import check_line, parse_batch_create
+from server.api.openai_batches.runner import BATCHES
 from server.callers import parse_callers
 from server.http.door import DOOR, DOOR_HEADER
 from server.operations.state_db import JobRow, StateDB
@@ -292,3 +293,21 @@ async def test_a_batch_past_its_window_expires_with_the_rest_counted(
         ("e2", "batch_expired"),
         ("e3", "batch_expired"),
     ]
+
+
+async def test_a_callers_files_are_bounded_and_old_ones_are_swept(make_client: Any) -> None:
+    client, app = await serve(make_client, batch_disk_per_caller=1000)
+    first = await upload(client, b"x" * 600)
+    form = aiohttp.FormData()
+    form.add_field("purpose", "batch")
+    form.add_field("file", b"y" * 600, filename="more.jsonl")
+    over = await client.post("/v1/files", data=form)
+    assert over.status == 413 and (await over.json())["error"]["code"] == "quota_exceeded"
+    listed = await (await client.get("/v1/files")).json()
+    assert [f["id"] for f in listed["data"]] == [first]  # nothing of the refused upload kept
+    batch = await run_batch(client, jsonl(line("s1")))
+    swept = await app[BATCHES].sweep(time.time() + 10, retention=5)
+    assert swept == 4  # the batch, its input, its output and the first upload
+    for path in (f"/v1/files/{first}", f"/v1/batches/{batch['id']}"):
+        assert (await client.get(path)).status == 404
+    assert not any(app[BATCHES].files.iterdir())

@@ -84,7 +84,11 @@ def _page(request: web.Request, rows: list[JobRow], default: int, most: int) -> 
 async def upload_file(request: web.Request) -> web.Response:
     """POST /v1/files (multipart: `purpose`, `file`)."""
     batches = request.app[BATCHES]
-    most = request.app[SETTINGS].batch_file_max_bytes
+    settings = request.app[SETTINGS]
+    room = settings.batch_disk_per_caller - await batches.used_by(_owner(request))
+    if room <= 0:
+        raise _over_quota(settings.batch_disk_per_caller)
+    most = min(settings.batch_file_max_bytes, room)
     if not request.content_type.startswith("multipart/"):
         raise SluiceError("the body must be multipart/form-data with `purpose` and `file`")
     reader = await request.multipart()
@@ -98,7 +102,10 @@ async def upload_file(request: web.Request) -> web.Response:
                 purpose = (await part.text()).strip()
             elif part.name == "file" and stored is None:
                 file_id = new_id("file-")
-                size = await batches.store(file_id, _chunks(part, most))
+                quota = (
+                    settings.batch_disk_per_caller if room < settings.batch_file_max_bytes else None
+                )
+                size = await batches.store(file_id, _chunks(part, most, quota))
                 stored = (file_id, size, part.filename or "upload.jsonl")
         if purpose not in PURPOSES:
             raise SluiceError(
@@ -116,11 +123,24 @@ async def upload_file(request: web.Request) -> web.Response:
     return json_response(orjson.dumps(obj))
 
 
-async def _chunks(part: BodyPartReader, most: int) -> AsyncIterator[bytes]:
+def _over_quota(quota: int) -> SluiceError:
+    return SluiceError(
+        f"your files would be over {quota} bytes (--batch-disk-per-caller): delete some "
+        "(DELETE /v1/files/{id}) first",
+        status=413,
+        param="file",
+        code="quota_exceeded",
+    )
+
+
+async def _chunks(part: BodyPartReader, most: int, quota: int | None) -> AsyncIterator[bytes]:
+    """The file part's bytes; a 413 past `most` (`quota`: the caller's room set it)."""
     size = 0
     while chunk := await part.read_chunk(_CHUNK):
         size += len(chunk)
         if size > most:
+            if quota is not None:
+                raise _over_quota(quota)
             raise SluiceError(
                 f"the file is over {most} bytes (--batch-file-max-bytes)",
                 status=413,

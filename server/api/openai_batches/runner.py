@@ -128,6 +128,28 @@ class Batches:
         """The non-blank lines of a stored file (in a thread)."""
         return await asyncio.to_thread(_count_lines, self.file_path(file_id))
 
+    async def used_by(self, owner: str | None) -> int:
+        """The bytes of the files `owner` keeps (uploads and results)."""
+        rows = await self.db.list_jobs("files", owner=owner, everyone=False)
+        return sum(int(orjson.loads(r.body)["bytes"]) for r in rows)
+
+    async def sweep(self, now: float, retention: float) -> int:
+        """Delete the files and the ended batches older than `retention` (a
+        running batch and its input file stay until it ends); how many."""
+        cutoff = now - retention
+        batches = await self.db.list_jobs("batches", owner=None, everyone=True)
+        running = {orjson.loads(r.body)["input_file_id"] for r in batches if r.status in RUNNING}
+        gone = 0
+        for row in batches:
+            if row.status not in RUNNING and row.created < cutoff:
+                await self.db.delete_job("batches", row.id)
+                gone += 1
+        for row in await self.db.list_jobs("files", owner=None, everyone=True):
+            if row.created < cutoff and row.id not in running:
+                await self.remove_file(row.id)
+                gone += 1
+        return gone
+
     async def remove_file(self, file_id: str) -> None:
         await self.db.delete_job("files", file_id)
         await asyncio.to_thread(self.file_path(file_id).unlink, True)
