@@ -190,7 +190,10 @@ def report(runs: list[dict[str, Any]], raw: list[float], args: argparse.Namespac
         "# A chat batch through /v1/batches, beside a chat caller (issue 42)",
         "",
         f"`./scripts/bench batches --repeat {args.repeat} --lines {args.lines} --max-tokens "
-        f"{args.max_tokens} --concurrency {args.concurrency}`: one Sluice on the demo model "
+        f"{args.max_tokens} --concurrency {args.concurrency}"
+        + (f" --in-flight {args.in_flight}" if args.in_flight else "")
+        + (f" --sluice-args '{args.sluice_args}'" if args.sluice_args else "")
+        + "`: one Sluice on the demo model "
         "(eager) on this machine's CPU; each line a chat request of "
         f"{args.max_tokens} tokens (`ignore_eos`). Per repetition: the chat caller alone, "
         "the batch alone, the batch beside the chat caller, the same lines sent closed "
@@ -220,10 +223,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--lines", type=int, default=500)
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--concurrency", type=int, default=256, help="the closed loop's")
+    ap.add_argument(
+        "--in-flight", type=int, help="the batch's --batch-lines-in-flight (default: --concurrency)"
+    )
     ap.add_argument("--turns", type=int, default=40, help="the chat caller's turns alone")
     ap.add_argument("--out", type=Path, default=Path("bench/results/batches-cpu.md"))
     ap.add_argument("--raw", type=Path, help="keep the servers' logs here")
+    ap.add_argument(
+        "--sluice-args",
+        default="",
+        help="more `sluice serve` flags (one string), e.g. '--scheduling-policy priority'",
+    )
     args = ap.parse_args(argv)
     batch = lines(args.lines, args.max_tokens)
     data = b"".join(orjson.dumps(x) + b"\n" for x in batch)
@@ -241,7 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "--state-dir",
                 str(workdir / "state"),
                 "--batch-lines-in-flight",
-                str(args.concurrency),
+                str(args.in_flight or args.concurrency),
+                *args.sluice_args.split(),
             ],
         )
         runs: list[dict[str, Any]] = []
