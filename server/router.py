@@ -17,6 +17,7 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
+from server.api.anthropic_batches import endpoint as message_batches
 from server.api.anthropic_messages.endpoint import count_tokens, prepare_messages
 from server.api.ollama import endpoint as ollama
 from server.api.ollama.output import PROBE
@@ -196,6 +197,13 @@ def add_routes(app: web.Application) -> None:
     # Anthropic Messages (server/api/anthropic_messages/endpoint.py).
     app.router.add_post("/v1/messages", generation_endpoint("messages", prepare_messages))
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
+    # Anthropic's Message Batches (server/api/anthropic_batches/endpoint.py).
+    app.router.add_post("/v1/messages/batches", message_batches.create_batch)
+    app.router.add_get("/v1/messages/batches", message_batches.list_batches)
+    app.router.add_get("/v1/messages/batches/{batch_id}", message_batches.get_batch)
+    app.router.add_delete("/v1/messages/batches/{batch_id}", message_batches.delete_batch)
+    app.router.add_post("/v1/messages/batches/{batch_id}/cancel", message_batches.cancel_batch)
+    app.router.add_get("/v1/messages/batches/{batch_id}/results", message_batches.batch_results)
     # Ollama's API (server/api/ollama/endpoint.py); `/` answers its probe.
     app.router.add_get("/", root)
     app.router.add_post("/api/chat", generation_endpoint("ollama_chat", ollama.prepare_chat))

@@ -81,8 +81,9 @@ PROTECTED_PREFIXES = ("/v1/", "/api/", "/tokenize", "/detokenize", "/status.json
 # and Ollama's version, which its clients read before they send a key.
 OPEN_PATHS = frozenset({"/api/hello", "/api/version"})
 STATUS_PATH = "/status.json"
-# The Batch API's routes: a caller's own files and batches, or all with the admin key.
-JOB_PREFIXES = ("/v1/files", "/v1/batches")
+# The Batch APIs' routes (OpenAI's, Anthropic's Message Batches): a caller's
+# own files and batches, or all with the admin key (Bearer or x-api-key).
+JOB_PREFIXES = ("/v1/files", "/v1/batches", "/v1/messages/batches")
 METRICS_PATH = "/metrics"
 # Runtime LoRA's routes: the admin key's, checked by their handler
 # (server/api/lora_admin/endpoint.py rule 2), not a caller's.
@@ -249,7 +250,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         _through_the_door(request)
         return await handler(request)
     if path.startswith(JOB_PREFIXES) and same_key(
-        bearer_token(request.headers.get("Authorization", "")),
+        request.headers.get("x-api-key") or bearer_token(request.headers.get("Authorization", "")),
         request.app[SETTINGS].admin_key,
     ):
         request[ADMIN] = True  # every caller's files and batches

@@ -2,7 +2,10 @@
 `files.create`, `batches.create`, `batches.retrieve` until done, `files.content`
 of the output (each line the chat endpoint's own answer: greedy, the same
 text as the same request sent directly), `batches.list` pages, `batches.cancel`,
-a file that does not validate. The embeddings batch is tests/integration/test_pooling.py's
+a file that does not validate; and Anthropic's Message Batches with the
+`anthropic` client: `messages.batches.create`, `retrieve` until ended,
+`results` (typed, each the Messages endpoint's own answer), `cancel`,
+`delete`, `list`. The embeddings batch is tests/integration/test_pooling.py's
 (its server embeds); a SIGKILL mid-batch, tests/system/test_state_restart.py.
 """
 
@@ -12,8 +15,10 @@ import json
 import time
 from typing import Any
 
+import anthropic
 import openai
 import pytest
+from anthropic.types.messages import MessageBatch
 from openai.types import Batch
 
 from tests.support import SluiceProcess
@@ -132,3 +137,83 @@ def test_a_file_that_does_not_validate(client: openai.OpenAI) -> None:
     assert got[2][0] == 4 and (done.errors.data[2].param or "").startswith("body.max_tokens")
     with pytest.raises(openai.NotFoundError):
         client.batches.retrieve("batch_" + "0" * 24)
+
+
+# -- Anthropic's Message Batches ---------------------------------------------------
+
+OFF: Any = {"type": "disabled"}
+
+
+@pytest.fixture(scope="module")
+def ac(sluice_server: SluiceProcess) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=sluice_server.base, api_key="unused", max_retries=0)
+
+
+def params(i: int, max_tokens: int = 6) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": f"Count to {i}."}],
+        "thinking": OFF,
+        "temperature": 0,
+    }
+
+
+def ended(ac: anthropic.Anthropic, batch_id: str, timeout: float = 240) -> MessageBatch:
+    end = time.monotonic() + timeout
+    while (batch := ac.messages.batches.retrieve(batch_id)).processing_status != "ended":
+        if time.monotonic() > end:
+            pytest.fail(f"timed out waiting for the message batch's end: {batch}")
+        time.sleep(0.2)
+    return batch
+
+
+def test_a_message_batch_end_to_end(ac: anthropic.Anthropic) -> None:
+    requests: Any = [{"custom_id": f"m{i}", "params": params(i)} for i in range(10)]
+    made = ac.messages.batches.create(requests=requests)
+    assert made.id.startswith("msgbatch_") and made.type == "message_batch"
+    assert made.processing_status == "in_progress" and made.request_counts.processing == 10
+    done = ended(ac, made.id)
+    assert done.request_counts.succeeded == 10 and done.request_counts.errored == 0
+    assert done.ended_at is not None and done.results_url is not None
+    got = {r.custom_id: r.result for r in ac.messages.batches.results(made.id)}
+    assert sorted(got) == sorted(f"m{i}" for i in range(10))
+    three = got["m3"]
+    assert three.type == "succeeded"
+    sent = params(3)
+    direct = ac.messages.create(  # this client takes temperature only as an extra
+        **{k: v for k, v in sent.items() if k != "temperature"},
+        extra_body={"temperature": 0},
+    )
+    assert three.message.id.startswith("msg_") and three.message.model == MODEL
+    assert [b.model_dump() for b in three.message.content] == [
+        b.model_dump() for b in direct.content
+    ]
+    assert three.message.usage.input_tokens == direct.usage.input_tokens
+    assert made.id in [b.id for b in ac.messages.batches.list(limit=1)]  # the client pages
+    assert ac.messages.batches.delete(made.id).type == "message_batch_deleted"
+    with pytest.raises(anthropic.NotFoundError):
+        ac.messages.batches.retrieve(made.id)
+
+
+def test_a_message_batch_cancelled(ac: anthropic.Anthropic) -> None:
+    requests: Any = [{"custom_id": f"c{i}", "params": params(i, 400)} for i in range(300)]
+    made = ac.messages.batches.create(requests=requests)
+    end = time.monotonic() + 120  # cancel once the first requests are done
+    while ac.messages.batches.retrieve(made.id).request_counts.processing == 300:
+        if time.monotonic() > end:
+            pytest.fail("no request of the batch was done in 120 s")
+        time.sleep(0.2)
+    cancelling = ac.messages.batches.cancel(made.id)
+    assert cancelling.processing_status in ("canceling", "ended")
+    assert cancelling.cancel_initiated_at is not None
+    t0 = time.monotonic()
+    done = ended(ac, made.id, timeout=120)
+    assert time.monotonic() - t0 < 60  # the running requests were abandoned
+    counts = done.request_counts
+    assert counts.canceled > 0 and counts.succeeded + counts.errored + counts.canceled == 300
+    results = list(ac.messages.batches.results(made.id))
+    assert sorted(r.custom_id for r in results) == sorted(f"c{i}" for i in range(300))
+    assert sum(r.result.type == "canceled" for r in results) == counts.canceled
+    with pytest.raises(anthropic.BadRequestError):  # Anthropic's custom_id pattern
+        ac.messages.batches.create(requests=[{"custom_id": "x y", "params": params(1)}])

@@ -42,6 +42,9 @@ PURPOSES: Final = frozenset(
     {"batch", "batch_output", "user_data", "assistants", "fine-tune", "vision", "evals"}
 )
 _CHUNK: Final = 1 << 16
+# This API's batch ids; the runner also runs Anthropic's Message Batches
+# (server/api/anthropic_batches/, ids msgbatch_...), which these routes do not show.
+BATCH_PREFIX: Final = "batch_"
 
 
 def _owner(request: web.Request) -> str | None:
@@ -216,7 +219,7 @@ async def create_batch(request: web.Request) -> web.Response:
             param="input_file_id",
             code="too_many_lines",
         )
-    batch = batch_object(new_id("batch_"), create, int(time.time()))
+    batch = batch_object(new_id(BATCH_PREFIX), create, int(time.time()))
     await batches.add_batch(batch, _owner(request))
     return json_response(orjson.dumps(batch))
 
@@ -224,7 +227,7 @@ async def create_batch(request: web.Request) -> web.Response:
 async def _batch(request: web.Request) -> tuple[dict[str, Any], JobRow]:
     batch_id = request.match_info["batch_id"]
     row = await request.app[BATCHES].db.get_job("batches", batch_id)
-    if row is None or not _visible(request, row):
+    if row is None or not _visible(request, row) or not row.id.startswith(BATCH_PREFIX):
         raise _not_found("batch", batch_id)
     return orjson.loads(row.body), row
 
@@ -237,6 +240,7 @@ async def list_batches(request: web.Request) -> web.Response:
     rows = await request.app[BATCHES].db.list_jobs(
         "batches", owner=_owner(request), everyone=bool(request.get(ADMIN))
     )
+    rows = [r for r in rows if r.id.startswith(BATCH_PREFIX)]
     return _page(request, rows, 20, 100)
 
 

@@ -19,6 +19,7 @@ from typing import Any, Final
 
 import orjson
 
+from server.api.anthropic_messages.parse import parse_messages
 from server.api.openai_chat.parse import parse_chat, parse_completion
 from server.api.openai_responses.parse import parse_responses
 from server.api.pooling.parse import parse_embeddings
@@ -37,14 +38,17 @@ __all__ = [
     "parse_window",
 ]
 
-# The endpoints a batch may run, each with the parser its synchronous route uses.
+# The endpoints a batch may run, each with the parser its synchronous route uses:
+# OpenAI's (ENDPOINTS, what POST /v1/batches takes), and Anthropic's Messages,
+# which Anthropic's Message Batches run (server/api/anthropic_batches/).
 _PARSERS: Final[dict[str, Callable[[bytes, Limits], object]]] = {
     "/v1/chat/completions": parse_chat,
     "/v1/completions": parse_completion,
     "/v1/embeddings": lambda body, limits: parse_embeddings(body),
     "/v1/responses": parse_responses,
+    "/v1/messages": parse_messages,
 }
-ENDPOINTS: Final = tuple(_PARSERS)
+ENDPOINTS: Final = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 _WINDOW = re.compile(r"^([1-9][0-9]*)h$")
 MAX_WINDOW_HOURS: Final = 24 * 7
 MAX_LINES: Final = 50_000  # lines per batch, as OpenAI's
@@ -92,7 +96,7 @@ def parse_batch_create(body: bytes) -> BatchCreate:
     if not isinstance(file_id, str) or not file_id:
         raise bad("input_file_id", "input_file_id must be the id of an uploaded file")
     endpoint = obj.get("endpoint")
-    if endpoint not in _PARSERS:
+    if endpoint not in ENDPOINTS:
         raise bad("endpoint", f"endpoint must be one of {', '.join(ENDPOINTS)}")
     window = obj.get("completion_window", "24h")
     metadata = obj.get("metadata")
