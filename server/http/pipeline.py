@@ -719,6 +719,8 @@ def _finish_trace(request: web.Request, tr: Trace) -> None:
     if tr.status == 200:
         metrics.of(metrics.prompt_tokens, tr.model).inc(tr.prompt_tokens)
     metrics.of(metrics.generated_tokens, tr.model).inc(tr.completion_tokens)
+    if request.get(BACKGROUND_KEY):  # a batch line (server/http/door.py)
+        metrics.batch_tokens.inc(tr.prompt_tokens * (tr.status == 200) + tr.completion_tokens)
     request.app[RUNTIME].tokens_out += tr.completion_tokens
     t = tr.tickets[0] if tr.tickets else None
     fields: dict[str, Any] = {

@@ -206,6 +206,8 @@ def snapshot(app: web.Application) -> Snapshot:
         underfed_steps=sum(r.underfed_steps for r in rooms),
         held_seconds=held_seconds,
         models=models,
+        batch_lines=_total(metrics.batch_lines),
+        batch_tokens=_total(metrics.batch_tokens),
         placements=(
             {f"rank {r} {why}": float(n) for why, r, n in entries[0].driver.core.placements}
             if len(entries) == 1

@@ -450,6 +450,12 @@ class Metrics:
         self.batch_lines = Counter(
             "sluice_batch_lines", "Batch lines done (any status)", registry=r
         )
+        self.batch_tokens = Counter(
+            "sluice_batch_tokens",
+            "Prompt and generated tokens of batch lines (their share of the engine's "
+            "work: against sluice_prompt_tokens + sluice_generated_tokens)",
+            registry=r,
+        )
         self.batch_states = Counter(
             "sluice_batch_states",
             "Batches entering a state, by state",

@@ -119,6 +119,9 @@ class Snapshot:
     # Releases placed per data-parallel rank and why, cumulative ("rank N prefix",
     # "rank N load", "rank N bound": batching/prefix.py; none with one rank).
     placements: Mapping[str, float] = field(default_factory=dict)
+    # The Batch API's lines done and their tokens (prompt + generated), cumulative.
+    batch_lines: float = 0.0
+    batch_tokens: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +162,10 @@ class Sample:
     model_queued: Mapping[str, float] = field(default_factory=dict)
     model_kv_pct: Mapping[str, float] = field(default_factory=dict)
     model_req_s: Mapping[str, float] = field(default_factory=dict)
+    # Batch lines done a second, and their share of the tokens answered in the
+    # second in percent (None in a second without any: the plot hides).
+    batch_lines_s: float | None = None
+    batch_share_pct: float | None = None
 
 
 # The keyed columns that total what a caller's view may not show by name.
@@ -335,7 +342,7 @@ class StatusSampler:
         return s
 
     def _make(self, snap: Snapshot, now: float, t: float) -> Sample:
-        req = prompt = gen = refused = held_steps = underfed = None
+        req = prompt = gen = refused = held_steps = underfed = lines = share = None
         by_reason: dict[str, float] = {}
         callers: dict[str, float] = {}
         adapters: dict[str, float] = {}
@@ -348,6 +355,9 @@ class StatusSampler:
             req = _rate(snap.requests, old.requests, dt)
             prompt = _rate(snap.prompt_tokens, old.prompt_tokens, dt)
             gen = _rate(snap.generated_tokens, old.generated_tokens, dt)
+            lines = _rate(snap.batch_lines, old.batch_lines, dt) or None
+            bulk = _rate(snap.batch_tokens, old.batch_tokens, dt)
+            share = 100.0 * bulk / (prompt + gen) if bulk and prompt + gen > 0 else None
             by_reason = _rates(snap.refusals, old.refusals, dt)
             refused = sum(by_reason.values())
             callers = _rates(snap.callers, old.callers, dt)
@@ -408,6 +418,8 @@ class StatusSampler:
                 if m.kv_cache_usage is not None
             },
             model_req_s=model_req,
+            batch_lines_s=lines,
+            batch_share_pct=share,
         )
 
     def _append(self, s: Sample) -> None:

@@ -121,6 +121,12 @@ async def test_a_batch_runs_each_line_once_with_the_endpoints_own_answer(make_cl
     body = one["response"]["body"]
     assert body["object"] == "chat.completion"
     assert body["choices"] == sync["choices"] and body["usage"] == sync["usage"]
+    text = await (await client.get("/metrics")).text()
+    assert "sluice_batch_lines_total 40.0" in text
+    tokens = sum(x["response"]["body"]["usage"]["total_tokens"] for x in out)
+    assert (
+        f"sluice_batch_tokens_total {float(tokens)}" in text
+    )  # the lines' own, not the sync one's
 
 
 async def test_a_line_the_endpoint_refuses_is_in_the_error_file(make_client: Any) -> None:

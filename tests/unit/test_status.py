@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import replace
@@ -50,6 +51,23 @@ def test_rates_come_from_counter_differences_over_monotonic_time() -> None:
     assert second is not None
     assert (second.req_s, second.prompt_tok_s, second.gen_tok_s) == (5.0, 1000.0, 200.0)
     assert second.t == clock.wall
+
+
+def test_batch_lines_and_their_share_of_the_tokens() -> None:
+    clock = Clock()
+    snaps = [Snapshot("ok", prompt_tokens=100, generated_tokens=100)]
+    s = sampler(snaps, clock)
+    s.sample()
+    clock.tick(2.0)
+    snaps.append(
+        Snapshot("ok", prompt_tokens=900, generated_tokens=300, batch_lines=10, batch_tokens=250)
+    )
+    got = s.sample()
+    assert got is not None and (got.batch_lines_s, got.batch_share_pct) == (5.0, 25.0)
+    clock.tick(1.0)
+    snaps.append(dataclasses.replace(snaps[-1], prompt_tokens=1000))  # no batch line
+    idle = s.sample()
+    assert idle is not None and idle.batch_lines_s is None and idle.batch_share_pct is None
 
 
 def test_ttft_quantiles_are_exact_over_the_second_and_absent_without_requests() -> None:

@@ -54,6 +54,11 @@
       keyed: "model_running", onlyWithData: true },
     { id: "model-kv", title: "KV-cache use per model", unit: "%", series: [],
       keyed: "model_kv_pct", onlyWithData: true, max: 100 },
+    // The Batch API (docs/bulk.md): lines done, and their share of the tokens.
+    { id: "bulk", title: "Batch lines", unit: "lines/s", series: [["batch_lines_s", "done"]],
+      onlyWithData: true },
+    { id: "bulk-share", title: "Batch work's share of the tokens", unit: "%",
+      series: [["batch_share_pct", "batch lines"]], onlyWithData: true, max: 100 },
     { id: "memory", title: "Free memory", unit: "GiB", scale: 1 / 1024, thresholds: true,
       series: [["gpu_free_mib", "free VRAM"], ["host_available_mib", "host available"]] },
     { id: "refusals", title: "Refusals by reason", unit: "req/s",
