@@ -370,6 +370,11 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
         log.info("stopped", extra={"fields": {"exit_code": rt.exit_code}})
 
 
+def _batches_running(rt: Runtime, n: int) -> None:
+    """The status page's count of batches being run (server/http/status_page.py)."""
+    rt.batches_running = n
+
+
 def _files_dir(app: web.Application, state_dir: Path | None) -> Path:
     """Where the Batch API's files live: `files/` in the state directory; without
     one (an app built without the CLI: tests), a private directory removed at exit."""
@@ -590,6 +595,7 @@ def build_app(
         accepting=lambda: app[RUNTIME].phase in (Phase.STARTING, Phase.READY),
         in_flight=settings.batch_lines_in_flight,
         counted=app[METRICS].batch_event,
+        running=functools.partial(_batches_running, app[RUNTIME]),
     )
     app[NOTIFIER] = notifier or SdNotify(None)
     if watchdog_factory is not None:

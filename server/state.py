@@ -73,6 +73,7 @@ class Runtime:
     exit_code: int = 0
     engine_error: str | None = None
     tokens_out: int = 0  # completion tokens sent, for STATUS= tokens/s
+    batches_running: int = 0  # the Batch API's runner's (server/api/openai_batches/runner.py)
     limits: Limits = field(default_factory=Limits)  # request bounds, final once booted
 
     @property

@@ -208,6 +208,7 @@ def snapshot(app: web.Application) -> Snapshot:
         models=models,
         batch_lines=_total(metrics.batch_lines),
         batch_tokens=_total(metrics.batch_tokens),
+        batches_running=app[RUNTIME].batches_running,
         placements=(
             {f"rank {r} {why}": float(n) for why, r, n in entries[0].driver.core.placements}
             if len(entries) == 1

@@ -122,6 +122,7 @@ class Snapshot:
     # The Batch API's lines done and their tokens (prompt + generated), cumulative.
     batch_lines: float = 0.0
     batch_tokens: float = 0.0
+    batches_running: float = 0.0  # batches being run now (validating to finalizing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +167,7 @@ class Sample:
     # second in percent (None in a second without any: the plot hides).
     batch_lines_s: float | None = None
     batch_share_pct: float | None = None
+    batches_running: float | None = None  # None: none (the plot hides)
 
 
 # The keyed columns that total what a caller's view may not show by name.
@@ -420,6 +422,7 @@ class StatusSampler:
             model_req_s=model_req,
             batch_lines_s=lines,
             batch_share_pct=share,
+            batches_running=snap.batches_running or None,
         )
 
     def _append(self, s: Sample) -> None:

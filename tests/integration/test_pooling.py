@@ -15,6 +15,8 @@ vectors, in order; bad input is a 400 (or 413) in OpenAI's error shape.
 from __future__ import annotations
 
 import base64
+import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -105,6 +107,46 @@ def test_openai_client_float_and_base64(client: openai.OpenAI) -> None:
     assert np.allclose(f, b, atol=ATOL)
     # Different texts, different vectors.
     assert not np.allclose(f[0], f[1], atol=0.05)
+
+
+def test_an_embeddings_batch(client: openai.OpenAI) -> None:
+    """Issue 42: an embeddings batch through /v1/files and /v1/batches (its
+    chat batches are tests/integration/test_batches.py's): each line's vectors
+    are the endpoint's own, as a direct request gets them."""
+    lines = [
+        {
+            "custom_id": f"e{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": MODEL, "input": text, "encoding_format": "float"},
+        }
+        for i, text in enumerate(TEXTS)
+    ]
+    data = b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+    upload = client.files.create(file=("embed.jsonl", data), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    deadline = time.monotonic() + 120
+    while (batch := client.batches.retrieve(batch.id)).status not in (
+        "completed",
+        "failed",
+        "expired",
+        "cancelled",
+    ):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+    assert batch.status == "completed" and batch.request_counts is not None
+    assert batch.request_counts.completed == len(TEXTS) and batch.output_file_id is not None
+    out = {
+        x["custom_id"]: x["response"]
+        for x in map(json.loads, client.files.content(batch.output_file_id).text.splitlines())
+    }
+    assert sorted(out) == sorted(f"e{i}" for i in range(len(TEXTS)))
+    direct = client.embeddings.create(model=MODEL, input=TEXTS[1], encoding_format="float")
+    got = out["e1"]["body"]
+    assert out["e1"]["status_code"] == 200 and got["object"] == "list"
+    assert np.allclose(got["data"][0]["embedding"], direct.data[0].embedding, atol=ATOL)
 
 
 def test_a_text_and_its_token_ids_embed_the_same(client: openai.OpenAI, server: str) -> None:

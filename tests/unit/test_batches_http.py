@@ -21,9 +21,11 @@ import pytest
 from server.api.openai_batches.output import batch_object, result_line, with_status
 from server.api.openai_batches.parse import check_line, parse_batch_create
 from server.api.openai_batches.runner import BATCHES
+from server.app import drain
 from server.callers import parse_callers
 from server.http.door import DOOR, DOOR_HEADER
 from server.operations.state_db import JobRow, StateDB
+from server.state import RUNTIME
 from server.wire.request import Limits
 from tests.fakes import FakeEngine
 from tests.support import until
@@ -226,15 +228,17 @@ async def test_pages_of_batches(make_client: Any) -> None:
 
 async def test_cancel_stops_the_lines_and_counts_the_rest(make_client: Any) -> None:
     engine = FakeEngine(step=0.05)
-    client, _ = await serve(make_client, engine=engine, batch_lines_in_flight=2)
+    client, app = await serve(make_client, engine=engine, batch_lines_in_flight=2)
     file_id = await upload(client, jsonl(*(line(f"c{i}", max_tokens=50) for i in range(20))))
     made = await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})
     batch_id = (await made.json())["id"]
     await until(lambda: len(engine.added) >= 2, what="lines running")
+    assert app[RUNTIME].batches_running == 1  # the status page's count
     cancelled = await (await client.post(f"/v1/batches/{batch_id}/cancel")).json()
     assert cancelled["status"] == "cancelling" and cancelled["cancelling_at"]
     batch = await finished(client, batch_id)
     assert batch["status"] == "cancelled" and batch["cancelled_at"]
+    await until(lambda: app[RUNTIME].batches_running == 0, what="none running")
     assert len(engine.added) < 20
     errors = await content(client, batch["error_file_id"])
     done = await content(client, batch["output_file_id"]) if batch["output_file_id"] else []
@@ -317,3 +321,34 @@ async def test_a_callers_files_are_bounded_and_old_ones_are_swept(make_client: A
     for path in (f"/v1/files/{first}", f"/v1/batches/{batch['id']}"):
         assert (await client.get(path)).status == 404
     assert not any(app[BATCHES].files.iterdir())
+
+
+async def test_a_drain_finishes_the_running_lines_and_the_rest_resume(
+    make_client: Any, tmp_path: Path
+) -> None:
+    """SIGTERM (the drain): no new line is sent, the running ones finish and
+    are kept; the next start runs only the rest."""
+    engine = FakeEngine(step=0.01)
+    client, app = await serve(
+        make_client, engine=engine, state_dir=tmp_path, batch_lines_in_flight=2
+    )
+    file_id = await upload(client, jsonl(*(line(f"d{i}", max_tokens=30) for i in range(10))))
+    made = await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})
+    batch_id = (await made.json())["id"]
+    await until(
+        lambda: len([r for r in engine.added if r.startswith(batch_id)]) >= 2,
+        what="two lines running",
+    )
+    await drain(app, 10.0)
+    await until(lambda: batch_id not in app[BATCHES].running, what="the batch set aside")
+    sent = [r for r in engine.added if r.startswith(batch_id)]
+    assert 2 <= len(sent) < 10
+    kept = await app[BATCHES].db.line_statuses(batch_id)
+    assert len(kept) == len(sent) and set(kept.values()) == {200}  # each sent line finished
+    assert (await (await client.get(f"/v1/batches/{batch_id}")).json())["status"] == "in_progress"
+    await client.close()
+    again = FakeEngine(step=0.001)
+    client, _ = await serve(make_client, engine=again, state_dir=tmp_path)
+    batch = await finished(client, batch_id)
+    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 10
+    assert len([r for r in again.added if r.startswith(batch_id)]) == 10 - len(sent)

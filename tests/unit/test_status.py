@@ -60,14 +60,24 @@ def test_batch_lines_and_their_share_of_the_tokens() -> None:
     s.sample()
     clock.tick(2.0)
     snaps.append(
-        Snapshot("ok", prompt_tokens=900, generated_tokens=300, batch_lines=10, batch_tokens=250)
+        Snapshot(
+            "ok",
+            prompt_tokens=900,
+            generated_tokens=300,
+            batch_lines=10,
+            batch_tokens=250,
+            batches_running=2,
+        )
     )
     got = s.sample()
     assert got is not None and (got.batch_lines_s, got.batch_share_pct) == (5.0, 25.0)
+    assert got.batches_running == 2
     clock.tick(1.0)
-    snaps.append(dataclasses.replace(snaps[-1], prompt_tokens=1000))  # no batch line
+    # No batch line in this second, and no batch left.
+    snaps.append(dataclasses.replace(snaps[-1], prompt_tokens=1000, batches_running=0))
     idle = s.sample()
     assert idle is not None and idle.batch_lines_s is None and idle.batch_share_pct is None
+    assert idle.batches_running is None  # the plot hides
 
 
 def test_ttft_quantiles_are_exact_over_the_second_and_absent_without_requests() -> None:

@@ -83,6 +83,7 @@ class Batches:
         accepting: Callable[[], bool],
         in_flight: int = 256,
         counted: Callable[[str, int], None] = lambda kind, n: None,
+        running: Callable[[int], None] = lambda n: None,
     ) -> None:
         self.db = db
         self.files = files
@@ -91,9 +92,15 @@ class Batches:
         self._accepting = accepting
         self.in_flight = in_flight
         self._counted = counted  # ("line" | "batch:<status>", n)
+        self._running = running  # told how many batches run, as that changes
         self._runs: dict[str, _Run] = {}
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._wake = asyncio.Event()  # a drain began, or ended: runs look at `accepting`
+
+    @property
+    def running(self) -> frozenset[str]:
+        """The ids of the batches being run now."""
+        return frozenset(self._runs)
 
     # -- files ----------------------------------------------------------------
     def file_path(self, file_id: str) -> Path:
@@ -194,6 +201,7 @@ class Batches:
     def _start(self, tg: asyncio.TaskGroup, batch: dict[str, Any], owner: str | None) -> None:
         run = _Run(batch, owner)
         self._runs[batch["id"]] = run
+        self._running(len(self._runs))
         tg.create_task(self._batch(run), name=f"batch-{batch['id']}")
 
     async def _save(self, batch: dict[str, Any], owner: str | None) -> None:
@@ -220,6 +228,7 @@ class Batches:
                 await self._set(run, "failed", errors=failed_validation([why]))
         finally:
             self._runs.pop(batch_id, None)
+            self._running(len(self._runs))
 
     async def _validate(self, run: _Run) -> bool:
         """Check every line (streaming the file); a file with errors fails the

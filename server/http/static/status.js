@@ -55,6 +55,8 @@
     { id: "model-kv", title: "KV-cache use per model", unit: "%", series: [],
       keyed: "model_kv_pct", onlyWithData: true, max: 100 },
     // The Batch API (docs/bulk.md): lines done, and their share of the tokens.
+    { id: "bulk-running", title: "Batches running", unit: "batches",
+      series: [["batches_running", "running"]], onlyWithData: true },
     { id: "bulk", title: "Batch lines", unit: "lines/s", series: [["batch_lines_s", "done"]],
       onlyWithData: true },
     { id: "bulk-share", title: "Batch work's share of the tokens", unit: "%",
