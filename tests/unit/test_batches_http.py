@@ -352,3 +352,21 @@ async def test_a_drain_finishes_the_running_lines_and_the_rest_resume(
     batch = await finished(client, batch_id)
     assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 10
     assert len([r for r in again.added if r.startswith(batch_id)]) == 10 - len(sent)
+
+
+async def test_a_full_disk_fails_the_batch_and_keeps_what_was_written(
+    make_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from server.api.openai_batches import runner
+
+    async def no_space(self: Any, data: bytes) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(runner._Out, "write", no_space)
+    client, app = await serve(make_client)
+    batch = await run_batch(client, jsonl(line("f1"), line("f2")))
+    assert batch["status"] == "failed" and batch["errors"]["data"][0]["code"] == "server_error"
+    kept = await app[BATCHES].db.line_statuses(batch["id"])
+    assert kept == {1: 200, 2: 200}  # the lines' results stay in the database
+    resp = await client.get(f"/v1/files/{batch['input_file_id']}/content")
+    assert resp.status == 200 and len((await resp.read()).splitlines()) == 2
