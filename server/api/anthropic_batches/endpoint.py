@@ -15,10 +15,9 @@ are Anthropic's shape (server/http/middleware.py, by path).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
+from contextlib import aclosing
 from typing import Any, Final
 
 import orjson
@@ -38,7 +37,7 @@ from server.api.anthropic_batches.output import (
 from server.api.anthropic_batches.parse import Request, parse_create
 from server.api.openai_batches.output import batch_object
 from server.api.openai_batches.parse import BatchCreate, parse_window
-from server.api.openai_batches.runner import BATCHES, new_id
+from server.api.openai_batches.runner import BATCHES, new_id, read_chunks
 from server.api.openai_chat.endpoint import read_body
 from server.errors import SluiceError
 from server.http.pipeline import json_response
@@ -201,36 +200,19 @@ async def batch_results(request: web.Request) -> web.StreamResponse:
     seen: set[str] = set()
     for key in ("output_file_id", "error_file_id"):
         if batch.get(key):
-            async for chunk in _lines(batches.file_path(batch[key])):
-                out = [result(raw) for raw in chunk if raw.strip()]
-                seen.update(custom_id for custom_id, _ in out)
-                await resp.write(b"".join(line + b"\n" for _, line in out))
+            async with aclosing(read_chunks(batches.file_path(batch[key]), _LINES)) as chunks:
+                async for chunk in chunks:
+                    out = [result(raw) for raw in chunk if raw.strip()]
+                    seen.update(custom_id for custom_id, _ in out)
+                    await resp.write(b"".join(line + b"\n" for _, line in out))
     if batch["status"] == "failed":  # the requests it never ran are errored
         errors = (batch.get("errors") or {}).get("data") or [{}]
         why = errors[0].get("message") or "the batch failed"
-        async for chunk in _lines(batches.file_path(batch["input_file_id"])):
-            ids = [orjson.loads(raw)["custom_id"] for raw in chunk if raw.strip()]
-            lost = [unrun_error(i, why) + b"\n" for i in ids if i not in seen]
-            await resp.write(b"".join(lost))
+        path = batches.file_path(batch["input_file_id"])
+        async with aclosing(read_chunks(path, _LINES)) as chunks:
+            async for chunk in chunks:
+                ids = [orjson.loads(raw)["custom_id"] for raw in chunk if raw.strip()]
+                lost = [unrun_error(i, why) + b"\n" for i in ids if i not in seen]
+                await resp.write(b"".join(lost))
     await resp.write_eof()
     return resp
-
-
-async def _lines(path: Path) -> AsyncIterator[list[bytes]]:
-    """A stored file's lines, `_LINES` at a time (read in a thread)."""
-    fh = await asyncio.to_thread(path.open, "rb")
-    try:
-        while chunk := await asyncio.to_thread(_read, fh):
-            yield chunk
-    finally:
-        await asyncio.to_thread(fh.close)
-
-
-def _read(fh: Any) -> list[bytes]:
-    out: list[bytes] = []
-    for _ in range(_LINES):
-        raw = fh.readline()
-        if not raw:
-            break
-        out.append(raw)
-    return out

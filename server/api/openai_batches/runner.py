@@ -45,7 +45,7 @@ from server.http.door import CALLER_HEADER, DOOR_HEADER, Door
 from server.operations.state_db import JobRow, StateDB
 from server.wire.request import Limits
 
-__all__ = ["BATCHES", "Batches", "new_id"]
+__all__ = ["BATCHES", "Batches", "new_id", "read_chunks"]
 
 log = logging.getLogger("sluice.batches")
 
@@ -249,17 +249,15 @@ class Batches:
     async def _read(self, run: _Run) -> AsyncGenerator[Line, None]:
         """The input file's lines (checked when the batch began; blank lines
         skipped), a chunk at a time: iterate it under `contextlib.aclosing`."""
-        path = self.file_path(run.batch["input_file_id"])
-        fh = await asyncio.to_thread(path.open, "rb")
-        try:
-            number = 0
-            while chunk := await asyncio.to_thread(_read_lines, fh, _CHUNK):
+        number = 0
+        async with contextlib.aclosing(
+            read_chunks(self.file_path(run.batch["input_file_id"]))
+        ) as chunks:
+            async for chunk in chunks:
                 for raw in chunk:
                     number += 1
                     if raw.strip():
                         yield _line(number, raw)
-        finally:
-            await asyncio.to_thread(fh.close)
 
     def _stopping(self, run: _Run) -> str | None:
         """Why no more lines are sent now: cancelled, expired, draining; None: go on."""
@@ -471,6 +469,17 @@ def _check_file(path: Path, endpoint: str, limits: Limits) -> tuple[list[LineErr
 def _count_lines(path: Path) -> int:
     with path.open("rb") as fh:
         return sum(1 for raw in fh if raw.strip())
+
+
+async def read_chunks(path: Path, n: int = _CHUNK) -> AsyncGenerator[Sequence[bytes], None]:
+    """A stored file's lines, `n` at a time, read in a thread (never the whole
+    file in memory): iterate it under `contextlib.aclosing`."""
+    fh = await asyncio.to_thread(path.open, "rb")
+    try:
+        while chunk := await asyncio.to_thread(_read_lines, fh, n):
+            yield chunk
+    finally:
+        await asyncio.to_thread(fh.close)
 
 
 def _read_lines(fh: Any, n: int) -> Sequence[bytes]:
