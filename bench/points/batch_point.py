@@ -38,10 +38,10 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench.points.fault_point import Caller, drop_flags, quantile
-from bench.report.cells import runs_cell, spread_cell, write_lines
+from bench.report.cells import percentile, runs_cell, spread_cell, write_lines
 from bench.report.systems import SLUICE
-from bench.run.engine_flags import DEMO_NAME, demo_flags
+from bench.run.chat_turn import Caller
+from bench.run.engine_flags import DEMO_NAME, demo_flags, drop_flags
 from bench.run.servers import Server, free_port, server_command
 
 CHAT = "/v1/chat/completions"
@@ -169,8 +169,8 @@ def one_repetition(base: str, args: argparse.Namespace, data: bytes, bodies: lis
         "beside": [1000 * t for _, t in beside.turns],
     }
     return {
-        "chat_alone_p95": quantile(ttft["alone"], 95),
-        "chat_beside_p95": quantile(ttft["beside"], 95),
+        "chat_alone_p95": percentile(ttft["alone"], 95),
+        "chat_beside_p95": percentile(ttft["beside"], 95),
         "chat_beside_turns": len(ttft["beside"]),
         "chat_failed": len(alone.failed) + len(beside.failed),
         "batch_alone": batch_alone,

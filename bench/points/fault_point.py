@@ -34,23 +34,19 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import orjson
 
-from bench.report.cells import runs_cell, spread_cell, write_lines
+from bench.report.cells import percentile, runs_cell, spread_cell, write_lines
 from bench.report.systems import SLUICE, VLLM
-from bench.run.engine_flags import DEMO_NAME, demo_flags
+from bench.run.chat_turn import Caller, first_token
+from bench.run.engine_flags import DEMO_NAME, demo_flags, drop_flags
 from bench.run.servers import HOST, Server, free_port, kill_group, server_command
 
-JSON = {"content-type": "application/json"}
-_TOKEN_KEYS = ("content", "reasoning_content", "reasoning")  # a chunk that carries a token
 # Both models' engine flags, as the cold starts get them (eager: an engine start
 # is ~12 s on CPU against ~18-40 s compiled, and all three starts are alike).
 ENGINE = {"max-model-len": 8192, "kv-cache-memory-bytes": 64 * 2**20}
@@ -59,72 +55,6 @@ MODELS = "".join(
     f"kv-cache-memory-bytes = {ENGINE['kv-cache-memory-bytes']}\n"
     for name in ("chat", "other")
 )
-
-
-async def first_token(session: aiohttp.ClientSession, base: str, model: str, i: int) -> float:
-    """One streamed chat turn of 8 tokens; seconds to its first token. Raises on
-    an error status or an error event."""
-    body = {
-        "model": model,
-        "max_tokens": 8,
-        "stream": True,
-        "messages": [{"role": "user", "content": f"Question {i}: why is the sky blue?"}],
-        "chat_template_kwargs": {"enable_thinking": False},
-    }
-    t0 = time.perf_counter()
-    first = 0.0
-    async with session.post(
-        base + "/v1/chat/completions", data=orjson.dumps(body), headers=JSON
-    ) as r:
-        r.raise_for_status()
-        async for line in r.content:
-            if not line.startswith(b"data: {"):
-                continue
-            event = orjson.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"error event: {event['error']}")
-            delta = event["choices"][0]["delta"] if event.get("choices") else {}
-            if not first and any(
-                delta.get(k) for k in ("content", "reasoning_content", "reasoning")
-            ):
-                first = time.perf_counter() - t0
-    if not first:
-        raise RuntimeError("a turn without a token")
-    return first
-
-
-@dataclass
-class Caller:
-    """A closed-loop chat caller on a thread of its own: (start, TTFT) of each
-    turn, and the turns that failed."""
-
-    base: str
-    model: str
-    turns: list[tuple[float, float]] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-
-    async def _loop(self) -> None:
-        async with aiohttp.ClientSession() as s:
-            i = 0
-            while not self._stop.is_set():
-                t = time.monotonic()
-                try:
-                    self.turns.append((t, await first_token(s, self.base, self.model, i)))
-                except (aiohttp.ClientError, RuntimeError) as exc:
-                    self.failed.append(f"{t:.1f}: {exc}")
-                i += 1
-
-    def __enter__(self) -> Caller:
-        self._thread = threading.Thread(target=asyncio.run, args=(self._loop(),))
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        assert self._thread is not None
-        self._thread.join()
 
 
 def _core_pids(log: Path, model: str) -> list[int]:
@@ -157,10 +87,6 @@ def _until_token(base: str, model: str, deadline: float) -> float:
     return asyncio.run(probe())
 
 
-def quantile(values: list[float], pct: int) -> float:
-    return statistics.quantiles(values, n=100)[pct - 1] if len(values) > 1 else values[0]
-
-
 def _ttfts(caller: Caller, since: float, until: float) -> list[float]:
     return [1000 * ttft for t, ttft in caller.turns if since <= t <= until]
 
@@ -190,10 +116,10 @@ def fault_runs(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
             during = _ttfts(hit, killed, back)
             runs.append(
                 {
-                    "calm_p50": quantile(_ttfts(calm, 0, float("inf")), 50),
-                    "calm_p95": quantile(_ttfts(calm, 0, float("inf")), 95),
-                    "fault_p50": quantile(during, 50),
-                    "fault_p95": quantile(during, 95),
+                    "calm_p50": percentile(_ttfts(calm, 0, float("inf")), 50),
+                    "calm_p95": percentile(_ttfts(calm, 0, float("inf")), 95),
+                    "fault_p50": percentile(during, 50),
+                    "fault_p95": percentile(during, 95),
                     "fault_turns": len(during),
                     "failed": len(calm.failed) + len(hit.failed),
                     "failures": calm.failed + hit.failed,
@@ -237,20 +163,6 @@ def cold_start(system: str, workdir: Path) -> float:
         except subprocess.TimeoutExpired:
             kill_group(proc.pid, signal.SIGKILL)
             proc.wait(10)
-
-
-def drop_flags(flags: list[str], *names: str) -> list[str]:
-    """`flags` without the named flags and their values."""
-    out: list[str] = []
-    skip = False
-    for f in flags:
-        if skip:
-            skip = False
-        elif f in names:
-            skip = True
-        else:
-            out.append(f)
-    return out
 
 
 def report(runs: list[dict[str, Any]], cold: dict[str, list[float]], repeat: int) -> list[str]:

@@ -37,17 +37,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
-import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.points.fault_point import drop_flags, quantile
-from bench.report.cells import runs_cell, write_lines
+from bench.report.cells import percentile, runs_cell, write_lines
 from bench.report.systems import SLUICE, VLLM
-from bench.run.engine_flags import DEMO_NAME, demo_flags
+from bench.run.chat_turn import stream_chat
+from bench.run.engine_flags import DEMO_NAME, demo_flags, drop_flags
 from bench.run.servers import Server, free_port, http_get, server_command
 
-JSON = {"content-type": "application/json"}
-_TOKEN_KEYS = ("content", "reasoning_content", "reasoning")
 WORDS = [
     "alpha",
     "beta",
@@ -105,23 +102,9 @@ async def conversation(
             "chat_template_kwargs": {"enable_thinking": False},
         }
         t0 = time.perf_counter()
-        first = 0.0
-        parts: list[str] = []
-        async with session.post(
-            base + "/v1/chat/completions", data=orjson.dumps(body), headers=JSON
-        ) as r:
-            r.raise_for_status()
-            async for line in r.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                event = orjson.loads(line[6:])
-                delta = event["choices"][0]["delta"] if event.get("choices") else {}
-                piece = "".join(delta.get(k) or "" for k in _TOKEN_KEYS)
-                if piece and not first:
-                    first = time.perf_counter() - t0
-                parts.append(piece)
+        first, answer = await stream_chat(session, base, body)
         out.append((first, time.perf_counter() - t0))
-        messages.append({"role": "assistant", "content": "".join(parts)})
+        messages.append({"role": "assistant", "content": answer})
     return out
 
 
@@ -163,8 +146,8 @@ def one_run(base: str, args: argparse.Namespace, rep: int) -> dict[str, float]:
     q1, h1 = prefix_counters(base)
     ttft = [1000 * f for f, _ in turns]
     return {
-        "ttft_p50": quantile(ttft, 50),
-        "ttft_p95": quantile(ttft, 95),
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p95": percentile(ttft, 95),
         "req_s": len(turns) / took,
         "hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0,
     }

@@ -38,7 +38,7 @@ import aiohttp
 import orjson
 import psutil
 
-from bench.report.cells import runs_cell, write_lines
+from bench.report.cells import percentile, runs_cell, write_lines
 from bench.report.systems import SLUICE
 from bench.run.servers import Server, free_port, server_command
 
@@ -136,10 +136,6 @@ def _cpu(pid: int) -> dict[str, float]:
     return out
 
 
-def _q(values: list[float], pct: int) -> float:
-    return statistics.quantiles(values, n=100)[pct - 1] if len(values) > 1 else values[0]
-
-
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, list[dict[str, Any]]]:
     models = workdir / "models.toml"
     models.write_text(MODELS)
@@ -167,8 +163,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, list[dict[str, Any
                 cpu1 = _cpu(server.proc.pid)
                 results[phase].append(
                     {
-                        "p50": 1000 * _q(ttft, 50),
-                        "p95": 1000 * _q(ttft, 95),
+                        "p50": 1000 * percentile(ttft, 50),
+                        "p95": 1000 * percentile(ttft, 95),
                         "flood_rps": flooded / dt,
                         "cpu": {k: round(v - cpu0.get(k, 0.0), 1) for k, v in cpu1.items()},
                         "seconds": round(dt, 1),

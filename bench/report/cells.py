@@ -1,6 +1,6 @@
 """The helpers every point's own report shares: a `median [min-max]` cell (of
-values, or of one metric over repetitions), a median over repetitions, and the
-page written and printed.
+values, or of one metric over repetitions), a median over repetitions, a
+percentile, and the page written and printed.
 
 Why it exists: each point (bench/points/) renders its own small table; before,
 each carried its own copy of these three.
@@ -12,6 +12,12 @@ import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+
+def percentile(values: Sequence[float], pct: int) -> float:
+    """The `pct`th percentile of `values` (statistics' exclusive method; the one
+    value when there is only one)."""
+    return statistics.quantiles(values, n=100)[pct - 1] if len(values) > 1 else values[0]
 
 
 def spread_cell(vals: Sequence[float], fmt: str) -> str:

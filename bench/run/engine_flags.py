@@ -67,3 +67,17 @@ def step_flags(engine_flags: Sequence[str]) -> list[str]:
 
 
 _STEP_FLAG = "long-prefill-token-threshold"
+
+
+def drop_flags(flags: list[str], *names: str) -> list[str]:
+    """`flags` without the named flags and their values."""
+    out: list[str] = []
+    skip = False
+    for f in flags:
+        if skip:
+            skip = False
+        elif f in names:
+            skip = True
+        else:
+            out.append(f)
+    return out
