@@ -351,9 +351,7 @@ class Batches:
             room.release()
 
     async def _counts(self, run: _Run) -> None:
-        ok = sum(1 for s in run.done.values() if 200 <= s < 300)
-        counts = {**run.batch["request_counts"], "completed": ok, "failed": len(run.done) - ok}
-        run.batch = {**run.batch, "request_counts": counts}
+        run.batch = {**run.batch, "request_counts": _tally(run)}
         await self._save(run.batch, run.owner)
 
     async def _finish(self, run: _Run) -> None:
@@ -387,8 +385,7 @@ class Batches:
             for out in files.values():
                 await out.close()
         ids = {key: await out.register(batch_id, run.owner) for key, out in files.items()}
-        ok = sum(1 for s in run.done.values() if 200 <= s < 300)
-        counts = {**run.batch["request_counts"], "completed": ok, "failed": len(run.done) - ok}
+        counts = _tally(run)
         await self._set(run, end, request_counts=counts, **ids)
         log.info("batch ended", extra={"fields": {"batch": batch_id, "status": end, **counts}})
 
@@ -464,6 +461,12 @@ def _check_file(path: Path, endpoint: str, limits: Limits) -> tuple[list[LineErr
             else:
                 total += 1
     return errors, total
+
+
+def _tally(run: _Run) -> dict[str, int]:
+    """A batch's `request_counts` from its done lines: 2xx completed, the rest failed."""
+    ok = sum(1 for s in run.done.values() if 200 <= s < 300)
+    return {**run.batch["request_counts"], "completed": ok, "failed": len(run.done) - ok}
 
 
 def _count_lines(path: Path) -> int:
