@@ -6,6 +6,10 @@ environment, so nothing is copied or edited). One test, in order, since two
 engine starts on two cores cost a minute or more:
 
 1. Traffic spreads: sequential requests land on both instances.
+   A conversation stays on one (issue 43): requests keyed by X-Session-Id, or
+   by a caller's key, land where their key's first did, and keys spread; a
+   key's streams past its instance's bound spill to the other (the bounded
+   load, hash-balance-factor 125).
 2. A shedding instance's 503 is retried elsewhere: instance `a` runs with
    --max-pending-requests 2 and holds two streams; it refuses more with a 503
    and Retry-After (asked directly, it says so), yet every request through the
@@ -108,20 +112,27 @@ def _rejections(base: str, reason: str) -> float:
     return 0.0
 
 
-async def _short(client: httpx.AsyncClient, base: str) -> str:
+async def _short(
+    client: httpx.AsyncClient, base: str, headers: dict[str, str] | None = None
+) -> str:
     """One short request through the balancer: 'STATUS INSTANCE'."""
     try:
-        r = await client.post(base + "/v1/chat/completions", json=_chat(4, False))
+        r = await client.post(base + "/v1/chat/completions", json=_chat(4, False), headers=headers)
     except httpx.HTTPError as exc:
         return f"transport error {exc!r}"
     return f"{r.status_code} {r.headers.get('x-sluice-instance')}"
 
 
-async def _stream(client: httpx.AsyncClient, base: str, served: asyncio.Future[str]) -> list[str]:
+async def _stream(
+    client: httpx.AsyncClient,
+    base: str,
+    served: asyncio.Future[str],
+    headers: dict[str, str] | None = None,
+) -> list[str]:
     lines: list[str] = []
     try:
         async with client.stream(
-            "POST", base + "/v1/chat/completions", json=_chat(LONG, True)
+            "POST", base + "/v1/chat/completions", json=_chat(LONG, True), headers=headers
         ) as r:
             served.set_result(f"{r.status_code} {r.headers.get('x-sluice-instance')}")
             async for line in r.aiter_lines():
@@ -149,6 +160,48 @@ async def _ready(client: httpx.AsyncClient, base: str) -> bool:
     with contextlib.suppress(httpx.HTTPError):
         return (await client.get(base + "/ready")).status_code == 200
     return False
+
+
+async def _affinity(
+    client: httpx.AsyncClient, base: str, a: SluiceProcess, b: SluiceProcess
+) -> None:
+    """Step 1's keyed half: each key's requests stay on one instance, keys spread,
+    and a key's instance busy with its streams past the bound sends the next on."""
+    homes: dict[str, str] = {}
+    for n in range(8):
+        key = {"X-Session-Id": f"conversation-{n}"}
+        got = {await _short(client, base, key) for _ in range(3)}
+        assert len(got) == 1, (key, got)
+        homes[key["X-Session-Id"]] = got.pop()
+    assert set(homes.values()) == {"200 a", "200 b"}, homes
+    caller = {"Authorization": "Bearer sk-some-caller"}
+    assert len({await _short(client, base, caller) for _ in range(3)}) == 1
+    # Streams of a conversation whose home is b (no admission limit there) stay
+    # there until b has more than its bound (1.25x the backend's average in
+    # flight, rounded up: one or two streams, by the servers' order); the next
+    # one goes to a.
+    session = {"X-Session-Id": next(k for k, v in homes.items() if v == "200 b")}
+    streams: list[asyncio.Task[list[str]]] = []
+    placed: list[str] = []
+    try:
+        while len(placed) < 3 and "200 a" not in placed:
+            served: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+            streams.append(asyncio.create_task(_stream(client, base, served, session)))
+            placed.append(await asyncio.wait_for(asyncio.shield(served), 120))
+        assert placed[0] == "200 b" and placed[-1] == "200 a", placed
+    finally:
+        for t in streams:
+            t.cancel()
+        for t in streams:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+    # Their engine requests end when the connections close (step 2 counts a's and b's).
+    for proc in (a, b):
+        deadline = time.monotonic() + 60
+        while await asyncio.to_thread(metric, proc.base, "sluice_pending_requests") != 0:
+            assert time.monotonic() < deadline, proc.tail()
+            await asyncio.sleep(0.1)
+    assert await _short(client, base, session) == "200 b"
 
 
 @pytest.fixture
@@ -183,6 +236,7 @@ async def test_two_instances_behind_haproxy(
             # 1. Spread.
             spread = Counter([await _short(client, lb.base) for _ in range(8)])
             assert spread["200 a"] >= 3 and spread["200 b"] >= 3, spread
+            await _affinity(client, lb.base, a, b)
 
             # 2. Two streams on each instance (round robin), which fills a's admission.
             streams: list[tuple[asyncio.Future[str], asyncio.Task[list[str]]]] = []
