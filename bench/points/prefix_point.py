@@ -1,5 +1,4 @@
-"""Issue 43's prefix point: what prefix placement, and a balancer that keeps a
-conversation on one instance, buy on multi-turn conversations, and cost on unrelated prompts.
+"""Issue 43's prefix point: what prefix placement and a balancer's affinity buy, and cost.
 
 Measured: multi-turn conversations on two data-parallel ranks, with and without
 prefix placement, against vLLM's own server with the same flags; the same
@@ -395,12 +394,13 @@ def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
     else:
         title = "# Multi-turn conversations on two data-parallel ranks: prefix placement (issue 43)"
         load = "every conversation closed loop, all at once; each repetition's conversations new"
+    pairs = " and the balanced pairs below" if any(n in BALANCED for n in runs) else ""
     lines = [
         title,
         "",
         f"`{command_line(args)}`: the demo model (eager) on this machine's CPU, each system "
         "`--data-parallel-size 2` but `one-engine` (one engine, twice the KV cache: "
-        f"the hit rate's reference) and the balanced pairs below; {load}. Hit rate: the "
+        f"the hit rate's reference){pairs}; {load}. Hit rate: the "
         "engines' prefix-cache hits over queries (/metrics). Failed turns: those that "
         "raised (counted, not retried, left out of the times). Medians [min-max] over "
         "the repetitions.",
