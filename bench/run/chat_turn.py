@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,16 +24,19 @@ _TOKEN_KEYS = ("content", "reasoning_content", "reasoning")  # a chunk that carr
 
 
 async def stream_chat(
-    session: aiohttp.ClientSession, base: str, body: dict[str, Any]
+    session: aiohttp.ClientSession,
+    base: str,
+    body: dict[str, Any],
+    headers: Mapping[str, str] | None = None,
 ) -> tuple[float, str]:
-    """One streamed chat completion (`body` with "stream": true): seconds to its
-    first token, and its text. Raises on an error status, an error event or no
-    token at all."""
+    """One streamed chat completion (`body` with "stream": true, and `headers`
+    beside the content type): seconds to its first token, and its text. Raises
+    on an error status, an error event or no token at all."""
     t0 = time.perf_counter()
     first = 0.0
     parts: list[str] = []
     async with session.post(
-        base + "/v1/chat/completions", data=orjson.dumps(body), headers=JSON
+        base + "/v1/chat/completions", data=orjson.dumps(body), headers={**JSON, **(headers or {})}
     ) as r:
         r.raise_for_status()
         async for line in r.content:
