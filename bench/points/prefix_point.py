@@ -460,9 +460,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--conversations", type=int, default=32, help="callers, with --spread")
     ap.add_argument("--turns", type=int, default=6, help="requests per caller, with --spread")
     ap.add_argument(
-        "--system-words", type=int, default=1600, help="about 3,200 tokens of the demo model"
+        "--system-words",
+        type=int,
+        default=975,
+        help="about 2,000 tokens of the demo model (2.05 tokens a word)",
     )
-    ap.add_argument("--user-words", type=int, default=180)
+    ap.add_argument(
+        "--user-words",
+        type=int,
+        default=115,
+        help="about 236 tokens: with a 64-token answer, about 300 tokens of history a turn",
+    )
     ap.add_argument("--max-tokens", type=int, default=64)
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--no-shared", action="store_true", help="no shared system prompt")
