@@ -343,13 +343,13 @@ class FakeEngine:
             self._producers.pop(rid, None)
 
     def prefix_hashes(
-        self, prompt_tokens: Sequence[int], cache_salt: str | None
+        self, prompt_tokens: Sequence[int], cache_salt: str | None, adapter: Adapter | None = None
     ) -> tuple[int, ...]:
         """As vLLM chains them (server/engines/vllm_prefix.py): each full block's
-        hash covers its parent's, the first block's the salt."""
+        hash covers its parent's, the first block's the salt and the adapter."""
         self.hashed += 1
         out: list[int] = []
-        parent = (cache_salt or "").encode()
+        parent = f"{cache_salt or ''}|{adapter.name if adapter else ''}".encode()
         size = self.block_size
         for start in range(0, len(prompt_tokens) - size + 1, size):
             block = ",".join(map(str, prompt_tokens[start : start + size])).encode()

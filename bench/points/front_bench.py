@@ -207,7 +207,9 @@ class StepEngine:
 
         return EngineAdapter.sampling_params(s, max_tokens)
 
-    def prefix_hashes(self, prompt_tokens: Any, cache_salt: str | None) -> tuple[int, ...]:
+    def prefix_hashes(
+        self, prompt_tokens: Any, cache_salt: str | None, adapter: Any = None
+    ) -> tuple[int, ...]:
         return ()  # one rank: no placement
 
     async def add(

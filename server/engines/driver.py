@@ -290,13 +290,15 @@ class Driver:
     def now(self) -> float:
         return self._clock()
 
-    def prefix(self, prompt_tokens: Sequence[int], cache_salt: str | None) -> tuple[int, ...]:
+    def prefix(
+        self, prompt_tokens: Sequence[int], cache_salt: str | None, adapter: Adapter | None = None
+    ) -> tuple[int, ...]:
         """A prompt's prefix block hashes for the core's placement (batching/prefix.py),
-        from the engine; () without placement to do (one data-parallel rank, or
-        --no-prefix-placement): no hashing then."""
+        from the engine (a LoRA adapter's blocks are its own); () without placement to
+        do (one data-parallel rank, or --no-prefix-placement): no hashing then."""
         if not self.core.places_prefix:
             return ()
-        return self.engine.prefix_hashes(prompt_tokens, cache_salt)
+        return self.engine.prefix_hashes(prompt_tokens, cache_salt, adapter)
 
     def submit(
         self,

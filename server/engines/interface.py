@@ -276,7 +276,7 @@ class Engine(Protocol):
     # int, for prefix placement across data-parallel ranks (batching/prefix.py);
     # () where the engine's prefix cache is off or Sluice names no rank.
     def prefix_hashes(
-        self, prompt_tokens: Sequence[int], cache_salt: str | None
+        self, prompt_tokens: Sequence[int], cache_salt: str | None, adapter: Adapter | None = None
     ) -> tuple[int, ...]: ...
 
     async def add(

@@ -843,18 +843,20 @@ class EngineAdapter:
         )
 
     def prefix_hashes(
-        self, prompt_tokens: Sequence[int], cache_salt: str | None
+        self, prompt_tokens: Sequence[int], cache_salt: str | None, adapter: Adapter | None = None
     ) -> tuple[int, ...]:
         """The prompt's full blocks hashed as the engine's prefix cache hashes
-        them (its block size and --prefix-caching-hash-algo, `cache_salt` in the
-        first block: vllm_prefix.py); () unless Sluice places on named ranks
+        them (its block size and --prefix-caching-hash-algo, the LoRA adapter's
+        name and path as lora_request() gives them, `cache_salt` in the first
+        block: vllm_prefix.py); () unless Sluice places on named ranks
         with the prefix cache on. The values are this process's own: vLLM seeds
         its chain (NONE_HASH) per process unless PYTHONHASHSEED is set, and
         placement only needs equal prefixes to hash equal here."""
         hasher = self._hasher
         if hasher is None:
             return ()
-        return hasher.hashes(prompt_tokens, cache_salt)
+        lora = None if adapter is None else (adapter.name, adapter.path)
+        return hasher.hashes(prompt_tokens, cache_salt, lora)
 
     async def add(
         self,

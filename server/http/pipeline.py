@@ -426,7 +426,7 @@ def _submit(request: web.Request, tr: Trace, job: Job, salt: str | None) -> list
                     caller=tr.caller or DEFAULT_CALLER,
                     # No max_tokens: admission charges an estimate, not the context's room.
                     open_ended=sampling.max_tokens is None,
-                    prefix=driver.prefix(ids, salt),
+                    prefix=driver.prefix(ids, salt, job.adapter),
                 ),
                 engine.sampling_params(sampling, job.max_tokens[i]),
             )

@@ -18,6 +18,7 @@ import pytest
 
 from batching import EngineStep
 from server.callers import parse_callers
+from server.engines.lora import Adapter
 from tests.fakes import FakeEngine
 from tests.support import until
 from tests.unit.test_handlers import CHAT
@@ -147,3 +148,18 @@ async def test_an_overloaded_rank_stops_getting_the_turns(make_client: Any) -> N
     assert rank_of(engine, await post(client, body("b", 3))) == 0
     lines = await metric_lines(client, "sluice_engine_rank_placements_total")
     assert 'sluice_engine_rank_placements_total{rank="0",why="bound"} 1.0' in lines, lines
+
+
+async def test_an_adapters_turn_is_not_believed_held_where_the_base_models_is(
+    make_client: Any,
+) -> None:
+    """A conversation on the base model is on rank 1; its next turn sent to adapter
+    alpha hashes apart (vLLM keys every block of an adapter's request by it), so it
+    is placed by load (rank 0); alpha's own next turn then follows alpha's rank."""
+    alpha = Adapter("alpha", "/adapters/alpha", 1, "fake")
+    client, _, engine = await app(make_client, adapters=(alpha,))
+    await first_turns(client, engine, (body("a", 1), None), (body("b", 1), None))
+    on_alpha = [
+        rank_of(engine, await post(client, {**body("b", n), "model": "alpha"})) for n in (2, 3)
+    ]
+    assert on_alpha == [0, 0]  # hashed as the base model's: [1, 1]

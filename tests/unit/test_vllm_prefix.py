@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from vllm import SamplingParams
+from vllm.lora.request import LoRARequest
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.request import Request
@@ -10,10 +11,18 @@ from vllm.v1.request import Request
 from server.engines.vllm_prefix import PrefixHasher
 
 
-def _vllm(tokens: list[int], salt: str | None, size: int) -> list[bytes]:
+def _vllm(
+    tokens: list[int], salt: str | None, size: int, lora: LoRARequest | None = None
+) -> list[bytes]:
     hasher = get_request_block_hasher(size, get_hash_fn_by_name("sha256"))
     req = Request(
-        "r", tokens, SamplingParams(max_tokens=1), None, cache_salt=salt, block_hasher=hasher
+        "r",
+        tokens,
+        SamplingParams(max_tokens=1),
+        None,
+        cache_salt=salt,
+        block_hasher=hasher,
+        lora_request=lora,
     )
     return [bytes(h) for h in req.block_hashes]
 
@@ -25,6 +34,22 @@ def test_hashes_equal_vllms_own_for_the_same_tokens_and_salt() -> None:
         ours = h.raw(tokens, salt)
         assert len(ours) == 4
         assert [bytes(x) for x in ours] == _vllm(tokens, salt, 16)
+
+
+def test_a_lora_requests_hashes_equal_vllms_own_and_not_the_base_models() -> None:
+    """vLLM keys every block of an adapter's request by the adapter (name and
+    path): Sluice's hashes are vLLM's, with and without a salt, and share no
+    block with the base model's or another adapter's."""
+    tokens = list(range(200, 264))
+    h = PrefixHasher(block_size=16)
+    alpha = LoRARequest("alpha", 1, "/adapters/alpha")
+    for salt in (None, "caller-a"):
+        ours = h.raw(tokens, salt, ("alpha", "/adapters/alpha"))
+        assert [bytes(x) for x in ours] == _vllm(tokens, salt, 16, alpha)
+    base = set(h.hashes(tokens))
+    a = set(h.hashes(tokens, lora=("alpha", "/adapters/alpha")))
+    b = set(h.hashes(tokens, lora=("beta", "/adapters/beta")))
+    assert base.isdisjoint(a) and base.isdisjoint(b) and a.isdisjoint(b)
 
 
 def test_different_salts_share_no_block() -> None:
