@@ -41,7 +41,7 @@ on one engine with twice the KV cache; those four by default. Chosen with
 one rank's KV cache, VLLM_CPU_OMP_THREADS_BIND=nobind so the two engines are
 not both bound to core 0) behind `haproxy -db -f docs/haproxy.cfg` as shipped,
 and `lb-roundrobin`, the same behind that file without its `use_backend
-sluice_affinity` line (every request round robin; bench/run/balancer.py). The
+affinity` line (every request round robin; bench/run/balancer.py). The
 hit rate is the engines' own (prefix-cache hits over queries, from /metrics;
 both instances' summed, each asked directly). TTFT at the first token-carrying
 chunk.
@@ -437,7 +437,7 @@ def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
             "`haproxy -db -f docs/haproxy.cfg`: `lb-affinity` the file as shipped (every "
             "request carries X-Session-Id, so its consistent-hash backend bounded by load "
             "keeps a conversation on one instance), `lb-roundrobin` the same file without "
-            "its `use_backend sluice_affinity` line (every request round robin). Hit rate: "
+            "its `use_backend affinity` line (every request round robin). Hit rate: "
             "both instances' engines summed, each asked directly.",
             "",
             *table(balanced),

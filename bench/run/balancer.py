@@ -4,7 +4,7 @@ config (docs/haproxy.cfg) as it is, or with its affinity taken out.
 Why it exists: issue 43 item 4 asks what keeping a conversation on one instance
 buys, measured. The point (bench/points/prefix_point.py) runs the balancer on
 the file users copy, not a benchmark's own, and compares it with the same file
-as it was before affinity: the frontend's `use_backend sluice_affinity` line
+as it was before affinity: the frontend's `use_backend affinity` line
 removed, so every request goes round robin. The balancer runs in a process
 group of its own and is stopped by its pid, as bench/run/servers.py stops a
 server.
@@ -27,12 +27,12 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "docs" / "haproxy.cfg"
 HAPROXY = "haproxy"
 # The frontend's line that sends a keyed request to the consistent-hash backend.
-AFFINITY_LINE = "use_backend sluice_affinity"
+AFFINITY_LINE = "use_backend affinity"
 
 
 def round_robin_config(config: str) -> str:
     """`config` (docs/haproxy.cfg's text) without the frontend's `use_backend
-    sluice_affinity ...` line: every request goes to the round-robin backend.
+    affinity ...` line: every request goes to the round-robin backend.
     Raises ValueError unless exactly one such line is there (a changed example
     must not quietly stay affine)."""
     lines = config.splitlines(keepends=True)

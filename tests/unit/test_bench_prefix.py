@@ -29,7 +29,7 @@ def test_the_round_robin_config_is_the_shipped_one_without_its_use_backend_line(
     out = round_robin_config(CONFIG.read_text()).splitlines()
     gone = [line for line in shipped if line not in out]
     assert [g.strip() for g in gone] == [
-        "use_backend sluice_affinity if { var(txn.affinity) -m found }"
+        "use_backend affinity if { var(txn.affinity) -m found }"
     ]
     assert [line for line in shipped if line not in gone] == out
     assert "    default_backend sluice" in out  # unkeyed and keyed alike: round robin
@@ -40,7 +40,7 @@ def test_a_config_without_one_use_backend_line_raises() -> None:
     with pytest.raises(ValueError, match="found 0"):
         round_robin_config(once)
     twice = CONFIG.read_text().replace("    default_backend sluice\n", "") + (
-        "    use_backend sluice_affinity if TRUE\n" * 2
+        "    use_backend affinity if TRUE\n" * 2
     )
     with pytest.raises(ValueError, match="found 3"):
         round_robin_config(twice)
