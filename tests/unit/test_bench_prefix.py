@@ -28,9 +28,7 @@ def test_the_round_robin_config_is_the_shipped_one_without_its_use_backend_line(
     shipped = CONFIG.read_text().splitlines()
     out = round_robin_config(CONFIG.read_text()).splitlines()
     gone = [line for line in shipped if line not in out]
-    assert [g.strip() for g in gone] == [
-        "use_backend affinity if { var(txn.affinity) -m found }"
-    ]
+    assert [g.strip() for g in gone] == ["use_backend affinity if { var(txn.affinity) -m found }"]
     assert [line for line in shipped if line not in gone] == out
     assert "    default_backend sluice" in out  # unkeyed and keyed alike: round robin
 
