@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -285,6 +286,16 @@ async def until(cond: Callable[[], bool], timeout: float = 5.0, what: str = "") 
         if loop.time() > end:
             pytest.fail(f"timed out waiting for {what or cond}")
         await asyncio.sleep(0.005)
+
+
+async def cancel_all(tasks: Sequence[asyncio.Task[Any]]) -> None:
+    """Cancel `tasks` (a test's open streams: their connections close, so the
+    server stops their engine requests) and wait until each has ended."""
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
 
 
 def metric(base: str, name: str) -> float:

@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import ROOT, SluiceProcess, free_port, metric
+from tests.support import ROOT, SluiceProcess, cancel_all, free_port, metric
 
 pytestmark = [pytest.mark.engine, pytest.mark.system, pytest.mark.timeout(1500)]
 
@@ -190,11 +190,7 @@ async def _affinity(
             placed.append(await asyncio.wait_for(asyncio.shield(served), 120))
         assert placed[0] == "200 b" and placed[-1] == "200 a", placed
     finally:
-        for t in streams:
-            t.cancel()
-        for t in streams:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_all(streams)
     # Their engine requests end when the connections close (step 2 counts a's and b's).
     for proc in (a, b):
         deadline = time.monotonic() + 60

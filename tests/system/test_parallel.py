@@ -25,7 +25,6 @@ tests/support.py SluiceProcess); the DP tests share one server (`dp`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import secrets
 import time
@@ -35,7 +34,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import SluiceProcess
+from tests.support import SluiceProcess, cancel_all
 
 pytestmark = [pytest.mark.engine, pytest.mark.system, pytest.mark.timeout(900)]
 
@@ -335,11 +334,7 @@ async def test_an_overloaded_rank_stops_getting_a_conversations_turns(dp: Sluice
             )
             assert not any(t.done() for t in streams), "the streams ended before the turn"
         finally:
-            for t in streams:
-                t.cancel()
-            for t in streams:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
+            await cancel_all(streams)
         # The streams' engine requests end when their connections close.
         deadline = time.monotonic() + 60
         while (await running(rank), await running(other)) != (0.0, 0.0):
