@@ -110,7 +110,7 @@ class Supervisor:
             await asyncio.wait_for(engine.check_health(), self.health_timeout)
         except TimeoutError:
             if entry.state is State.LOADED and entry.engine is engine:
-                self.died(entry, Death(hung=True))
+                self.died(entry, _unanswered(engine))
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -264,6 +264,15 @@ def _exit_death(engine: Engine) -> Death:
     process handles report (None when none has one yet)."""
     codes = [code for _, code in engine.processes() if code is not None]
     return Death(code=next((c for c in codes if c != 0), codes[0] if codes else None))
+
+
+def _unanswered(engine: Engine) -> Death:
+    """The death of an engine whose health check got no answer: hung, unless a
+    core has exited (killed before vLLM flagged it `errored`: on a loaded machine
+    the check's timeout can come first), when it is that exit."""
+    if any(code is not None for _, code in engine.processes()):
+        return _exit_death(engine)
+    return Death(hung=True)
 
 
 def process_tree(pid: int) -> list[int]:

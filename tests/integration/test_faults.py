@@ -74,8 +74,10 @@ def two(
             "plain",
             "--load-timeout",
             "200",
+            # The default: a CI run's 3 s saw a busy core (four streams, another
+            # worker's engine on the same 2 cores) answer late and called it hung.
             "--engine-health-timeout",
-            "3",
+            "10",
             "--engine-restarts",
             "3",
         ],

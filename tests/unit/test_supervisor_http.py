@@ -99,6 +99,37 @@ async def test_a_hung_engine_is_dead_and_restarts(serve_models: Make) -> None:
     assert (await s.client.post(CHAT, json=ask("a"))).status == 200
 
 
+class _KilledUnnoticed(_Hanging):
+    """A fake whose core was killed (its handle reports -9) before vLLM noticed:
+    `errored` still False, and the health check, sent to a dead core, unanswered."""
+
+    killed = False
+
+    def processes(self) -> tuple[tuple[int, int | None], ...]:
+        return ((4242, -9),) if self.killed else ((4242, None),)
+
+
+async def test_a_health_check_unanswered_by_an_exited_core_is_its_exit(
+    serve_models: Make,
+) -> None:
+    """The health check times out before vLLM flags the dead core (a CI run on a
+    loaded machine): the death is the exit its handle reports, SIGKILL, not a hang."""
+    s = await serve_models(
+        (spec("a"), spec("b")),
+        engine=lambda _: _KilledUnnoticed(step=0.01),
+        restarts=FAST,
+        health_timeout=0.2,
+    )
+    dead = s.engine("b")
+    assert isinstance(dead, _KilledUnnoticed)
+    dead.killed = dead.hang = True
+    await until(lambda: s.app[MODELS].get("b").deaths == 1, timeout=10, what="the death seen")
+    await until(lambda: s.state("b") is State.LOADED, timeout=10, what="b back")
+    text = await _metrics(s)
+    assert 'sluice_engine_deaths_total{cause="SIGKILL",model="b"} 1.0' in text, text
+    assert 'cause="health_check"' not in text
+
+
 async def test_past_its_budget_a_model_is_failed_and_the_others_serve(serve_models: Make) -> None:
     s = await serve_models(
         (spec("a"), spec("b")),
