@@ -58,7 +58,6 @@ import asyncio
 import contextlib
 import math
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -71,7 +70,7 @@ import aiohttp
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.report.cells import percentile, runs_cell, write_lines
+from bench.report.cells import median, percentile, runs_cell, write_lines
 from bench.report.systems import SLUICE, VLLM
 from bench.run.balancer import CONFIG, Balancer, round_robin_config
 from bench.run.chat_turn import stream_chat
@@ -370,7 +369,7 @@ def table(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
 
 def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> list[str]:
     def med(name: str, key: str) -> float:
-        return statistics.median(r[key] for r in runs[name])
+        return median(runs[name], key)
 
     def ratio(a: str, b: str, key: str) -> str:
         if not runs.get(a) or not runs.get(b) or not med(b, key):

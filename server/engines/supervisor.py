@@ -270,9 +270,8 @@ def _unanswered(engine: Engine) -> Death:
     """The death of an engine whose health check got no answer: hung, unless a
     core has exited (killed before vLLM flagged it `errored`: on a loaded machine
     the check's timeout can come first), when it is that exit."""
-    if any(code is not None for _, code in engine.processes()):
-        return _exit_death(engine)
-    return Death(hung=True)
+    death = _exit_death(engine)
+    return death if death.code is not None else Death(hung=True)
 
 
 def process_tree(pid: int) -> list[int]:
