@@ -594,6 +594,7 @@ def build_app(
         limits=lambda: app[RUNTIME].limits,
         accepting=lambda: app[RUNTIME].phase in (Phase.STARTING, Phase.READY),
         in_flight=settings.batch_lines_in_flight,
+        disk_per_caller=settings.batch_disk_per_caller,
         counted=app[METRICS].batch_event,
         running=functools.partial(_batches_running, app[RUNTIME]),
     )

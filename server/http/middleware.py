@@ -84,6 +84,11 @@ STATUS_PATH = "/status.json"
 # The Batch APIs' routes (OpenAI's, Anthropic's Message Batches): a caller's
 # own files and batches, or all with the admin key (Bearer or x-api-key).
 JOB_PREFIXES = ("/v1/files", "/v1/batches", "/v1/messages/batches")
+# Creating a file or a batch is a caller's: its bytes count in that caller's
+# quota and a batch's lines run as that caller. The admin key, no caller's, is
+# refused there as on the generation routes (issue 50): it reads, cancels and
+# deletes the others.
+JOB_CREATE_PATHS = frozenset({"/v1/files", "/v1/batches", "/v1/messages/batches"})
 METRICS_PATH = "/metrics"
 # Runtime LoRA's routes: the admin key's, checked by their handler
 # (server/api/lora_admin/endpoint.py rule 2), not a caller's.
@@ -249,9 +254,14 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     if DOOR_HEADER in request.headers:
         _through_the_door(request)
         return await handler(request)
-    if path.startswith(JOB_PREFIXES) and same_key(
-        request.headers.get("x-api-key") or bearer_token(request.headers.get("Authorization", "")),
-        request.app[SETTINGS].admin_key,
+    if (
+        path.startswith(JOB_PREFIXES)
+        and not (request.method == "POST" and path in JOB_CREATE_PATHS)
+        and same_key(
+            request.headers.get("x-api-key")
+            or bearer_token(request.headers.get("Authorization", "")),
+            request.app[SETTINGS].admin_key,
+        )
     ):
         request[ADMIN] = True  # every caller's files and batches
         return await handler(request)

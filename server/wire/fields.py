@@ -8,6 +8,7 @@ clients send explicit nulls for unset options.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
@@ -21,6 +22,13 @@ MISSING: Final[Any] = object()
 
 # ---------------------------------------------------------------------------
 # Field readers. Each takes the body dict and a key; JSON null counts as absent.
+
+
+def full_match(pattern: re.Pattern[str], value: object) -> re.Match[str] | None:
+    """`value` matched by `pattern` as a whole, or None (also for a value that is
+    not a string). Identifier patterns go through here: `re.match` with a
+    trailing `$` also takes a value that ends in a newline (issue 50)."""
+    return pattern.fullmatch(value) if isinstance(value, str) else None
 
 
 def bad(param: str, message: str) -> SluiceError:

@@ -15,6 +15,7 @@ are Anthropic's shape (server/http/middleware.py, by path).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
@@ -43,6 +44,7 @@ from server.errors import SluiceError
 from server.http.pipeline import json_response
 from server.operations.state_db import JobRow
 from server.state import ADMIN, CALLER, RUNTIME, SETTINGS
+from server.wire.fields import full_match
 
 __all__ = [
     "batch_results",
@@ -55,6 +57,7 @@ __all__ = [
 
 _LINES: Final = 1024  # lines written or read at a time
 _MOST: Final = 1000  # a list page's largest `limit`, as Anthropic's
+_LIMIT: Final = re.compile(r"[0-9]{1,6}", re.ASCII)  # a list's `limit`, matched whole
 
 
 def _owner(request: web.Request) -> str | None:
@@ -112,7 +115,8 @@ async def create_batch(request: web.Request) -> web.Response:
     batches = request.app[BATCHES]
     owner = _owner(request)
     batch_id, file_id = new_id(ID_PREFIX), new_id("file-")
-    size = await batches.store(file_id, _jsonl(requests))
+    # Its input file is its caller's bytes: reserved in its quota as it is written.
+    size = await batches.store(file_id, owner, _jsonl(requests), _over_quota)
     try:
         await batches.register(file_id, owner, "batch", f"{batch_id}_requests.jsonl", size)
         create = BatchCreate(file_id, ENDPOINT, parse_window(WINDOW), WINDOW, None)
@@ -125,6 +129,15 @@ async def create_batch(request: web.Request) -> web.Response:
     return _view(request, batch)
 
 
+def _over_quota(quota: int) -> SluiceError:
+    return SluiceError(
+        f"your files would be over {quota} bytes (--batch-disk-per-caller): delete some "
+        "message batches (or files) first",
+        status=413,
+        code="quota_exceeded",
+    )
+
+
 async def get_batch(request: web.Request) -> web.Response:
     return _view(request, (await _batch(request))[0])
 
@@ -133,7 +146,7 @@ def _limit(request: web.Request) -> int:
     raw = request.query.get("limit")
     if raw is None:
         return 20
-    if not raw.isdigit() or not 1 <= int(raw) <= _MOST:
+    if not full_match(_LIMIT, raw) or not 1 <= int(raw) <= _MOST:
         raise SluiceError(f"limit must be a whole number from 1 to {_MOST}", param="limit")
     return int(raw)
 

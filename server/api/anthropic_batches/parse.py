@@ -18,13 +18,14 @@ import orjson
 
 from server.api.anthropic_messages.parse import parse_messages
 from server.errors import SluiceError
-from server.wire.fields import load_object
+from server.wire.fields import full_match, load_object
 from server.wire.request import Limits
 
 __all__ = ["MAX_REQUESTS", "Request", "parse_create"]
 
 MAX_REQUESTS: Final = 100_000  # requests per batch, as Anthropic's
-_CUSTOM_ID: Final = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # Anthropic's pattern
+# Anthropic's pattern, ^[a-zA-Z0-9_-]{1,64}$, matched whole (full_match)
+_CUSTOM_ID: Final = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +59,7 @@ def parse_create(body: bytes, limits: Limits) -> list[Request]:
         if not isinstance(item, dict):
             raise SluiceError("must be an object", status=400, param=f"requests.{i}")
         custom_id = item.get("custom_id")
-        if not isinstance(custom_id, str) or not _CUSTOM_ID.match(custom_id):
+        if not isinstance(custom_id, str) or not full_match(_CUSTOM_ID, custom_id):
             raise _bad(i, "custom_id", "custom_id must match ^[a-zA-Z0-9_-]{1,64}$")
         if custom_id in seen:
             raise _bad(i, "custom_id", f"the custom_id {custom_id!r} is on an earlier request")

@@ -10,20 +10,23 @@ runner (server/api/openai_batches/runner.py) in the background.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Final
 
 import orjson
-from aiohttp import BodyPartReader, web
+from aiohttp import web
 
-from server.api.openai_batches.output import batch_object, file_deleted, page
+from server.api.openai_batches.multipart import read_form
+from server.api.openai_batches.output import RUNNING, batch_object, file_deleted, page
 from server.api.openai_batches.parse import MAX_LINES, parse_batch_create
 from server.api.openai_batches.runner import BATCHES, new_id
 from server.errors import SluiceError
 from server.http.pipeline import json_response
 from server.operations.state_db import JobRow
 from server.state import ADMIN, CALLER, SETTINGS
+from server.wire.fields import full_match
 
 __all__ = [
     "cancel_batch",
@@ -37,11 +40,11 @@ __all__ = [
     "upload_file",
 ]
 
-# OpenAI's purposes; only "batch" files can be a batch's input.
-PURPOSES: Final = frozenset(
-    {"batch", "batch_output", "user_data", "assistants", "fine-tune", "vision", "evals"}
-)
-_CHUNK: Final = 1 << 16
+# The purposes OpenAI's upload takes (the `openai` client's FilePurpose); only
+# "batch" files can be a batch's input. "batch_output" is not one: only the
+# server writes it, on a batch's results.
+PURPOSES: Final = frozenset({"batch", "user_data", "assistants", "fine-tune", "vision", "evals"})
+_LIMIT: Final = re.compile(r"[0-9]{1,6}", re.ASCII)  # a list's `limit`, matched whole
 # This API's batch ids; the runner also runs Anthropic's Message Batches
 # (server/api/anthropic_batches/, ids msgbatch_...), which these routes do not show.
 BATCH_PREFIX: Final = "batch_"
@@ -63,7 +66,7 @@ def _limit(request: web.Request, default: int, most: int) -> int:
     raw = request.query.get("limit")
     if raw is None:
         return default
-    if not raw.isdigit() or not 1 <= int(raw) <= most:
+    if not full_match(_LIMIT, raw) or not 1 <= int(raw) <= most:
         raise SluiceError(
             f"limit must be a whole number from 1 to {most}", status=400, param="limit"
         )
@@ -85,44 +88,36 @@ def _page(request: web.Request, rows: list[JobRow], default: int, most: int) -> 
 
 
 async def upload_file(request: web.Request) -> web.Response:
-    """POST /v1/files (multipart: `purpose`, `file`)."""
+    """POST /v1/files (multipart: `purpose`, `file`). Its bytes are reserved in
+    the caller's quota as they come (runner.py `Batches.store`): concurrent
+    uploads of one caller never keep more than --batch-disk-per-caller."""
     batches = request.app[BATCHES]
-    settings = request.app[SETTINGS]
-    room = settings.batch_disk_per_caller - await batches.used_by(_owner(request))
-    if room <= 0:
-        raise _over_quota(settings.batch_disk_per_caller)
-    most = min(settings.batch_file_max_bytes, room)
-    if not request.content_type.startswith("multipart/"):
-        raise SluiceError("the body must be multipart/form-data with `purpose` and `file`")
-    reader = await request.multipart()
-    purpose: str | None = None
-    stored: tuple[str, int, str] | None = None
+    most = request.app[SETTINGS].batch_file_max_bytes
+    owner = _owner(request)
+    quota = await batches.quota()
+    if quota.used(owner) >= quota.limit:
+        raise _over_quota(quota.limit)
+    file_id = new_id("file-")
+
+    async def store(filename: str, chunks: AsyncIterator[bytes]) -> tuple[str, int]:
+        return filename, await batches.store(file_id, owner, _bounded(chunks, most), _over_quota)
+
     try:
-        while (part := await reader.next()) is not None:
-            if not isinstance(part, BodyPartReader):
-                continue
-            if part.name == "purpose":
-                purpose = (await part.text()).strip()
-            elif part.name == "file" and stored is None:
-                file_id = new_id("file-")
-                quota = (
-                    settings.batch_disk_per_caller if room < settings.batch_file_max_bytes else None
-                )
-                size = await batches.store(file_id, _chunks(part, most, quota))
-                stored = (file_id, size, part.filename or "upload.jsonl")
+        form = await read_form(request, store, text=frozenset({"purpose"}))
+        purpose = form.fields.get("purpose")
         if purpose not in PURPOSES:
             raise SluiceError(
                 f"purpose must be one of {', '.join(sorted(PURPOSES))}",
                 status=400,
                 param="purpose",
             )
-        if stored is None:
+        if form.file is None:
             raise SluiceError("the `file` part is missing", status=400, param="file")
+        filename, size = form.file
+        obj = await batches.register(file_id, owner, purpose, filename, size)
     except BaseException:
-        if stored is not None:
-            await batches.remove_file(stored[0])
+        await batches.remove_file(file_id)
         raise
-    obj = await batches.register(stored[0], _owner(request), purpose, stored[2], stored[1])
     return json_response(orjson.dumps(obj))
 
 
@@ -136,14 +131,12 @@ def _over_quota(quota: int) -> SluiceError:
     )
 
 
-async def _chunks(part: BodyPartReader, most: int, quota: int | None) -> AsyncIterator[bytes]:
-    """The file part's bytes; a 413 past `most` (`quota`: the caller's room set it)."""
+async def _bounded(chunks: AsyncIterator[bytes], most: int) -> AsyncIterator[bytes]:
+    """The file part's bytes; a 413 past `most` (--batch-file-max-bytes)."""
     size = 0
-    while chunk := await part.read_chunk(_CHUNK):
+    async for chunk in chunks:
         size += len(chunk)
         if size > most:
-            if quota is not None:
-                raise _over_quota(quota)
             raise SluiceError(
                 f"the file is over {most} bytes (--batch-file-max-bytes)",
                 status=413,
@@ -185,9 +178,29 @@ async def file_content(request: web.Request) -> web.StreamResponse:
 
 
 async def delete_file(request: web.Request) -> web.Response:
+    """DELETE /v1/files/{id}: a 409 while a batch needs the file (output.py
+    `needs`: a running batch's input, a batch's output and error files)."""
     row = await _file(request)
-    await request.app[BATCHES].remove_file(row.id)
+    batches = request.app[BATCHES]
+    if (batch := await batches.needed_by(row.id)) is not None:
+        raise _in_use(row.id, batch)
+    await batches.remove_file(row.id)
     return json_response(orjson.dumps(file_deleted(row.id)))
+
+
+def _in_use(file_id: str, batch: dict[str, Any]) -> SluiceError:
+    if file_id == batch.get("input_file_id") and batch["status"] in RUNNING:
+        why = "its input while it runs: cancel it, or delete the file once it has ended"
+    elif batch["id"].startswith(BATCH_PREFIX):
+        why = "its results, kept while the batch is (--batch-retention)"
+    else:
+        why = "its requests and results, kept until the message batch is deleted"
+    return SluiceError(
+        f"the file {file_id} is in use by batch {batch['id']}, {why}",
+        status=409,
+        param="file_id",
+        code="file_in_use",
+    )
 
 
 # -- batches ----------------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Any, Final
 
 import orjson
 
+from server.api.anthropic_batches.output import ID_PREFIX as MESSAGE_BATCH_PREFIX
 from server.api.openai_batches.parse import BatchCreate, LineError
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "failed_validation",
     "file_deleted",
     "file_object",
+    "needs",
     "page",
     "result_line",
     "with_status",
@@ -49,6 +51,18 @@ def file_object(
         "expires_at": None,
         "status_details": None,
     }
+
+
+def needs(batch: dict[str, Any]) -> set[str]:
+    """The files `batch` still needs, which cannot be deleted (issue 50): its
+    output and error files while it exists; its input file while it runs, and
+    a Message Batch's for as long as it exists (the server wrote it from the
+    create body; the results list from it the requests a failure left unrun,
+    and it goes with the batch's DELETE)."""
+    keep = {batch.get("output_file_id"), batch.get("error_file_id")}
+    if batch["status"] in RUNNING or str(batch["id"]).startswith(MESSAGE_BATCH_PREFIX):
+        keep.add(batch.get("input_file_id"))
+    return {f for f in keep if f}
 
 
 def file_deleted(file_id: str) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from server.api.openai_chat.parse import parse_chat, parse_completion
 from server.api.openai_responses.parse import parse_responses
 from server.api.pooling.parse import parse_embeddings
 from server.errors import SluiceError
-from server.wire.fields import bad, load_object
+from server.wire.fields import bad, full_match, load_object
 from server.wire.request import Limits
 
 __all__ = [
@@ -49,7 +49,7 @@ _PARSERS: Final[dict[str, Callable[[bytes, Limits], object]]] = {
     "/v1/messages": parse_messages,
 }
 ENDPOINTS: Final = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
-_WINDOW = re.compile(r"^([1-9][0-9]*)h$")
+_WINDOW: Final = re.compile(r"([1-9][0-9]*)h", re.ASCII)  # whole: full_match
 MAX_WINDOW_HOURS: Final = 24 * 7
 MAX_LINES: Final = 50_000  # lines per batch, as OpenAI's
 MAX_METADATA: Final = 16  # OpenAI's: 16 pairs, keys up to 64 characters, values 512
@@ -80,7 +80,7 @@ class LineError:
 def parse_window(value: object) -> float:
     """`completion_window` in seconds: OpenAI takes "24h"; any whole number of
     hours up to a week is taken here."""
-    m = _WINDOW.match(value) if isinstance(value, str) else None
+    m = full_match(_WINDOW, value)
     if m is None or int(m.group(1)) > MAX_WINDOW_HOURS:
         raise bad(
             "completion_window",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -37,12 +38,16 @@ from server.api.openai_batches.output import (
     error_result,
     failed_validation,
     file_object,
+    needs,
     result_line,
     with_status,
 )
 from server.api.openai_batches.parse import Line, LineError, check_line
+from server.api.openai_batches.quota import Quota
+from server.errors import SluiceError
 from server.http.door import CALLER_HEADER, DOOR_HEADER, Door
 from server.operations.state_db import JobRow, StateDB
+from server.wire.fields import full_match
 from server.wire.request import Limits
 
 __all__ = ["BATCHES", "Batches", "new_id", "read_chunks"]
@@ -53,6 +58,7 @@ _RETRY_MIN, _RETRY_MAX = 0.5, 30.0
 _MAX_ERRORS: Final = 100  # validation errors kept per batch (OpenAI lists some, not all)
 _CHUNK: Final = 256  # lines read from disk at a time
 _COUNTS_EVERY: Final = 1.0  # seconds between request_counts updates
+_SECONDS: Final = re.compile(r"[0-9]{1,6}", re.ASCII)  # a Retry-After we follow
 
 
 def new_id(prefix: str) -> str:
@@ -82,6 +88,7 @@ class Batches:
         limits: Callable[[], Limits],
         accepting: Callable[[], bool],
         in_flight: int = 256,
+        disk_per_caller: int = 10 * 10**9,
         counted: Callable[[str, int], None] = lambda kind, n: None,
         running: Callable[[int], None] = lambda n: None,
     ) -> None:
@@ -96,6 +103,9 @@ class Batches:
         self._runs: dict[str, _Run] = {}
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._wake = asyncio.Event()  # a drain began, or ended: runs look at `accepting`
+        self._quota = Quota(disk_per_caller)  # loaded from the files' rows at first use
+        self._quota_loaded = False
+        self._quota_loading = asyncio.Lock()
 
     @property
     def running(self) -> frozenset[str]:
@@ -106,18 +116,43 @@ class Batches:
     def file_path(self, file_id: str) -> Path:
         return self.files / file_id
 
-    async def store(self, file_id: str, chunks: AsyncIterator[bytes]) -> int:
-        """Write an upload's bytes to disk (removed again if `chunks` raises); its size."""
+    async def quota(self) -> Quota:
+        """The bytes each caller keeps (--batch-disk-per-caller), read from the
+        files' rows once, then kept as files are written and removed."""
+        if not self._quota_loaded:
+            async with self._quota_loading:
+                if not self._quota_loaded:
+                    for row in await self.db.list_jobs("files", owner=None, everyone=True):
+                        size = int(orjson.loads(row.body)["bytes"])
+                        self._quota.add(row.id, row.owner, size)
+                    self._quota_loaded = True
+        return self._quota
+
+    async def store(
+        self,
+        file_id: str,
+        owner: str | None,
+        chunks: AsyncIterator[bytes],
+        over_quota: Callable[[int], SluiceError],
+    ) -> int:
+        """Write `owner`'s new file to disk, each chunk's bytes reserved in its
+        quota before they are written (`over_quota(limit)` raised when they do
+        not fit); its size. If anything raises, the file and its reservation
+        are gone again."""
+        quota = await self.quota()
         path = self.file_path(file_id)
         size = 0
-        fh = await asyncio.to_thread(path.open, "wb")
+        fh = await _open(path, "wb")
         try:
             async for chunk in chunks:
+                if not quota.take(file_id, owner, len(chunk)):
+                    raise over_quota(quota.limit)
                 size += len(chunk)
                 await asyncio.to_thread(fh.write, chunk)
         except BaseException:
             await asyncio.to_thread(fh.close)
             path.unlink(missing_ok=True)
+            quota.drop(file_id)
             raise
         await asyncio.to_thread(fh.close)
         return size
@@ -135,30 +170,38 @@ class Batches:
         """The non-blank lines of a stored file (in a thread)."""
         return await asyncio.to_thread(_count_lines, self.file_path(file_id))
 
-    async def used_by(self, owner: str | None) -> int:
-        """The bytes of the files `owner` keeps (uploads and results)."""
-        rows = await self.db.list_jobs("files", owner=owner, everyone=False)
-        return sum(int(orjson.loads(r.body)["bytes"]) for r in rows)
+    async def needed_by(self, file_id: str) -> dict[str, Any] | None:
+        """The batch that still needs `file_id` (output.py `needs`), or None."""
+        for row in await self.db.list_jobs("batches", owner=None, everyone=True):
+            batch = orjson.loads(row.body)
+            if file_id in needs(batch):
+                return dict(batch)
+        return None
 
     async def sweep(self, now: float, retention: float) -> int:
-        """Delete the files and the ended batches older than `retention` (a
-        running batch and its input file stay until it ends); how many."""
+        """Delete the ended batches older than `retention`, then the files older
+        than it that no batch left needs (a running batch and its input file
+        stay until it ends); how many."""
         cutoff = now - retention
-        batches = await self.db.list_jobs("batches", owner=None, everyone=True)
-        running = {orjson.loads(r.body)["input_file_id"] for r in batches if r.status in RUNNING}
+        needed: set[str] = set()
         gone = 0
-        for row in batches:
+        for row in await self.db.list_jobs("batches", owner=None, everyone=True):
             if row.status not in RUNNING and row.created < cutoff:
                 await self.db.delete_job("batches", row.id)
                 gone += 1
+            else:
+                needed |= needs(orjson.loads(row.body))
         for row in await self.db.list_jobs("files", owner=None, everyone=True):
-            if row.created < cutoff and row.id not in running:
+            if row.created < cutoff and row.id not in needed:
                 await self.remove_file(row.id)
                 gone += 1
         return gone
 
     async def remove_file(self, file_id: str) -> None:
+        """The file gone: its row, its bytes on disk, and their count in its caller's quota."""
+        quota = await self.quota()
         await self.db.delete_job("files", file_id)
+        quota.drop(file_id)
         await asyncio.to_thread(self.file_path(file_id).unlink, True)
 
     # -- batches ----------------------------------------------------------------
@@ -224,8 +267,13 @@ class Batches:
         except Exception:
             log.exception("batch failed", extra={"fields": {"batch": batch_id}})
             why = LineError(0, "server_error", "the batch could not be run; see the server's log")
-            with contextlib.suppress(Exception):
-                await self._set(run, "failed", errors=failed_validation([why]))
+            failure = failed_validation([why])
+            try:  # it ends failed with what it completed, in its files
+                await self._finish(run, failure)
+            except Exception:
+                log.exception("batch not finished", extra={"fields": {"batch": batch_id}})
+                with contextlib.suppress(Exception):
+                    await self._set(run, "failed", errors=failure)
         finally:
             self._runs.pop(batch_id, None)
             self._running(len(self._runs))
@@ -335,7 +383,7 @@ class Batches:
                     break
                 if self._stopping(run) is not None:
                     return
-                wait = float(retry) if retry and retry.isdigit() else 1.0
+                wait = float(retry) if retry is not None and full_match(_SECONDS, retry) else 1.0
                 await asyncio.sleep(min(_RETRY_MAX, max(_RETRY_MIN, wait)))
             out = result_line(
                 _line_id(batch_id, line.line),
@@ -354,13 +402,17 @@ class Batches:
         run.batch = {**run.batch, "request_counts": _tally(run)}
         await self._save(run.batch, run.owner)
 
-    async def _finish(self, run: _Run) -> None:
+    async def _finish(self, run: _Run, failure: dict[str, Any] | None = None) -> None:
         """Write the output and error files from the line rows (in line order),
         the lines never run as the error file's `batch_expired` or
-        `batch_cancelled`; then the final state."""
+        `batch_cancelled`; then the final state (`failure`: the batch could not
+        go on, it ends `failed` with these `errors` and the lines it completed)."""
         batch_id = run.batch["id"]
         run.done = await self.db.line_statuses(batch_id)
-        if run.cancel.is_set() or run.batch["status"] == "cancelling":
+        fields: dict[str, Any] = {}
+        if failure is not None:
+            end, fields["errors"] = "failed", failure
+        elif run.cancel.is_set() or run.batch["status"] == "cancelling":
             end = "cancelled"
         elif len(run.done) < run.batch["request_counts"]["total"]:
             end = "expired"
@@ -376,18 +428,34 @@ class Batches:
                     out = files["output_file_id" if 200 <= status < 300 else "error_file_id"]
                     await out.write(body)
                     after = line
-            if end != "completed":
-                async with contextlib.aclosing(self._read(run)) as lines:
-                    async for item in lines:
-                        if item.line not in run.done:
-                            await files["error_file_id"].write(_never_ran(batch_id, item, end))
-        finally:
+            if end in ("cancelled", "expired"):
+                await self._list_unrun(run, end, files["error_file_id"])
+        except BaseException:
             for out in files.values():
                 await out.close()
+                await out.discard()
+            raise
+        for out in files.values():
+            await out.close()
         ids = {key: await out.register(batch_id, run.owner) for key, out in files.items()}
         counts = _tally(run)
-        await self._set(run, end, request_counts=counts, **ids)
+        await self._set(run, end, request_counts=counts, **ids, **fields)
         log.info("batch ended", extra={"fields": {"batch": batch_id, "status": end, **counts}})
+
+    async def _list_unrun(self, run: _Run, end: str, errors: _Out) -> None:
+        """The lines a cancel or expiry left unrun, as error-file lines, from
+        the input file (a file gone from the disk lists none: the batch still
+        ends with what it completed)."""
+        try:
+            async with contextlib.aclosing(self._read(run)) as lines:
+                async for item in lines:
+                    if item.line not in run.done:
+                        await errors.write(_never_ran(run.batch["id"], item, end))
+        except FileNotFoundError:
+            log.warning(
+                "batch input file missing: its unrun lines are not listed",
+                extra={"fields": {"batch": run.batch["id"]}},
+            )
 
 
 class _Out:
@@ -403,13 +471,17 @@ class _Out:
 
     async def write(self, data: bytes) -> None:
         if self._fh is None:
-            self._fh = await asyncio.to_thread(self._batches.file_path(self.id).open, "wb")
+            self._fh = await _open(self._batches.file_path(self.id), "wb")
         await asyncio.to_thread(self._fh.write, data + b"\n")
         self.size += len(data) + 1
 
     async def close(self) -> None:
         if self._fh is not None:
             await asyncio.to_thread(self._fh.close)
+
+    async def discard(self) -> None:
+        """A file never registered (its batch did not end here): off the disk."""
+        await asyncio.to_thread(self._batches.file_path(self.id).unlink, True)
 
     async def register(self, batch_id: str, owner: str | None) -> str | None:
         if not self.size:
@@ -423,7 +495,9 @@ class _Out:
             created=now,
         )
         row = JobRow(self.id, owner, now, "batch_output", orjson.dumps(obj))
+        quota = await self._batches.quota()
         await self._batches.db.put_job("files", row)
+        quota.add(self.id, owner, self.size)  # counted, never refused: results are kept
         return self.id
 
 
@@ -477,12 +551,28 @@ def _count_lines(path: Path) -> int:
 async def read_chunks(path: Path, n: int = _CHUNK) -> AsyncGenerator[Sequence[bytes], None]:
     """A stored file's lines, `n` at a time, read in a thread (never the whole
     file in memory): iterate it under `contextlib.aclosing`."""
-    fh = await asyncio.to_thread(path.open, "rb")
+    fh = await _open(path, "rb")
     try:
         while chunk := await asyncio.to_thread(_read_lines, fh, n):
             yield chunk
     finally:
         await asyncio.to_thread(fh.close)
+
+
+async def _open(path: Path, mode: str) -> Any:
+    """`path` opened in a thread; one opened as its caller is cancelled (a
+    batch stopped at shutdown) is closed, not left to the garbage collector."""
+    opening = asyncio.ensure_future(asyncio.to_thread(path.open, mode))
+    try:
+        return await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        opening.add_done_callback(_close_opened)
+        raise
+
+
+def _close_opened(opening: asyncio.Future[Any]) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().close()
 
 
 def _read_lines(fh: Any, n: int) -> Sequence[bytes]:
