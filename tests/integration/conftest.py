@@ -9,6 +9,10 @@ import pytest
 
 from tests.support import SluiceProcess
 
+# The shared server's --batch-disk-per-caller: far above what the package's
+# batches keep, low enough that test_batches fills it (its quota test).
+BATCH_DISK = 64_000_000
+
 
 @pytest.fixture(scope="package")
 def sluice_server(
@@ -20,6 +24,8 @@ def sluice_server(
     (the tests' other servers start eager: tests/support.py SluiceProcess)."""
     log = tmp_path_factory.mktemp("logs") / "sluice.log"
     with SluiceProcess(
-        ["--no-enforce-eager", "--log-format", "plain"], cache_dir=demo_cache_root, log_path=log
+        ["--no-enforce-eager", "--log-format", "plain", "--batch-disk-per-caller", str(BATCH_DISK)],
+        cache_dir=demo_cache_root,
+        log_path=log,
     ).running() as proc:
         yield proc

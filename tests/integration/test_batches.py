@@ -5,22 +5,27 @@ text as the same request sent directly), `batches.list` pages, `batches.cancel`,
 a file that does not validate; and Anthropic's Message Batches with the
 `anthropic` client: `messages.batches.create`, `retrieve` until ended,
 `results` (typed, each the Messages endpoint's own answer), `cancel`,
-`delete`, `list`. The embeddings batch is tests/integration/test_pooling.py's
-(its server embeds); a SIGKILL mid-batch, tests/system/test_state_restart.py.
+`delete`, `list`; one caller's uploads and Message Batches sent at once at
+the edge of its quota (--batch-disk-per-caller) never take it above. The
+embeddings batch is tests/integration/test_pooling.py's (its server embeds);
+a SIGKILL mid-batch, tests/system/test_state_restart.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import pytest
 from anthropic.types.messages import MessageBatch
 from openai.types import Batch
 
+from tests.integration.conftest import BATCH_DISK
 from tests.support import SluiceProcess
 
 pytestmark = pytest.mark.engine
@@ -217,3 +222,71 @@ def test_a_message_batch_cancelled(ac: anthropic.Anthropic) -> None:
     assert sum(r.result.type == "canceled" for r in results) == counts.canceled
     with pytest.raises(anthropic.BadRequestError):  # Anthropic's custom_id pattern
         ac.messages.batches.create(requests=[{"custom_id": "x y", "params": params(1)}])
+
+
+# -- the quota under concurrency (issue 50) ---------------------------------------
+
+
+def _kept(client: openai.OpenAI) -> tuple[int, int]:
+    """The bytes of the files this (open) server keeps: all, and the reserved
+    ones (uploads and Message Batch inputs, not the results the runner writes)."""
+    files = list(client.files.list())
+    return sum(f.bytes for f in files), sum(f.bytes for f in files if f.purpose != "batch_output")
+
+
+async def _at_once(base: str, n: int, size: int, creates: int) -> tuple[list[int], list[Any]]:
+    """`n` uploads of `size` bytes, then `creates` Message Batches, each group
+    sent at once over its own connections: their statuses, and the batches made."""
+    async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+
+        async def up(i: int) -> httpx.Response:
+            files = {"file": (f"q{i}.jsonl", b"x" * size)}
+            return await http.post("/v1/files", data={"purpose": "user_data"}, files=files)
+
+        ups = await asyncio.gather(*(up(i) for i in range(n)))
+        pad = "y" * 10_000  # each batch's input file about 40 kB: its requests
+        requests = [
+            {"custom_id": f"q{i}", "params": {**params(i), "model": "no-such-model", "system": pad}}
+            for i in range(4)
+        ]
+        made = await asyncio.gather(
+            *(
+                http.post("/v1/messages/batches", json={"requests": requests})
+                for _ in range(creates)
+            )
+        )
+    for r in (*ups, *made):
+        if r.status_code != 200:
+            assert r.status_code == 413, r.text
+            error = r.json().get("error") or {}
+            assert error.get("code") == "quota_exceeded" or error.get("type") == "request_too_large"
+    batches = [r.json() for r in made if r.status_code == 200]
+    return [r.status_code for r in ups], batches
+
+
+def test_concurrent_uploads_and_message_batches_stay_within_the_quota(
+    sluice_server: SluiceProcess, client: openai.OpenAI, ac: anthropic.Anthropic
+) -> None:
+    """One caller (the open server's) at the edge of --batch-disk-per-caller:
+    8 uploads at once with room for 2, then 6 Message Batches at once with
+    room for 2: never above the quota; the refused ones keep nothing."""
+    before, _ = _kept(client)
+    size = 200_000
+    filler = client.files.create(
+        file=("filler.bin", b"f" * (BATCH_DISK - before - 2 * size - size // 2)),
+        purpose="user_data",
+    )
+    statuses, made = asyncio.run(_at_once(sluice_server.base, 8, size, 6))
+    assert statuses.count(200) == 2 and statuses.count(413) == 6, statuses
+    assert 1 <= len(made) <= 2, made
+    _, reserved = _kept(client)
+    assert reserved <= BATCH_DISK, (reserved, BATCH_DISK)
+    # Clean up: the batches end (their requests name no model), then go with their files.
+    for batch in made:
+        ended(ac, batch["id"], timeout=120)
+        ac.messages.batches.delete(batch["id"])
+    mine = [f for f in client.files.list() if f.filename.startswith("q")]
+    assert len(mine) == 2
+    for f in (filler, *mine):
+        client.files.delete(f.id)
+    assert _kept(client)[0] == before

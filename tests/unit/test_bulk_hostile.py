@@ -376,8 +376,11 @@ async def test_a_batch_whose_input_is_gone_still_writes_what_it_completed(
 async def test_concurrent_uploads_and_message_batches_stay_within_the_quota(
     make_client: Any,
 ) -> None:
-    client, app = await serve(make_client, batch_disk_per_caller=10_000)
-    size = 3_000
+    """12 uploads at once (each several chunks) with room for 3, then 8
+    Message Batches at once with room for 2: never above the quota, and the
+    room goes to whole files, not to parts of all of them."""
+    client, app = await serve(make_client, batch_disk_per_caller=500_000)
+    size = 150_000
 
     async def one(i: int) -> int:
         form = aiohttp.FormData()
@@ -392,8 +395,9 @@ async def test_concurrent_uploads_and_message_batches_stay_within_the_quota(
     assert statuses.count(200) == 3 and statuses.count(413) == 9
     listed = await (await client.get("/v1/files")).json()
     assert sum(f["bytes"] for f in listed["data"]) == 3 * size
-    # 1,000 bytes left: each Message Batch's input file is about 300.
-    requests = [{"custom_id": f"q{i}", "params": params()} for i in range(2)]
+    # 50 kB left: each Message Batch's input file is about 20 kB.
+    pad = "y" * 10_000
+    requests = [{"custom_id": f"q{i}", "params": params(system=pad)} for i in range(2)]
 
     async def batch() -> int:
         resp = await client.post("/v1/messages/batches", json={"requests": requests})
@@ -403,12 +407,14 @@ async def test_concurrent_uploads_and_message_batches_stay_within_the_quota(
         return resp.status
 
     made = await asyncio.gather(*(batch() for _ in range(8)))
-    assert 1 <= made.count(200) < 8 and set(made) == {200, 413}
+    assert 1 <= made.count(200) <= 2 and made.count(413) >= 6
     listed = await (await client.get("/v1/files")).json()
-    assert sum(f["bytes"] for f in listed["data"]) <= 10_000
-    assert (await app[BATCHES].quota()).used(None) == sum(f["bytes"] for f in listed["data"])
+    reserved = [f["bytes"] for f in listed["data"] if f["purpose"] != "batch_output"]
+    assert sum(reserved) <= 500_000
     for made_batch in (await (await client.get("/v1/messages/batches")).json())["data"]:
         await ended(client, made_batch["id"])  # none left running at the end
+    listed = await (await client.get("/v1/files")).json()
+    assert (await app[BATCHES].quota()).used(None) == sum(f["bytes"] for f in listed["data"])
 
 
 async def test_a_message_batch_at_the_quota_is_refused(make_client: Any) -> None:

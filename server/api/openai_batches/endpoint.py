@@ -100,7 +100,10 @@ async def upload_file(request: web.Request) -> web.Response:
     file_id = new_id("file-")
 
     async def store(filename: str, chunks: AsyncIterator[bytes]) -> tuple[str, int]:
-        return filename, await batches.store(file_id, owner, _bounded(chunks, most), _over_quota)
+        # The body's length bounds the file's: reserved at once (runner.py `store`).
+        expect = min(request.content_length or 0, most)
+        size = await batches.store(file_id, owner, _bounded(chunks, most), _over_quota, expect)
+        return filename, size
 
     try:
         form = await read_form(request, store, text=frozenset({"purpose"}))

@@ -46,6 +46,14 @@ class Quota:
         self._files[file_id] = (owner, size + n)
         self._used[owner] = self.used(owner) + n
 
+    def shrink(self, file_id: str, n: int) -> None:
+        """`n` of the bytes reserved for `file_id` were not needed."""
+        owner, size = self._files.get(file_id, (None, 0))
+        n = min(n, size)
+        if n > 0:
+            self._files[file_id] = (owner, size - n)
+            self._used[owner] = self.used(owner) - n
+
     def drop(self, file_id: str) -> None:
         """`file_id` is gone (deleted, or its upload refused): its bytes are free."""
         owner, size = self._files.pop(file_id, (None, 0))

@@ -134,20 +134,27 @@ class Batches:
         owner: str | None,
         chunks: AsyncIterator[bytes],
         over_quota: Callable[[int], SluiceError],
+        expect: int = 0,
     ) -> int:
-        """Write `owner`'s new file to disk, each chunk's bytes reserved in its
-        quota before they are written (`over_quota(limit)` raised when they do
-        not fit); its size. If anything raises, the file and its reservation
-        are gone again."""
+        """Write `owner`'s new file to disk, its bytes reserved in its quota
+        before they are written (`over_quota(limit)` raised when they do not
+        fit); its size. `expect`, the most the file can be (an upload's
+        Content-Length), is reserved at once when it fits, so that concurrent
+        uploads do not each take part of the room and all fail; past it, or
+        when it does not fit, each chunk is reserved as it comes. If anything
+        raises, the file and its reservation are gone again."""
         quota = await self.quota()
         path = self.file_path(file_id)
         size = 0
         fh = await _open(path, "wb")
         try:
+            held = expect if expect > 0 and quota.take(file_id, owner, expect) else 0
             async for chunk in chunks:
-                if not quota.take(file_id, owner, len(chunk)):
-                    raise over_quota(quota.limit)
                 size += len(chunk)
+                if size > held:
+                    if not quota.take(file_id, owner, size - held):
+                        raise over_quota(quota.limit)
+                    held = size
                 await asyncio.to_thread(fh.write, chunk)
         except BaseException:
             await asyncio.to_thread(fh.close)
@@ -155,6 +162,7 @@ class Batches:
             quota.drop(file_id)
             raise
         await asyncio.to_thread(fh.close)
+        quota.shrink(file_id, held - size)  # what the file did not need
         return size
 
     async def register(
