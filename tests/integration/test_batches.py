@@ -5,7 +5,8 @@ text as the same request sent directly), `batches.list` pages, `batches.cancel`,
 a file that does not validate; and Anthropic's Message Batches with the
 `anthropic` client: `messages.batches.create`, `retrieve` until ended,
 `results` (typed, each the Messages endpoint's own answer), `cancel`,
-`delete`, `list`; one caller's uploads and Message Batches sent at once at
+`delete`, `list`; the files a batch needs refused for deletion (409); one
+caller's uploads and Message Batches sent at once at
 the edge of its quota (--batch-disk-per-caller) never take it above. The
 embeddings batch is tests/integration/test_pooling.py's (its server embeds);
 a SIGKILL mid-batch, tests/system/test_state_restart.py.
@@ -115,6 +116,8 @@ def test_pages_of_batches_and_cancel(client: openai.OpenAI) -> None:
     ]
     batch = submit(client, long)
     poll(client, batch.id, lambda b: b.status == "in_progress", 120, "the batch running")
+    with pytest.raises(openai.ConflictError):  # its input, while it runs (issue 50)
+        client.files.delete(batch.input_file_id)
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled")
     t0 = time.monotonic()
@@ -124,6 +127,11 @@ def test_pages_of_batches_and_cancel(client: openai.OpenAI) -> None:
     every = lines_of(client, done.output_file_id) + lines_of(client, done.error_file_id)
     assert sorted(x["custom_id"] for x in every) == sorted(f"c{i}" for i in range(300))
     assert any((x.get("error") or {}).get("code") == "batch_cancelled" for x in every)
+    for kept in (done.output_file_id, done.error_file_id):  # its results, while it is
+        if kept is not None:
+            with pytest.raises(openai.ConflictError):
+                client.files.delete(kept)
+    assert lines_of(client, done.output_file_id) + lines_of(client, done.error_file_id) == every
     seen = [b.id for b in client.batches.list(limit=1)]  # the client follows the pages
     assert batch.id in seen and len(seen) == len(set(seen)) >= 2
 
@@ -201,7 +209,7 @@ def test_a_message_batch_end_to_end(ac: anthropic.Anthropic) -> None:
         ac.messages.batches.retrieve(made.id)
 
 
-def test_a_message_batch_cancelled(ac: anthropic.Anthropic) -> None:
+def test_a_message_batch_cancelled(ac: anthropic.Anthropic, client: openai.OpenAI) -> None:
     requests: Any = [{"custom_id": f"c{i}", "params": params(i, 400)} for i in range(300)]
     made = ac.messages.batches.create(requests=requests)
     end = time.monotonic() + 120  # cancel once the first requests are done
@@ -217,6 +225,11 @@ def test_a_message_batch_cancelled(ac: anthropic.Anthropic) -> None:
     assert time.monotonic() - t0 < 60  # the running requests were abandoned
     counts = done.request_counts
     assert counts.canceled > 0 and counts.succeeded + counts.errored + counts.canceled == 300
+    stored = [f for f in client.files.list() if f.filename.startswith(made.id)]
+    assert len(stored) >= 2  # its requests, and its results
+    for f in stored:  # not through /v1/files: they go with the batch (issue 50)
+        with pytest.raises(openai.ConflictError):
+            client.files.delete(f.id)
     results = list(ac.messages.batches.results(made.id))
     assert sorted(r.custom_id for r in results) == sorted(f"c{i}" for i in range(300))
     assert sum(r.result.type == "canceled" for r in results) == counts.canceled
