@@ -497,3 +497,22 @@ async def test_the_admin_key_creates_no_file_and_no_batch(make_client: Any) -> N
     assert resp.status == 401 and (await resp.json())["type"] == "error"
     for path in ("/v1/files", "/v1/batches", f"/v1/batches/{batch['id']}"):
         assert (await client.get(path, headers=admin)).status == 200
+
+
+async def test_a_cancel_does_not_wait_for_a_running_line(make_client: Any) -> None:
+    """Every place in flight taken by a long line: the cancel abandons them at
+    once (docs/bulk.md), not after the first of them has finished."""
+    engine = FakeEngine(step=0.5)  # a line of 50 tokens: 25 s
+    client, _ = await serve(make_client, engine=engine, batch_lines_in_flight=2)
+    file_id = await upload(client, jsonl(*(line(f"s{i}", max_tokens=50) for i in range(6))))
+    made = await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})
+    batch_id = (await made.json())["id"]
+    for _ in range(1000):
+        if len(engine.added) >= 2:
+            break
+        await asyncio.sleep(0.01)
+    await client.post(f"/v1/batches/{batch_id}/cancel")
+    done = await asyncio.wait_for(finished(client, batch_id), 10)
+    assert done["status"] == "cancelled" and done["request_counts"]["completed"] == 0
+    unrun = await content(client, done["error_file_id"])
+    assert sorted(x["custom_id"] for x in unrun) == [f"s{i}" for i in range(6)]

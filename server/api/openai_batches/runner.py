@@ -344,9 +344,8 @@ class Batches:
                     async for item in lines:
                         if item.line in run.done:
                             continue
-                        if self._stopping(run) is not None:
+                        if self._stopping(run) is not None or not await _room(room, stop):
                             break
-                        await room.acquire()
                         task = tg.create_task(self._send(session, run, item, room))
                         sending.add(task)
                         task.add_done_callback(sending.discard)
@@ -565,6 +564,23 @@ async def read_chunks(path: Path, n: int = _CHUNK) -> AsyncGenerator[Sequence[by
             yield chunk
     finally:
         await asyncio.to_thread(fh.close)
+
+
+async def _room(room: asyncio.Semaphore, stop: asyncio.Task[Any]) -> bool:
+    """A place for one more line in flight, or False if the batch is
+    cancelled (`stop` done) first: a cancel does not wait for a running line
+    to finish to free one (its running lines are abandoned at once)."""
+    if stop.done():
+        return False
+    waiting = asyncio.ensure_future(room.acquire())
+    await asyncio.wait({waiting, stop}, return_when=asyncio.FIRST_COMPLETED)
+    if not waiting.done():
+        waiting.cancel()
+        return False
+    if stop.done():
+        room.release()  # taken as the cancel came: not used
+        return False
+    return True
 
 
 async def _open(path: Path, mode: str) -> Any:
