@@ -195,7 +195,7 @@ def _in_use(file_id: str, batch: dict[str, Any]) -> SluiceError:
     if file_id == batch.get("input_file_id") and batch["status"] in RUNNING:
         why = "its input while it runs: cancel it, or delete the file once it has ended"
     elif batch["id"].startswith(BATCH_PREFIX):
-        why = "its results, kept while the batch is (--batch-retention)"
+        why = "its results, kept as long as the batch (--batch-retention)"
     else:
         why = "its requests and results, kept until the message batch is deleted"
     return SluiceError(
