@@ -4,15 +4,16 @@ Pure Python in the style of h11: no asyncio, no vLLM, no clock of its own. The
 server passes time in (`now`) and acts on what the core returns.
 
 Modules: keys (GroupKey), types (requests, batches, outcomes), config, callers (caller
-policies and limits), order (the release key), coalescer (admission and the window),
-backlog (fair release order), room (engine room), adapters (LoRA slots), drain
-(drain-rate estimate for Retry-After), cache (TTL result cache), events (observability
-records). Everything public is re-exported here; import from `batching`, not from the
-modules.
+policies and limits), classes (interactive or background), order (the release key),
+coalescer (admission and the window), backlog (fair release order), room (engine
+room), adapters (LoRA slots), drain (drain-rate estimate for Retry-After), cache (TTL
+result cache), events (observability records). Everything public is re-exported
+here; import from `batching`, not from the modules.
 """
 
 from .cache import ResultCache
 from .callers import DEFAULT_CALLER, CallerPolicy, Callers, CallerStats
+from .classes import BACKGROUND_PRIORITY, RequestClass, class_priority, request_class
 from .coalescer import Coalescer
 from .config import CoalescerConfig
 from .drain import DrainRate
@@ -35,6 +36,7 @@ from .types import (
 )
 
 __all__ = [
+    "BACKGROUND_PRIORITY",
     "DEFAULT_CALLER",
     "AdmissionState",
     "Admitted",
@@ -63,9 +65,12 @@ __all__ = [
     "ReleaseReason",
     "Released",
     "Request",
+    "RequestClass",
     "ResultCache",
     "RoomCounters",
+    "class_priority",
     "engine_priority",
     "group_key",
+    "request_class",
     "underfed",
 ]

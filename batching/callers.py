@@ -32,6 +32,8 @@ Rules:
   request that does not fit is refused (CALLER_LIMIT) with Retry-After the time until
   the bucket holds enough; one larger than the whole bucket can never fit (TOO_LARGE).
   A duplicate that joins a queued generation costs nothing.
+* `background` (default false) makes every request of the caller background work
+  (classes.py rule 1: ordered behind interactive work, `service_tier` flex).
 * Policies change with `Coalescer.set_callers()`: new limits apply to the next
   admission and release; queued work, counters and buckets (clamped to the new
   capacity) stay.
@@ -56,6 +58,7 @@ class CallerPolicy:
     max_concurrency: int | None = None
     max_queued: int | None = None
     tokens_per_minute: int | None = None
+    background: bool = False  # its requests are background work (classes.py rule 1)
 
     def __post_init__(self) -> None:
         if not (self.weight > 0 and math.isfinite(self.weight)):

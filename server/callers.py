@@ -51,6 +51,7 @@ The file:
     default_adapter = "alpha"    # what a request naming the base model runs on
     cache_group = "team-a"       # shares the engine's prefix cache with this group
     models = ["chat", "embed"]   # served models it may use and see (absent: all)
+    background = true            # all its requests are background work (default false)
 
 `adapters` and `default_adapter` name adapters given with --lora-modules (the
 list may also name the base model, to allow it too); server/engines/lora.py rule 4 says
@@ -101,6 +102,7 @@ __all__ = [
 ]
 
 OTHER_CALLER = "other"
+DEFAULT_POLICY = CallerPolicy(DEFAULT_CALLER)
 # Distinct `user` names tracked without a callers file. Each is a caller of its
 # own (fair share, metrics series); 64 is far more than the teams sharing one
 # workstation card, and small enough for a per-caller series set in Prometheus.
@@ -120,6 +122,7 @@ _FIELDS = {
     "default_adapter",
     "cache_group",
     "models",
+    "background",
 }
 
 
@@ -242,8 +245,11 @@ def _caller(name: str, spec: Any) -> tuple[CallerPolicy, str]:
         for f, low in (("max_concurrency", 1), ("max_queued", 0), ("tokens_per_minute", 1))
         if f in spec
     }
+    background = spec.get("background", False)
+    if not isinstance(background, bool):
+        raise CallersError(f"{where}.background must be true or false")
     try:
-        policy = CallerPolicy(name, float(weight), **limits)
+        policy = CallerPolicy(name, float(weight), **limits, background=background)
     except ValueError as exc:
         raise CallersError(str(exc)) from exc
     return policy, key.strip()
@@ -366,6 +372,13 @@ class CallerDirectory:
             return self.table.identify(token)
         assert self._api_key is not None
         return DEFAULT_CALLER if hmac.compare_digest(token.encode(), self._api_key) else None
+
+    def policy(self, caller: str | None) -> CallerPolicy:
+        """A caller's policy in the current table (SIGHUP swaps it); without a
+        callers file, or for no caller, the default policy."""
+        if self.table is None or caller is None:
+            return DEFAULT_POLICY
+        return self.table.policies.get(caller)
 
     def access(self, caller: str | None) -> AdapterAccess:
         """A caller's LoRA adapter rules (no callers file: no restriction)."""

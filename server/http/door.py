@@ -7,9 +7,9 @@ fair share (issue 42). So the Batch API's runner
 this same app, through a Unix socket in a private directory (mode 0700, the
 socket 0600) opened on the app's runner beside the public socket. A request
 there carrying the process's random secret (`DOOR_HEADER`) is the caller named
-by `CALLER_HEADER`, at the background priority (`BACKGROUND`, added by the
-pipeline to the body's own `priority`: the body stays the client's);
-server/http/middleware.py refuses the header anywhere else.
+by `CALLER_HEADER`, and a batch line (`BATCH_LINE`): background work
+(batching/classes.py rule 1, which raises its priority; the body stays the
+client's); server/http/middleware.py refuses the header anywhere else.
 """
 
 from __future__ import annotations
@@ -24,14 +24,11 @@ from typing import Final
 
 from aiohttp import web
 
-__all__ = ["BACKGROUND", "BACKGROUND_KEY", "CALLER_HEADER", "DOOR", "DOOR_HEADER", "Door"]
+__all__ = ["BATCH_LINE", "CALLER_HEADER", "DOOR", "DOOR_HEADER", "Door"]
 
 DOOR_HEADER: Final = "x-sluice-door"
 CALLER_HEADER: Final = "x-sluice-caller"
-# Added to a batch line's own priority (vLLM's: lower first): batching/order.py
-# rule 1 never lets a request pass one of a more urgent priority.
-BACKGROUND: Final = 1 << 20
-BACKGROUND_KEY = web.RequestKey("background", int)  # set by the middleware at the door
+BATCH_LINE = web.RequestKey("batch_line", bool)  # set by the middleware at the door
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from server.callers import bearer_token, same_key
 from server.errors import SluiceError
-from server.http.door import BACKGROUND, BACKGROUND_KEY, CALLER_HEADER, DOOR, DOOR_HEADER
+from server.http.door import BATCH_LINE, CALLER_HEADER, DOOR, DOOR_HEADER
 from server.http.models import release_model
 from server.operations import logs
 from server.state import (
@@ -294,7 +294,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
 
 def _through_the_door(request: web.Request) -> None:
     """A batch line (server/api/openai_batches/runner.py): on the internal socket with its
-    secret it is the named caller's, at the background priority; anything else
+    secret it is the named caller's, and background work; anything else
     carrying the header is refused as a bad key."""
     on_door = isinstance(request.transport and request.transport.get_extra_info("sockname"), str)
     if not on_door or not request.app[DOOR].admits(request.headers.get(DOOR_HEADER)):
@@ -302,7 +302,7 @@ def _through_the_door(request: web.Request) -> None:
         raise SluiceError("invalid or missing API key", status=401, code="invalid_api_key")
     if (caller := request.headers.get(CALLER_HEADER)) is not None:
         request[CALLER] = caller
-    request[BACKGROUND_KEY] = BACKGROUND
+    request[BATCH_LINE] = True
 
 
 def _check_metrics_key(request: web.Request) -> None:

@@ -49,7 +49,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from aiohttp import web
 
-from batching import DEFAULT_CALLER, group_key
+from batching import DEFAULT_CALLER, RequestClass, class_priority, group_key, request_class
 from batching import Request as CoreRequest
 from server.engines.driver import Driver, Generation, Ticket
 from server.engines.interface import (
@@ -62,7 +62,7 @@ from server.engines.interface import (
 from server.engines.lora import Adapter
 from server.engines.registry import ModelEntry
 from server.errors import SluiceError
-from server.http.door import BACKGROUND_KEY
+from server.http.door import BATCH_LINE
 from server.operations.tracing import TRACER, RequestSpan
 from server.state import (
     ACCESS,
@@ -125,6 +125,8 @@ class Trace:
     adapter: str | None = None  # the LoRA adapter's name once resolved (None: base)
     cached: dict[int, int] = field(default_factory=dict)  # prefix-cache hits per prompt
     finish_reasons: list[str] = field(default_factory=list)  # per choice, as they end
+    # Interactive or background (batching/classes.py), once the body is read.
+    request_class: RequestClass | None = None
 
     def first_token(self) -> None:
         if self.ttft is None:
@@ -153,6 +155,7 @@ class Job:
     # part of the group key, so of the dedupe key, and of the result cache key.
     adapter: Adapter | None = None
     priority: int = 0
+    request_class: RequestClass = RequestClass.INTERACTIVE  # classify()'s answer
     stream: bool = False
     include_usage: bool = False
     user: str | None = None  # the OpenAI `user` field: names the caller without keys
@@ -278,6 +281,17 @@ def check_accepting(request: web.Request) -> None:
     raise SluiceError("the engine is not running", status=503, retry_after=5, code="engine_dead")
 
 
+def classify(request: web.Request, service_tier: str | None) -> RequestClass:
+    """A request's class (batching/classes.py rule 1): a batch line (the door),
+    its body's `service_tier`, or its caller's policy in the callers file as it
+    stands now (SIGHUP swaps it)."""
+    return request_class(
+        batch_line=request.get(BATCH_LINE, False),
+        service_tier=service_tier,
+        caller=request.app[CALLERS].policy(request.get(CALLER)),
+    )
+
+
 def generation_endpoint(
     endpoint: str, prepare: Prepare
 ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
@@ -287,6 +301,7 @@ def generation_endpoint(
         job, enc = await prepare(request, tr)
         if tr.caller is None:
             tr.caller = request.app[CALLERS].from_user(job.user)
+        tr.request_class = job.request_class
         tr.stream = job.stream
         tr.model = job.entry.name
         tr.adapter = job.adapter.name if job.adapter is not None else None
@@ -306,6 +321,7 @@ def pooling_endpoint(
         job, body = await prepare(request, tr)
         if tr.caller is None:
             tr.caller = request.app[CALLERS].from_user(job.user)
+        tr.request_class = classify(request, None)
         tr.model = job.entry.name
         tr.adapter = job.adapter.name if job.adapter is not None else None
         tr.prompt_tokens = sum(map(len, job.inputs))
@@ -420,7 +436,7 @@ def _submit(request: web.Request, tr: Trace, job: Job, salt: str | None) -> list
                     prompt_tokens=ids,
                     max_new_tokens=job.max_tokens[i] * sampling.n,
                     arrival=now,
-                    priority=job.priority + request.get(BACKGROUND_KEY, 0),
+                    priority=class_priority(job.priority, job.request_class),
                     deadline=now + settings.queue_timeout,
                     fingerprint=fp,
                     caller=tr.caller or DEFAULT_CALLER,
@@ -501,7 +517,9 @@ def _submit_pooled(request: web.Request, tr: Trace, job: PoolJob, salt: str | No
                     prompt_tokens=ids,
                     max_new_tokens=0,
                     arrival=now,
-                    priority=job.priority + request.get(BACKGROUND_KEY, 0),
+                    priority=class_priority(
+                        job.priority, tr.request_class or classify(request, None)
+                    ),
                     deadline=now + settings.queue_timeout,
                     fingerprint=fp,
                     caller=tr.caller or DEFAULT_CALLER,
@@ -719,7 +737,10 @@ def _finish_trace(request: web.Request, tr: Trace) -> None:
     if tr.status == 200:
         metrics.of(metrics.prompt_tokens, tr.model).inc(tr.prompt_tokens)
     metrics.of(metrics.generated_tokens, tr.model).inc(tr.completion_tokens)
-    if request.get(BACKGROUND_KEY):  # a batch line (server/http/door.py)
+    # A request that failed before its body was read: classed by what is known.
+    cls = tr.request_class or classify(request, None)
+    metrics.class_requests.labels(cls.value, str(tr.status), *m).inc()
+    if request.get(BATCH_LINE):  # a batch line (server/http/door.py)
         metrics.batch_tokens.inc(tr.prompt_tokens * (tr.status == 200) + tr.completion_tokens)
     request.app[RUNTIME].tokens_out += tr.completion_tokens
     t = tr.tickets[0] if tr.tickets else None
@@ -729,6 +750,7 @@ def _finish_trace(request: web.Request, tr: Trace) -> None:
         "model": tr.model,
         "adapter": tr.adapter,
         "endpoint": tr.endpoint,
+        "class": cls.value,
         "status": tr.status,
         "stream": tr.stream,
         "prompt_tokens": tr.prompt_tokens,
@@ -744,10 +766,12 @@ def _finish_trace(request: web.Request, tr: Trace) -> None:
         fields["error"] = tr.error
     request[ACCESS].fields = fields  # the request middleware writes the line
     if (tracer := request.app.get(TRACER)) is not None:
-        tracer.record(_span(request, tr, t, now))
+        tracer.record(_span(request, tr, t, now, cls))
 
 
-def _span(request: web.Request, tr: Trace, t: Ticket | None, now: float) -> RequestSpan:
+def _span(
+    request: web.Request, tr: Trace, t: Ticket | None, now: float, cls: RequestClass
+) -> RequestSpan:
     """The request's span (server/operations/tracing.py), from the trace's times."""
     return RequestSpan(
         endpoint=tr.endpoint,
@@ -761,6 +785,7 @@ def _span(request: web.Request, tr: Trace, t: Ticket | None, now: float) -> Requ
         model=tr.model,
         adapter=tr.adapter,
         caller=tr.caller,
+        request_class=cls.value,
         stream=tr.stream,
         prompt_tokens=tr.prompt_tokens,
         completion_tokens=tr.completion_tokens,

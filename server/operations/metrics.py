@@ -424,6 +424,13 @@ class Metrics:
             ["caller", "status", *m],
             registry=r,
         )
+        self.class_requests = Counter(
+            "sluice_class_requests",
+            "HTTP requests by class (interactive or background: batch lines, "
+            "service_tier flex, background callers) and status",
+            ["class", "status", *m],
+            registry=r,
+        )
         self.ttft = Histogram(
             "sluice_time_to_first_token_seconds",
             "Time from arrival to the first token",

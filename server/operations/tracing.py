@@ -12,7 +12,7 @@ already keeps for its access line (`RequestSpan`): no span object lives
 through the request and no context is switched on its path. The spans follow
 OpenTelemetry's GenAI semantic conventions (`gen_ai.operation.name`,
 `gen_ai.request.model`, `gen_ai.usage.*`, `gen_ai.response.finish_reasons`)
-and add Sluice's own `sluice.*` attributes (caller, adapter, the waits, the
+and add Sluice's own `sluice.*` attributes (caller, class, adapter, the waits, the
 batch). Its children, as far as the request got:
 
     sluice.prepare   parse, render and tokenize, up to the coalescing window
@@ -111,6 +111,7 @@ class RequestSpan:
     model: str | None = None
     adapter: str | None = None
     caller: str | None = None
+    request_class: str | None = None  # interactive or background (batching/classes.py)
     stream: bool = False
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -213,6 +214,8 @@ def _attributes(r: RequestSpan, operation: str) -> dict[str, Any]:
         a["gen_ai.response.finish_reasons"] = list(r.finish_reasons)
     if r.caller is not None:
         a["sluice.caller"] = r.caller
+    if r.request_class is not None:
+        a["sluice.class"] = r.request_class
     if r.adapter is not None:
         a["sluice.adapter"] = r.adapter
     if r.ttft is not None:

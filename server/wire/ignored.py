@@ -44,7 +44,6 @@ KNOWN: Final[Mapping[Api, Mapping[str, str]]] = {
     "chat": {
         "store": "OpenAI's own storage of completions",
         "metadata": "tags for OpenAI's dashboard",
-        "service_tier": "OpenAI's processing tiers",
         "prompt_cache_key": "OpenAI's cache routing; vLLM caches prefixes by content",
         "safety_identifier": "OpenAI's abuse tracking",
         "reasoning_effort": "Qwen3's template has a switch, not an effort "
@@ -55,7 +54,6 @@ KNOWN: Final[Mapping[Api, Mapping[str, str]]] = {
     "completions": {
         "store": "OpenAI's own storage of completions",
         "metadata": "tags for OpenAI's dashboard",
-        "service_tier": "OpenAI's processing tiers",
         "prompt_cache_key": "OpenAI's cache routing; vLLM caches prefixes by content",
         "safety_identifier": "OpenAI's abuse tracking",
     },
@@ -64,7 +62,6 @@ KNOWN: Final[Mapping[Api, Mapping[str, str]]] = {
         "prompt_cache_key": "OpenAI's cache routing; vLLM caches prefixes by content",
         "prompt_cache_retention": "OpenAI's cache lifetime",
         "safety_identifier": "OpenAI's abuse tracking",
-        "service_tier": "OpenAI's processing tiers",
         "truncation": "Sluice never truncates input; a prompt over the context is a 400",
         "max_tool_calls": "Sluice runs no tools itself",
         "stream_options": "obfuscation padding of stream events",

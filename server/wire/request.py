@@ -287,6 +287,9 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     priority: int = 0
+    # OpenAI's processing tier as asked: "flex" makes the request background
+    # work (batching/classes.py rule 1); any other string is the default tier.
+    service_tier: str | None = None
     user: str | None = None
     enable_thinking: bool = True
     chat_template_kwargs: tuple[tuple[str, Any], ...] = field(default=())
@@ -330,6 +333,7 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     priority: int = 0
+    service_tier: str | None = None  # as in ChatRequest
     user: str | None = None
     echo: bool = False
     ignored: tuple[Ignored, ...] = field(default=(), compare=False)

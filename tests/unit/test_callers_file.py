@@ -27,6 +27,7 @@ max_concurrency = 16
 key = "sk-batch"
 max_queued = 200
 tokens_per_minute = 2000000
+background = true
 """
 
 
@@ -35,7 +36,7 @@ def test_a_good_file() -> None:
     assert table.names == ("chat", "batch")
     assert table.policies.get("chat") == CallerPolicy("chat", 4.0, max_concurrency=16)
     assert table.policies.get("batch") == CallerPolicy(
-        "batch", 1.0, max_queued=200, tokens_per_minute=2_000_000
+        "batch", 1.0, max_queued=200, tokens_per_minute=2_000_000, background=True
     )
     assert table.identify("sk-chat") == "chat" and table.identify("sk-batch") == "batch"
     assert table.identify("sk-cha") is None and table.identify("") is None
@@ -55,6 +56,7 @@ def test_a_good_file() -> None:
         ("[callers.a]\nkey = 'k'\nmax_concurrency = 0", "callers.a.max_concurrency must be"),
         ("[callers.a]\nkey = 'k'\nmax_queued = 1.5", "callers.a.max_queued must be an integer"),
         ("[callers.a]\nkey = 'k'\ntokens_per_minute = -1", "tokens_per_minute must be"),
+        ("[callers.a]\nkey = 'k'\nbackground = 1", "callers.a.background must be true or false"),
         ("[callers.a]\nkey = 'k'\nmax_conc = 2", "unknown field(s) max_conc"),
         ("[callers.'a b']\nkey = 'k'", "a name is 1-64 letters"),
         ("[callers]\na = 'k'", "callers.a must be a table"),

@@ -359,6 +359,7 @@ async def test_a_request_leaves_one_span_tree_continuing_the_callers_trace(
         assert a["gen_ai.usage.input_tokens"] > 0 and a["gen_ai.usage.output_tokens"] == 5
         assert a["gen_ai.response.finish_reasons"] == ["length"]
         assert a["sluice.caller"] == "alice" and a["http.response.status_code"] == 200
+        assert a["sluice.class"] == "interactive"
         assert a["sluice.window_wait_s"] > 0 and a["sluice.backlog_wait_s"] == 0
         assert "sluice.release_reason" in a and "first_token" in server["events"]
         assert server["resource"]["service.name"] == "sluice"
@@ -368,5 +369,14 @@ async def test_a_request_leaves_one_span_tree_continuing_the_callers_trace(
             assert server["start"] <= child["start"] <= child["end"] <= server["end"]
         assert by["sluice.window"]["end"] <= by["sluice.engine"]["start"]
         assert "first_token" in by["sluice.engine"]["events"]
+        # A flex request's span names its class (batching/classes.py rule 1).
+        flex = {**BODY, "service_tier": "flex"}
+        r = await client.post(CHAT, json=flex, headers={"x-request-id": "req-2"})
+        assert r.status == 200
+        for _ in range(200):
+            if spans := [s for s in rec.of("req-2") if s["name"] == "chat fake"]:
+                break
+            await asyncio.sleep(0.05)
+        assert spans[0]["attributes"]["sluice.class"] == "background"
     finally:
         await runner.cleanup()

@@ -23,7 +23,7 @@ from server.engines.interface import ChatParser, ChoiceParser, CompletionDelta
 from server.engines.reasoning_split import ReasoningSplitter, split_reasoning
 from server.errors import SluiceError
 from server.http.models import use_model
-from server.http.pipeline import Encoder, Job, Trace, logprobs
+from server.http.pipeline import Encoder, Job, Trace, classify, logprobs
 from server.state import METRICS, RUNTIME, SETTINGS
 from server.wire.ignored import Api
 from server.wire.output import ChatChoice, CompletionChoice, FinishReason, TokenLogprob, Usage
@@ -79,7 +79,12 @@ async def prepare_chat(request: web.Request, tr: Trace) -> tuple[Job, Encoder[Ch
     req = parse_chat(await read_body(request), request.app[RUNTIME].limits)
     cj = await chat_job(request, req, "chat")
     return cj.job, ChatEncoder(
-        req, tr.rid, cj.job.entry.engine.detokenize, cj.parser, cj.prompt_ids
+        req,
+        tr.rid,
+        cj.job.entry.engine.detokenize,
+        cj.parser,
+        cj.prompt_ids,
+        cj.job.request_class.service_tier,
     )
 
 
@@ -128,6 +133,7 @@ async def chat_job(request: web.Request, req: ChatRequest, api: Api) -> ChatJob:
         max_tokens=(max_tokens,),
         sampling=sampling,
         priority=req.priority,
+        request_class=classify(request, req.service_tier),
         stream=req.stream,
         include_usage=req.include_usage,
         user=req.user,
@@ -154,9 +160,11 @@ class ChatEncoder:
         detokenize: Detokenize,
         parser: ChatParser | None = None,
         prompt_ids: Sequence[int] = (),
+        service_tier: str = "default",
     ) -> None:
         self._req = req
         self._rid = rid
+        self._tier = service_tier  # the tier that serves it (batching/classes.py rule 3)
         self._created = int(time.time())
         self._detokenize = detokenize
         self._parser = parser
@@ -174,6 +182,7 @@ class ChatEncoder:
             model=req.model,
             n=n,
             reasoning_field=REASONING_FIELD,
+            service_tier=service_tier,
         )
 
     def choices(
@@ -220,6 +229,7 @@ class ChatEncoder:
             choices=choices,
             usage=usage,
             reasoning_field=REASONING_FIELD,
+            service_tier=self._tier,
         )
 
     def stream_head(self) -> bytes:
@@ -311,6 +321,7 @@ async def prepare_completion(
         ),
         sampling=req.sampling,
         priority=req.priority,
+        request_class=classify(request, req.service_tier),
         stream=req.stream,
         include_usage=req.include_usage,
         user=req.user,

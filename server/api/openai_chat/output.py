@@ -93,8 +93,10 @@ def chat_completion_body(
     choices: Sequence[ChatChoice],
     usage: Usage,
     reasoning_field: str = REASONING_FIELD,
+    service_tier: str = "default",
 ) -> bytes:
-    """A non-streaming ``chat.completion`` body; ``id`` is ``chatcmpl-<request_id>``."""
+    """A non-streaming ``chat.completion`` body; ``id`` is ``chatcmpl-<request_id>``;
+    ``service_tier`` is the tier that served it (batching/classes.py rule 3)."""
     out = []
     for c in choices:
         message: dict[str, Any] = {"role": "assistant", "content": c.content}
@@ -118,6 +120,7 @@ def chat_completion_body(
             "model": model,
             "choices": out,
             "usage": usage.as_dict(),
+            "service_tier": service_tier,
         }
     )
 

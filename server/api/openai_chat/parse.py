@@ -9,7 +9,7 @@ OpenAI's documented limits where the two agree.
 
 Unknown fields are accepted and ignored, and noted under
 server/wire/ignored.py's rule (logged once, counted): OpenAI clients send
-fields we have no use for (``store``, ``metadata``, ``service_tier``). A
+fields we have no use for (``store``, ``metadata``, ``prompt_cache_key``). A
 ``max_tokens`` above what the context leaves is lowered to it
 (``check_context``), as vLLM does. Fields whose *meaning* we
 cannot honour are refused with a clear 400 instead of being silently
@@ -110,6 +110,7 @@ _SHARED: Final = frozenset(
         "stream",
         "stream_options",
         "priority",
+        "service_tier",
         "user",
         # Checked by refuse_unsupported: honoured in their neutral values.
         "prompt_logprobs",
@@ -333,6 +334,7 @@ def parse_chat(body: bytes, limits: Limits) -> ChatRequest:
         stream=stream,
         include_usage=include_usage,
         priority=_priority(obj),
+        service_tier=get_str(obj, "service_tier"),
         user=get_str(obj, "user"),
         enable_thinking=thinking,
         chat_template_kwargs=kwargs,
@@ -430,6 +432,7 @@ def parse_completion(body: bytes, limits: Limits) -> CompletionRequest:
         stream=stream,
         include_usage=include_usage,
         priority=_priority(obj),
+        service_tier=get_str(obj, "service_tier"),
         user=get_str(obj, "user"),
         echo=echo,
         ignored=notes.done(),

@@ -45,13 +45,17 @@ class _Stream:
     _ID_PREFIX: str = ""
     _OBJECT: str = ""
 
-    def __init__(self, request_id: str, created: int, model: str, n: int) -> None:
+    def __init__(
+        self, request_id: str, created: int, model: str, n: int, service_tier: str | None = None
+    ) -> None:
         self._base: dict[str, Any] = {
             "id": f"{self._ID_PREFIX}{request_id}",
             "object": self._OBJECT,
             "created": created,
             "model": model,
         }
+        if service_tier is not None:  # chat chunks name it, as OpenAI's do
+            self._base["service_tier"] = service_tier
         # `data: {"id":...,"model":...,` — the dict's JSON without its closing brace.
         self._head = b"data: " + _dumps(self._base)[:-1] + b","
         self._prefixes: list[dict[str, bytes]] = [self._make_prefixes(i) for i in range(n)]
@@ -93,9 +97,10 @@ class ChatStream(_Stream):
         model: str,
         n: int = 1,
         reasoning_field: str = REASONING_FIELD,
+        service_tier: str = "default",
     ) -> None:
         self._reasoning_field = reasoning_field
-        super().__init__(request_id, created, model, n)
+        super().__init__(request_id, created, model, n, service_tier)
 
     def _make_prefixes(self, index: int) -> dict[str, bytes]:
         start = self._head + b'"choices":[{"index":' + str(index).encode() + b',"delta":{'

@@ -194,7 +194,8 @@ class ResponsesEncoder:
         self._created = int(time.time())
         self._chat_args = (req, rid, engine.detokenize, cj.parser, cj.prompt_ids)
         self._reader = ChoiceReader(cj.parser, cj.prompt_ids, thinking=req.enable_thinking)
-        self._stream = ResponsesStream(rreq, self._id, self._created)
+        self._tier = cj.job.request_class.service_tier
+        self._stream = ResponsesStream(rreq, self._id, self._created, self._tier)
         self._reasoning: list[str] = []
         self._finish: str | None = None
 
@@ -212,7 +213,9 @@ class ResponsesEncoder:
         output = output_items(self._id, choice, self._rreq)
         reasoning = self._engine.count_tokens(choice.reasoning or "")
         status = status_of(choice.finish_reason)
-        obj = response_object(self._rreq, self._id, self._created, status, output, usage, reasoning)
+        obj = response_object(
+            self._rreq, self._id, self._created, status, output, usage, reasoning, self._tier
+        )
         return self._keep(obj)
 
     def _keep(self, obj: dict[str, Any]) -> bytes:

@@ -140,8 +140,10 @@ def response_object(
     output: Sequence[dict[str, Any]],
     usage: Usage | None = None,
     reasoning_tokens: int = 0,
+    service_tier: str = "default",
 ) -> dict[str, Any]:
-    """The ``response`` object: its state, its output, and the echoed request."""
+    """The ``response`` object: its state, its output, and the echoed request;
+    ``service_tier`` is the tier that serves it (batching/classes.py rule 3)."""
     chat = req.chat
     obj: dict[str, Any] = {
         "id": response_id,
@@ -159,6 +161,7 @@ def response_object(
         "parallel_tool_calls": chat.parallel_tool_calls,
         "previous_response_id": None,
         "reasoning": None,
+        "service_tier": service_tier,
         "store": req.store,
         "temperature": chat.sampling.temperature,
         "text": {"format": {"type": "text"}},
@@ -207,10 +210,13 @@ class ResponsesStream:
     of text first appears and closes when another kind starts or at the end.
     """
 
-    __slots__ = ("_created", "_fast", "_id", "_open", "_parts", "_req", "_seq", "output")
+    __slots__ = ("_created", "_fast", "_id", "_open", "_parts", "_req", "_seq", "_tier", "output")
 
-    def __init__(self, req: ResponsesRequest, response_id: str, created: int) -> None:
+    def __init__(
+        self, req: ResponsesRequest, response_id: str, created: int, service_tier: str = "default"
+    ) -> None:
         self._req = req
+        self._tier = service_tier
         self._id = response_id
         self._created = created
         self._seq = 0
@@ -237,7 +243,7 @@ class ResponsesStream:
     def _object(self, status: str, usage: Usage | None = None, reasoning_tokens: int = 0) -> Any:
         output = self.output if status != "in_progress" else []
         return response_object(
-            self._req, self._id, self._created, status, output, usage, reasoning_tokens
+            self._req, self._id, self._created, status, output, usage, reasoning_tokens, self._tier
         )
 
     def head(self) -> bytes:

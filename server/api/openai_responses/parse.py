@@ -112,6 +112,7 @@ _HONOURED: Final = frozenset(
         "reasoning",
         "stream",
         "user",
+        "service_tier",
         "metadata",
         "store",
         "previous_response_id",
@@ -468,7 +469,7 @@ def parse_responses(body: bytes, limits: Limits) -> ResponsesRequest:
                 f" got {max_output}",
             )
         chat["max_completion_tokens"] = max_output
-    for key in ("temperature", "top_p", "parallel_tool_calls", "stream", "user"):
+    for key in ("temperature", "top_p", "parallel_tool_calls", "stream", "user", "service_tier"):
         if get(obj, key) is not MISSING:
             chat[key] = obj[key]
     back: list[ClientTool] = []
