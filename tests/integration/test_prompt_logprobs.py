@@ -59,7 +59,9 @@ def test_echo_logprobs_text_prompt(client: openai.OpenAI, sluice_server: SluiceP
     assert lp.text_offset == sorted(lp.text_offset)
 
 
-def test_prompt_logprobs_are_the_model_s(client: openai.OpenAI, sluice_server: SluiceProcess) -> None:
+def test_prompt_logprobs_are_the_model_s(
+    client: openai.OpenAI, sluice_server: SluiceProcess
+) -> None:
     """Position i's alternatives are the model's next token after the first i
     tokens: the greedy token generated from that prefix, with its logprob."""
     ids = _ids(sluice_server, PROMPT)
