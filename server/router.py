@@ -179,6 +179,20 @@ async def detokenize(request: web.Request) -> web.Response:
     return json_response(body)
 
 
+async def tokenizer_info(request: web.Request) -> web.Response:
+    """vLLM's /tokenizer_info (behind its --enable-tokenizer-info-endpoint):
+    the tokenizer's configuration, special tokens and chat template. Served
+    by default here: lm-eval's `auto` tokenizer backend probes it with
+    /tokenize, and a template is no secret of a server whose /api/show
+    (Ollama's) gives it too. `?model=` picks a model, the first by default."""
+    check_accepting(request)
+    model = request.query.get("model") or request.app[MODELS].default.name
+    entry, _ = await use_model(request, model, serves=None)
+    # Its added tokens are keyed by id: JSON names them as strings, as vLLM's does.
+    info = entry.engine.tokenizer_info()
+    return json_response(orjson.dumps(info, option=orjson.OPT_NON_STR_KEYS))
+
+
 def _model_field(request: web.Request, obj: dict[str, object]) -> str:
     """A tokenizer route's optional `model`: the first served model when absent."""
     model = obj.get("model") or request.app[MODELS].default.name
@@ -243,3 +257,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/tokenizer_info", tokenizer_info)

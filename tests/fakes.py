@@ -45,6 +45,7 @@ class FakeOutput:
     outputs: list[FakeCompletion]
     finished: bool
     num_cached_tokens: int | None = None
+    prompt_logprobs: Any = None
 
     def add(self, later: FakeOutput) -> None:
         """Merge a later delta into this one (vLLM's ``RequestOutput.add``)."""
@@ -231,6 +232,9 @@ class FakeEngine:
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return "".join(chr(96 + i % 26) for i in ids)
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        return {"eos_token": "<eos>", "tokenizer_class": "FakeTokenizer"}
 
     def count_tokens(self, text: str) -> int:
         if self.tokenizer is not None:

@@ -192,6 +192,9 @@ class StepEngine:
     def detokenize(self, ids: Sequence[int]) -> str:
         return TOKEN_TEXT * len(ids)
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        return {"eos_token": None, "tokenizer_class": type(self).__name__}
+
     def count_tokens(self, text: str) -> int:
         return len(text.split())
 

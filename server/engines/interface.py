@@ -148,6 +148,8 @@ class EngineOutput(Protocol):
     def finished(self) -> bool: ...
     @property
     def num_cached_tokens(self) -> int | None: ...  # prompt tokens the prefix cache held
+    @property
+    def prompt_logprobs(self) -> Any: ...  # vLLM: {token_id: Logprob} | None per prompt token
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +165,7 @@ class Pooled:
     num_cached_tokens: int | None = None
     finished: bool = True
     outputs: tuple[CompletionDelta, ...] = ()
+    prompt_logprobs: None = None
 
 
 class OutputStream(Protocol):
@@ -241,6 +244,7 @@ class Engine(Protocol):
     ) -> list[list[int]]: ...
     async def tokenize_prompts(self, texts: Sequence[str]) -> list[list[int]]: ...
     def detokenize(self, ids: Sequence[int]) -> str: ...
+    def tokenizer_info(self) -> dict[str, Any]: ...
     def count_tokens(self, text: str) -> int: ...  # plain text, no special tokens
 
     def chat_parser(self, req: ChatRequest) -> ChatParser: ...

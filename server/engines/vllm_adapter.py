@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from vllm import PoolingParams, SamplingParams
 from vllm.config import VllmConfig
+from vllm.entrypoints.serve.tokenize.serving import TokenizerInfo
 from vllm.envs import enable_envs_cache
 from vllm.inputs.engine import tokens_input
 from vllm.lora.request import LoRARequest
@@ -748,6 +749,14 @@ class EngineAdapter:
     def detokenize(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids)))
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        """The tokenizer's configuration as vLLM's /tokenizer_info gives it
+        (its TokenizerInfo: init kwargs without file paths, the class, the
+        chat template); lm-eval's remote tokenizer reads its special tokens."""
+        template = getattr(self._tokenizer, "chat_template", None)
+        info: dict[str, Any] = TokenizerInfo(self._tokenizer, template).to_dict()
+        return info
+
     def count_tokens(self, text: str) -> int:
         # On the loop, like detokenize: a finished answer's thinking, once per
         # response (/v1/responses' reasoning_tokens).
@@ -834,6 +843,7 @@ class EngineAdapter:
             max_tokens=max_tokens,
             min_tokens=s.min_tokens,
             logprobs=s.logprobs,
+            prompt_logprobs=s.prompt_logprobs,
             ignore_eos=s.ignore_eos,
             skip_special_tokens=s.skip_special_tokens,
             include_stop_str_in_output=s.include_stop_str_in_output,

@@ -229,6 +229,16 @@ class StreamHeaders(Protocol):
     def stream_headers(self) -> Mapping[str, str]: ...
 
 
+@runtime_checkable
+class ReadsPrompt(Protocol):
+    """An encoder that reads each output of a prompt besides its choices'
+    deltas: the echo of /v1/completions takes the prompt's logprobs from it
+    (vLLM sends them once, with the output that ends the prefill). Called
+    for every output, before that output's deltas, streamed or not."""
+
+    def prompt_output(self, prompt: int, out: EngineOutput) -> None: ...
+
+
 # An endpoint's own step: parse the body and tokenize, into a Job and its encoder.
 Prepare = Callable[[web.Request, Trace], Awaitable[tuple[Job, Encoder[Any]]]]
 # A pooling endpoint's: into a PoolJob and the body its outputs make, in input order.
@@ -256,6 +266,33 @@ def logprobs(
             if lp.rank is not None and 1 <= lp.rank <= k
         )
         out.append(TokenLogprob(token or "", chosen.logprob if chosen else 0.0, top))
+    return out
+
+
+def prompt_logprobs(
+    detokenize: Callable[[Sequence[int]], str],
+    prompt: Sequence[int],
+    entries: Sequence[Any],
+    k: int,
+) -> list[TokenLogprob]:
+    """A prompt's tokens with vLLM's prompt logprobs (one {token_id: Logprob}
+    per token, None for the first, which nothing comes before): the same
+    values as a generated token's, the first without any."""
+    out = []
+    for tok_id, entry in zip(prompt, entries, strict=False):
+        if entry is None:
+            out.append(TokenLogprob(detokenize([tok_id]), None))
+            continue
+        chosen = entry.get(tok_id)
+        token = chosen.decoded_token if chosen is not None else None
+        top = tuple(
+            (lp.decoded_token or "", lp.logprob)
+            for lp in sorted(entry.values(), key=lambda lp: lp.rank or 0)
+            if lp.rank is not None and 1 <= lp.rank <= k
+        )
+        out.append(
+            TokenLogprob(token or detokenize([tok_id]), chosen.logprob if chosen else 0.0, top)
+        )
     return out
 
 
@@ -390,7 +427,8 @@ async def _run(request: web.Request, tr: Trace, job: Job, enc: Encoder[Any]) -> 
         if job.stream:
             return await _stream(request, tr, job, enc, gens)
         detokenize = job.entry.engine.detokenize
-        choices = enc.choices(*await _gather(tr, job, detokenize, gens))
+        reader = enc if isinstance(enc, ReadsPrompt) else None
+        choices = enc.choices(*await _gather(tr, job, detokenize, gens, reader))
         if key is not None:
             results.put(key, (choices, tr.completion_tokens), time.monotonic())
         return json_response(enc.body(choices, _usage(tr)))
@@ -601,9 +639,10 @@ async def _gather(
     job: Job,
     detokenize: Callable[[Sequence[int]], str],
     gens: Sequence[Generation],
+    reader: ReadsPrompt | None,
 ) -> tuple[list[str], list[list[TokenLogprob]], list[str | None]]:
     """Read every generation to its end: per choice the text, the logprobs
-    (empty when off) and the finish reason."""
+    (empty when off) and the finish reason; `reader` sees each output first."""
     n = job.sampling.n
     k = job.sampling.logprobs
     total = len(gens) * n
@@ -614,6 +653,8 @@ async def _gather(
     async def take(pi: int, out: EngineOutput) -> None:
         tr.first_token()
         _note_cached(tr, pi, out)
+        if reader is not None:
+            reader.prompt_output(pi, out)
         for c in out.outputs:
             idx = pi * n + c.index
             texts[idx].append(c.text)
@@ -649,9 +690,13 @@ async def _stream(
     beat = None if keepalive is None else (keepalive[0], lambda: take_head() + keepalive[1])
     wrote: Callable[[], None] = lambda: None  # noqa: E731 (replaced by the beat's)
 
+    reader = enc if isinstance(enc, ReadsPrompt) else None
+
     async def send(pi: int, out: EngineOutput) -> None:
         tr.first_token()
         _note_cached(tr, pi, out)
+        if reader is not None:
+            reader.prompt_output(pi, out)
         parts = [take_head()]
         for c in out.outputs:
             tr.completion_tokens += len(c.token_ids)

@@ -30,10 +30,11 @@ FinishReason = Literal["stop", "length", "tool_calls"]
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    """One generated token's logprob and its top alternatives (token, logprob)."""
+    """One token's logprob and its top alternatives (token, logprob). A
+    prompt's first token has none (``None``): nothing comes before it."""
 
     token: str
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[str, float], ...] = ()
 
 

@@ -111,7 +111,9 @@ class Sampling:
     """Everything that shapes the generated tokens of one request.
 
     ``logprobs``: ``None`` = off, ``0`` = the sampled token's logprob only,
-    ``k`` = plus the top k alternatives. ``top_k`` 0 means disabled (vLLM
+    ``k`` = plus the top k alternatives; ``prompt_logprobs`` the same for the
+    prompt's tokens (vLLM's prompt_logprobs: an echo with logprobs, lm-eval's
+    loglikelihood). ``top_k`` 0 means disabled (vLLM
     0.32's spelling; -1 is normalised to 0). With temperature 0, top_p, top_k
     and min_p are normalised to their neutral values as vLLM does, so that
     greedy requests that differ only there share a fingerprint.
@@ -135,6 +137,7 @@ class Sampling:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     constraint: Constraint | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def deterministic(self) -> bool:
@@ -162,6 +165,7 @@ class Sampling:
             self.skip_special_tokens,
             self.include_stop_str_in_output,
             self.constraint,
+            self.prompt_logprobs,
         )
 
 
@@ -336,4 +340,6 @@ class CompletionRequest:
     service_tier: str | None = None  # as in ChatRequest
     user: str | None = None
     echo: bool = False
+    # An echo with max_tokens 0: the prompt alone (with its logprobs), no output.
+    prompt_only: bool = False
     ignored: tuple[Ignored, ...] = field(default=(), compare=False)

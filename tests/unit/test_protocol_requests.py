@@ -389,9 +389,23 @@ COMPLETION_BAD: list[tuple[dict[str, Any], str]] = [
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": -1}, "logprobs"),
     ({"echo": "yes"}, "echo"),
-    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"echo": True, "logprobs": 21}, "logprobs"),
+    ({"max_tokens": 0}, "max_tokens"),  # only an echo answers the prompt alone
+    ({"echo": True, "max_tokens": -1}, "max_tokens"),
     ({"suffix": "end"}, "suffix"),
 ]
+
+
+def test_echo_with_logprobs_asks_for_the_prompt_s() -> None:
+    """lm-eval's loglikelihood request: the echo's prompt logprobs go to the
+    engine with the same k; max_tokens 0 is the prompt alone (one engine step)."""
+    base = {"model": "m", "prompt": [1, 2, 3], "echo": True, "logprobs": 1}
+    req = parse_completion(orjson.dumps({**base, "max_tokens": 1}), Limits())
+    assert (req.sampling.prompt_logprobs, req.sampling.max_tokens, req.prompt_only) == (1, 1, False)
+    req = parse_completion(orjson.dumps({**base, "max_tokens": 0}), Limits())
+    assert (req.sampling.prompt_logprobs, req.sampling.max_tokens, req.prompt_only) == (1, 1, True)
+    plain = parse_completion(orjson.dumps({**base, "echo": False}), Limits())
+    assert plain.sampling.prompt_logprobs is None
 
 
 @pytest.mark.parametrize(("fields", "param"), COMPLETION_BAD)

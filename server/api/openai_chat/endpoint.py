@@ -19,11 +19,11 @@ from aiohttp import web
 from server.api.openai_chat.output import chat_completion_body, completion_body
 from server.api.openai_chat.parse import check_context, parse_chat, parse_completion
 from server.api.openai_chat.stream import DONE, ChatStream, CompletionStream, sse
-from server.engines.interface import ChatParser, ChoiceParser, CompletionDelta
+from server.engines.interface import ChatParser, ChoiceParser, CompletionDelta, EngineOutput
 from server.engines.reasoning_split import ReasoningSplitter, split_reasoning
 from server.errors import SluiceError
 from server.http.models import use_model
-from server.http.pipeline import Encoder, Job, Trace, classify, logprobs
+from server.http.pipeline import Encoder, Job, Trace, classify, logprobs, prompt_logprobs
 from server.state import METRICS, RUNTIME, SETTINGS
 from server.wire.ignored import Api
 from server.wire.output import ChatChoice, CompletionChoice, FinishReason, TokenLogprob, Usage
@@ -325,13 +325,22 @@ async def prepare_completion(
         stream=req.stream,
         include_usage=req.include_usage,
         user=req.user,
-        variant=req.echo,
+        variant=(req.echo, req.prompt_only),
     )
     return job, CompletionEncoder(req, prompts, tr.rid, engine.detokenize)
 
 
 class CompletionEncoder:
-    """text_completion bodies and stream frames for one request (echo included)."""
+    """text_completion bodies and stream frames for one request (echo included).
+
+    An echo with logprobs carries the prompt's tokens with their logprobs
+    in front of the generated ones (the first token's is null), as vLLM's
+    server answers lm-eval's loglikelihood requests; offsets count from the
+    prompt's start. Streamed, that echo goes with each choice's first output
+    (its logprobs come with the output that ends the prefill), where an echo
+    without logprobs goes out at once. With max_tokens 0 only the prompt is
+    answered.
+    """
 
     def __init__(
         self,
@@ -348,6 +357,11 @@ class CompletionEncoder:
         self._enc = CompletionStream(
             request_id=rid, created=self._created, model=req.model, n=len(prompts) * req.sampling.n
         )
+        # The echo waits for the first output: it carries the prompt's logprobs,
+        # or (prompt only) it is all the choice says.
+        self._late_echo = req.echo and (req.sampling.prompt_logprobs is not None or req.prompt_only)
+        self._echoed: set[int] = set()
+        self._prompt_lps: dict[int, list[TokenLogprob]] = {}
 
     def _echo(self, choice: int) -> str:
         if not self._req.echo:
@@ -356,6 +370,24 @@ class CompletionEncoder:
         p = self._req.prompts[pi]
         return p if isinstance(p, str) else self._detokenize(self._prompts[pi])
 
+    def prompt_output(self, prompt: int, out: EngineOutput) -> None:
+        k = self._req.sampling.prompt_logprobs
+        entries = out.prompt_logprobs
+        if k is None or not entries or prompt in self._prompt_lps:
+            return
+        self._prompt_lps[prompt] = prompt_logprobs(
+            self._detokenize, self._prompts[prompt], entries, k
+        )
+
+    def _echo_logprobs(self, choice: int) -> list[TokenLogprob]:
+        if self._req.sampling.prompt_logprobs is None:
+            return []
+        pi = choice // self._req.sampling.n
+        lps = self._prompt_lps.get(pi)
+        if lps is None:
+            raise SluiceError("the engine gave no prompt logprobs", status=500)
+        return lps
+
     def choices(
         self,
         texts: Sequence[str],
@@ -363,16 +395,22 @@ class CompletionEncoder:
         reasons: Sequence[str | None],
     ) -> tuple[CompletionChoice, ...]:
         want = self._req.sampling.logprobs is not None
+        only = self._req.prompt_only
         out = []
         for idx, text in enumerate(texts):
             prefix = self._echo(idx)
+            lps = [] if only else list(logprobs[idx])
+            offset = len(prefix)
+            if want and self._req.echo:
+                lps = self._echo_logprobs(idx) + lps
+                offset = 0
             out.append(
                 CompletionChoice(
                     index=idx,
-                    text=prefix + text,
+                    text=prefix if only else prefix + text,
                     finish_reason=_finish_reason(reasons[idx]),
-                    logprobs=tuple(logprobs[idx]) if want else None,
-                    text_offset=len(prefix),
+                    logprobs=tuple(lps) if want else None,
+                    text_offset=offset,
                 )
             )
         return tuple(out)
@@ -387,7 +425,7 @@ class CompletionEncoder:
         )
 
     def stream_head(self) -> bytes:
-        if not self._req.echo:
+        if not self._req.echo or self._late_echo:
             return b""
         total = len(self._prompts) * self._req.sampling.n
         return self._enc.texts((i, self._echo(i)) for i in range(total))
@@ -395,12 +433,18 @@ class CompletionEncoder:
     def stream_delta(self, choice: int, delta: CompletionDelta) -> bytes:
         enc = self._enc
         k = self._req.sampling.logprobs
+        only = self._req.prompt_only
+        text = "" if only else delta.text
+        lps = [] if only or k is None else logprobs(self._detokenize, delta, k)
+        if self._late_echo and choice not in self._echoed:
+            self._echoed.add(choice)
+            text = self._echo(choice) + text
+            lps = self._echo_logprobs(choice) + lps
         parts: list[bytes] = []
         if k is not None:
-            lps = logprobs(self._detokenize, delta, k)
-            parts.append(enc.chunk(choice, delta.text, logprobs=lps))
-        elif delta.text:
-            parts.append(enc.text(choice, delta.text))
+            parts.append(enc.chunk(choice, text, logprobs=lps))
+        elif text:
+            parts.append(enc.text(choice, text))
         if delta.finish_reason is not None:
             parts.append(enc.finish(choice, _finish_reason(delta.finish_reason)))
         return b"".join(parts)

@@ -15,7 +15,7 @@ Field names follow OpenAI; the reasoning text of a thinking model goes in
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, overload
 
 import orjson
 
@@ -45,7 +45,13 @@ def tool_call_dict(call: ToolCall) -> dict[str, Any]:
     }
 
 
-def _lp(value: float) -> float:
+@overload
+def _lp(value: float) -> float: ...
+@overload
+def _lp(value: None) -> None: ...
+def _lp(value: float | None) -> float | None:
+    if value is None:  # a prompt's first token
+        return None
     return value if value > _LOGPROB_FLOOR else _LOGPROB_FLOOR  # also maps NaN
 
 
@@ -80,7 +86,9 @@ def completion_logprobs(tokens: Sequence[TokenLogprob], text_offset: int = 0) ->
     return {
         "tokens": [t.token for t in tokens],
         "token_logprobs": [_lp(t.logprob) for t in tokens],
-        "top_logprobs": [{tok: _lp(lp) for tok, lp in t.top} for t in tokens],
+        "top_logprobs": [
+            None if t.logprob is None else {tok: _lp(lp) for tok, lp in t.top} for t in tokens
+        ],
         "text_offset": offsets,
     }
 

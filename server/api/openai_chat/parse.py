@@ -403,8 +403,16 @@ def parse_completion(body: bytes, limits: Limits) -> CompletionRequest:
         if get(obj, key) is not MISSING and obj[key] not in ([], "none"):
             raise unsupported(key, f"'{key}' on /v1/completions (use /v1/chat/completions)")
 
+    echo = get_bool(obj, "echo", False)
+    raw_max = obj.get("max_tokens", MISSING)
+    # An echo with max_tokens 0 answers the prompt alone (lm-eval's rolling
+    # loglikelihood); the engine still runs one step, as vLLM's server does,
+    # and that token is left out of the answer.
+    prompt_only = echo and raw_max == 0 and type(raw_max) is int
     # Absent: OpenAI's 16. Explicit null: vLLM's "rest of the context".
-    if obj.get("max_tokens", MISSING) is None:
+    if prompt_only:
+        max_tokens: int | None = 1
+    elif raw_max is None:
         max_tokens = limits.default_max_tokens
     else:
         max_tokens = _max_tokens(obj, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, limits)
@@ -412,13 +420,13 @@ def parse_completion(body: bytes, limits: Limits) -> CompletionRequest:
             max_tokens = min(max_tokens, limits.max_tokens_cap)
 
     logprobs = get_int(obj, "logprobs", None, lo=0, hi=limits.max_logprobs)
-    echo = get_bool(obj, "echo", False)
-    if echo and logprobs is not None:
-        # Needs prompt logprobs from the engine; refused rather than faked.
-        raise unsupported("echo", "'echo' together with 'logprobs'")
-
     stream, include_usage = _stream(obj)
     sampling = _sampling(obj, limits, max_tokens, logprobs)
+    if echo and logprobs is not None:
+        # The echoed prompt's tokens carry their logprobs too (vLLM's
+        # prompt_logprobs, as its server sets them for an echo): computed by
+        # the engine over the prompt, bounded by --max-logprobs like logprobs.
+        sampling = dataclasses.replace(sampling, prompt_logprobs=logprobs)
     notes = Notes("completions")
     notes.extra_keys(obj, _COMPLETIONS)
     if sampling.constraint is not None:
@@ -435,6 +443,7 @@ def parse_completion(body: bytes, limits: Limits) -> CompletionRequest:
         service_tier=get_str(obj, "service_tier"),
         user=get_str(obj, "user"),
         echo=echo,
+        prompt_only=prompt_only,
         ignored=notes.done(),
     )
 
