@@ -18,7 +18,7 @@ from typing import Any, Final
 import orjson
 from aiohttp import web
 
-from server.api.openai_batches.multipart import read_form
+from server.http.multipart import read_form
 from server.api.openai_batches.output import RUNNING, batch_object, file_deleted, page
 from server.api.openai_batches.parse import MAX_LINES, parse_batch_create
 from server.api.openai_batches.runner import BATCHES, new_id
