@@ -189,7 +189,9 @@ def test_the_access_line_and_the_metrics_name_the_adapter(server: SluiceProcess)
     before = adapter_requests(server, "beta")
     complete(server, "beta", key="sk-sql")
     assert adapter_requests(server, "beta") == before + 1
-    line = f"caller=sql model={MODEL} adapter=beta endpoint=completions class=interactive status=200"
+    line = (
+        f"caller=sql model={MODEL} adapter=beta endpoint=completions class=interactive status=200"
+    )
     assert line in server.tail(20000)
 
 

@@ -18,11 +18,11 @@ from typing import Any, Final
 import orjson
 from aiohttp import web
 
-from server.http.multipart import read_form
 from server.api.openai_batches.output import RUNNING, batch_object, file_deleted, page
 from server.api.openai_batches.parse import MAX_LINES, parse_batch_create
 from server.api.openai_batches.runner import BATCHES, new_id
 from server.errors import SluiceError
+from server.http.multipart import read_form
 from server.http.pipeline import json_response
 from server.operations.state_db import JobRow
 from server.state import ADMIN, CALLER, SETTINGS
