@@ -30,6 +30,7 @@ from server.callers import parse_callers
 from server.errors import SluiceError
 from server.wire.request import Limits
 from tests.fakes import FakeEngine
+from tests.support import ErrorRecords
 from tests.unit.test_batches_http import (
     KEYS,
     content,
@@ -49,20 +50,9 @@ EXAMPLES = 300
 GOOD = jsonl(line("g1"))
 
 
-class _Errors(logging.Handler):
-    """Error records of Sluice's loggers: a 500 logs one."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 @pytest.fixture
-def errors() -> Iterator[_Errors]:
-    handler = _Errors()
+def errors() -> Iterator[ErrorRecords]:
+    handler = ErrorRecords()
     logging.getLogger("sluice").addHandler(handler)
     try:
         yield handler
@@ -200,7 +190,7 @@ async def _good_upload(client: Any) -> None:
 )
 @given(case=multipart())
 async def test_a_malformed_upload_is_a_400_in_openais_shape(
-    files_client: Any, errors: _Errors, case: tuple[str, bytes]
+    files_client: Any, errors: ErrorRecords, case: tuple[str, bytes]
 ) -> None:
     client, app = files_client
     errors.records.clear()
@@ -262,7 +252,9 @@ MALFORMED = {
 
 
 @pytest.mark.parametrize("case", list(MALFORMED))
-async def test_what_the_check_found_is_a_400(make_client: Any, errors: _Errors, case: str) -> None:
+async def test_what_the_check_found_is_a_400(
+    make_client: Any, errors: ErrorRecords, case: str
+) -> None:
     client, _ = await serve(make_client)
     content_type, body = MALFORMED[case]
     resp = await client.post("/v1/files", data=body, headers={"Content-Type": content_type})

@@ -31,6 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.fakes import FakeEngine
+from tests.support import ErrorRecords
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -264,17 +265,6 @@ def mutated(draw: st.DrawFn, body: dict[str, Any]) -> bytes:
     return raw
 
 
-class _Errors(logging.Handler):
-    """Error records of Sluice's loggers: a 500 hidden in a stream logs one."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 @pytest.fixture(scope="module")
 def tok(demo_model_dir: Path) -> Any:
     from transformers import AutoTokenizer
@@ -286,7 +276,7 @@ def tok(demo_model_dir: Path) -> Any:
 async def fuzz_client(make_client: Any, tok: Any) -> Any:
     engine = FakeEngine(max_model_len=4096, step=0, script=SCRIPT, tokenizer=tok)
     client, _, _ = await make_client(engine=engine, warmup=False)
-    errors = _Errors()
+    errors = ErrorRecords()
     logging.getLogger("sluice").addHandler(errors)
     try:
         yield client, errors
@@ -319,7 +309,7 @@ def _check_shape(path: str, status: int, body: bytes, content_type: str) -> None
         assert isinstance(doc["error"]["message"], str) and doc["error"]["message"]
 
 
-async def _fuzz(client: Any, errors: _Errors, path: str, raw: bytes) -> None:
+async def _fuzz(client: Any, errors: ErrorRecords, path: str, raw: bytes) -> None:
     errors.records.clear()  # each example on its own (one failure, one report)
     headers = {"Content-Type": "application/json"}
     resp = await client.post(path, data=raw, headers=headers)
