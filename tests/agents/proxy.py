@@ -71,8 +71,10 @@ class RecordingProxy:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(30)
+        # A turn that timed out leaves a stream in flight: _stop ends it, so no
+        # handler or connection outlives the loop (each would be an unraisable
+        # ResourceWarning in whichever test ran next on this worker).
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(30)
         self._loop.close()
@@ -87,7 +89,8 @@ class RecordingProxy:
         self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
         app = web.Application(client_max_size=64 * 2**20)
         app.router.add_route("*", "/{tail:.*}", self._forward)
-        self._runner = web.AppRunner(app, access_log=None)
+        # A stream still open at the end is cut after 1 s (aiohttp waits 60).
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
@@ -101,6 +104,12 @@ class RecordingProxy:
             await self._runner.cleanup()
         if self._session is not None:
             await self._session.close()
+        # Whatever the runner's cleanup left running (a handler still forwarding
+        # a stream the agent no longer reads) is cancelled and awaited here.
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in rest:
+            task.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
