@@ -193,7 +193,7 @@ def model_limits(settings: Settings, spec: ModelSpec, info: ModelInfo | None = N
     before its load)."""
     return Limits(
         max_n=settings.max_n,
-        max_logprobs=settings.max_logprobs,
+        max_logprobs=spec.max_logprobs,
         default_enable_thinking=spec.default_thinking,
         sampling_defaults=info.sampling_defaults if info else spec.sampling_defaults,
         default_max_tokens=info.default_max_tokens if info else spec.default_max_tokens,

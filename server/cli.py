@@ -495,6 +495,8 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
 def _model_fields(m: _Model) -> dict[str, Any]:
     """What Settings holds of the first (or only) model: its per-model options'
     fields (server/options.py), its name, engine flags and adapters."""
+    from server.engines.vllm_adapter import max_logprobs
+
     return {
         **field_values(m.ns, MODEL_OPTIONS),
         "model_name": m.name,
@@ -504,6 +506,7 @@ def _model_fields(m: _Model) -> dict[str, Any]:
         "max_lora_rank": m.ns.max_lora_rank,
         "default_thinking": default_thinking(m.ns.default_thinking, demo=m.demo),
         "engine_args": m.engine_args,
+        "max_logprobs": max_logprobs(m.engine_args),
     }
 
 
@@ -627,7 +630,7 @@ def _spec(
     """A models-file model's spec, its config resolved as vLLM resolves it: its
     kind, context, generation defaults and footprint (and Sluice's step flags)."""
     from server.engines.registry import ModelSpec, configured_kind
-    from server.engines.vllm_adapter import engine_config, generation_defaults
+    from server.engines.vllm_adapter import engine_config, generation_defaults, max_logprobs
 
     args = m.engine_args
     try:
@@ -667,6 +670,7 @@ def _spec(
         max_model_len=int(config.model_config.max_model_len),
         sampling_defaults=sampling,
         default_max_tokens=max_tokens,
+        max_logprobs=max_logprobs(args),
     )
 
 

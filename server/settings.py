@@ -140,6 +140,8 @@ class Settings:
     shared_prefix_cache: bool = False
     max_body_bytes: int = 4 * 1024 * 1024
     max_n: int = 8
+    # vLLM's --max-logprobs of the one --model (engine flags; models-file models
+    # carry their own in their spec).
     max_logprobs: int = 20
     default_thinking: bool = True
     # vLLM's --tool-call-parser and --enable-auto-tool-choice (the reasoning
@@ -223,6 +225,7 @@ class Settings:
                 tool_call_parser=self.tool_call_parser,
                 enable_auto_tool_choice=self.enable_auto_tool_choice,
                 default_thinking=self.default_thinking,
+                max_logprobs=self.max_logprobs,
                 essential=True,  # the one model: its final failure ends the process
             ),
         )

@@ -158,6 +158,9 @@ class ModelSpec:
     max_model_len: int = 0
     sampling_defaults: tuple[tuple[str, float], ...] = ()
     default_max_tokens: int | None = None
+    # vLLM's --max-logprobs among its engine flags (server/engines/vllm_adapter.py
+    # max_logprobs): the bound request parsing puts on logprobs and prompt logprobs.
+    max_logprobs: int = 20
 
 
 @dataclass(eq=False, slots=True)

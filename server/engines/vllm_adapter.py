@@ -292,6 +292,15 @@ def generation_defaults(model_config: Any) -> tuple[tuple[tuple[str, float], ...
     return defaults, int(diff["max_tokens"]) if diff.get("max_tokens") else None
 
 
+def max_logprobs(engine_args: Any) -> int:
+    """The most logprobs (and prompt logprobs) one request may ask for: vLLM's
+    ``--max-logprobs`` (default 20), so Sluice refuses in the API's shape what
+    the engine would refuse. -1 (vLLM: the vocabulary's size) is left to the
+    engine's own check, which Sluice answers as a 400 too."""
+    value = int(engine_args.max_logprobs)
+    return value if value >= 0 else 2**31 - 1
+
+
 def dp_ranks(config: VllmConfig) -> int:
     """How many data-parallel engine cores this process's AsyncLLM feeds.
 

@@ -200,3 +200,20 @@ def test_a_bad_state_dir_or_retention_is_one_line_and_exit_2(
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1
     assert err.startswith("sluice serve: error: ") and says in err
+
+
+def test_max_logprobs_is_vllms_flag_and_bounds_the_requests(demo_cache_root: Path) -> None:
+    """vLLM's own --max-logprobs (an engine flag) is the bound request parsing
+    puts on logprobs and prompt logprobs (issue 51): before, Sluice refused
+    above 20 whatever the engine allowed."""
+    from server.app import model_limits
+
+    base = ["--demo-cache-dir", str(demo_cache_root)]
+    d = parse_serve_args(base, {})
+    assert d.max_logprobs == 20 == d.engine_args.max_logprobs
+    s = parse_serve_args([*base, "--max-logprobs", "64"], {})
+    assert s.engine_args.max_logprobs == 64
+    (spec,) = s.specs()
+    assert model_limits(s, spec).max_logprobs == 64
+    unbounded = parse_serve_args([*base, "--max-logprobs", "-1"], {})
+    assert unbounded.max_logprobs >= 2**31 - 1  # the engine checks the vocabulary

@@ -62,6 +62,21 @@ def test_each_table_is_a_model_with_its_own_engine_flags(
     assert s.load_timeout == 7.0 and s.several  # type: ignore[attr-defined]
 
 
+def test_each_models_logprobs_bound_is_its_own_max_logprobs(
+    demo_cache_root: Path, tmp_path: Path
+) -> None:
+    """vLLM's --max-logprobs in a table bounds that model's requests (issue 51);
+    a table without it has vLLM's default, 20."""
+    from server.app import model_limits
+
+    s = _serve(
+        demo_cache_root, tmp_path, TWO.replace("max-num-seqs", "max-logprobs = 50\nmax-num-seqs")
+    )
+    chat, spare = s.models  # type: ignore[attr-defined]
+    assert (chat.max_logprobs, spare.max_logprobs) == (20, 50)
+    assert model_limits(s, spare).max_logprobs == 50  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("text", "says"),
     [
