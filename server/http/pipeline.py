@@ -75,7 +75,7 @@ from server.state import (
     SETTINGS,
     Phase,
 )
-from server.wire.output import TokenLogprob, Usage
+from server.wire.output import PromptLogprob, TokenLogprob, Usage
 from server.wire.request import Sampling
 
 __all__ = [
@@ -294,6 +294,31 @@ def prompt_logprobs(
             TokenLogprob(token or detokenize([tok_id]), chosen.logprob if chosen else 0.0, top)
         )
     return out
+
+
+def candidates(
+    detokenize: Callable[[Sequence[int]], str], entries: Sequence[Any]
+) -> tuple[PromptLogprob | None, ...]:
+    """vLLM's prompt logprobs (one {token_id: Logprob} per prompt token, None
+    for the first) as its ``prompt_logprobs`` extension answers them: each
+    candidate in the engine's order, the prompt's own token first; -inf
+    becomes -9999.0, as vLLM's server clamps it (JSON has no infinity)."""
+    return tuple(
+        None
+        if entry is None
+        else PromptLogprob(
+            tuple(
+                (
+                    tid,
+                    max(lp.logprob, -9999.0),
+                    lp.rank,
+                    lp.decoded_token if lp.decoded_token is not None else detokenize([tid]),
+                )
+                for tid, lp in entry.items()
+            )
+        )
+        for entry in entries
+    )
 
 
 def check_accepting(request: web.Request) -> None:

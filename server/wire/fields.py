@@ -288,10 +288,20 @@ def unsupported(param: str, what: str) -> SluiceError:
     )
 
 
+def get_prompt_logprobs(obj: dict[str, Any], stream: bool, max_logprobs: int) -> int | None:
+    """vLLM's ``prompt_logprobs`` extension (chat and completions): the prompt's
+    tokens' logprobs with the top k besides, in the body; as vLLM's server, not
+    with a stream (a positive k is refused there, 0 is accepted and unused).
+    Bounded by --max-logprobs; vLLM's -1 (the whole vocabulary) is refused."""
+    k = get_int(obj, "prompt_logprobs", None, lo=0, hi=max_logprobs)
+    if k and stream:
+        raise bad("prompt_logprobs", "'prompt_logprobs' is not available when 'stream' is true")
+    return None if k is None or stream else int(k)
+
+
 def refuse_unsupported(obj: dict[str, Any], n: int) -> None:
-    for key in ("prompt_logprobs", "audio"):
-        if obj.get(key) is not None:
-            raise unsupported(key, f"'{key}'")
+    if obj.get("audio") is not None:
+        raise unsupported("audio", "'audio'")
     if obj.get("logit_bias"):
         raise unsupported("logit_bias", "'logit_bias'")
     if obj.get("suffix"):

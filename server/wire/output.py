@@ -20,6 +20,7 @@ __all__ = [
     "FinishReason",
     "Parsed",
     "ParsedDelta",
+    "PromptLogprob",
     "TokenLogprob",
     "ToolCallDelta",
     "Usage",
@@ -36,6 +37,16 @@ class TokenLogprob:
     token: str
     logprob: float | None
     top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprob:
+    """One prompt token's candidates as vLLM's ``prompt_logprobs`` extension
+    answers them: (token id, logprob, rank, decoded text), the prompt's own
+    token first, then the top k. A prompt's first token has none (None in
+    its place): nothing comes before it."""
+
+    candidates: tuple[tuple[int, float, int | None, str], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,3 +133,5 @@ class CompletionChoice:
     finish_reason: FinishReason
     logprobs: tuple[TokenLogprob, ...] | None = None
     text_offset: int = 0
+    # vLLM's prompt_logprobs extension, when asked: one entry per prompt token.
+    prompt_logprobs: tuple[PromptLogprob | None, ...] | None = None

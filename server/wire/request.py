@@ -300,6 +300,10 @@ class ChatRequest:
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = ToolChoice()
     parallel_tool_calls: bool = True
+    # vLLM's prompt_logprobs extension as asked (None: not): the prompt's
+    # tokens' logprobs and top k, in the body (sampling.prompt_logprobs is
+    # what the engine computes).
+    prompt_logprobs: int | None = None
     # What the parser accepted and ignored (server/wire/ignored.py): not
     # part of the request's value, so not of equality or dedupe.
     ignored: tuple[Ignored, ...] = field(default=(), compare=False)
@@ -324,7 +328,13 @@ class ChatRequest:
         the output constraint), everything that shapes the answer, for dedupe
         and the result cache: the thinking split, and the tools, which decide
         a forced call's constraint and how the output is read into calls."""
-        return (self.enable_thinking, self.tools, self.tool_choice, self.parallel_tool_calls)
+        return (
+            self.enable_thinking,
+            self.tools,
+            self.tool_choice,
+            self.parallel_tool_calls,
+            self.prompt_logprobs,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,4 +352,5 @@ class CompletionRequest:
     echo: bool = False
     # An echo with max_tokens 0: the prompt alone (with its logprobs), no output.
     prompt_only: bool = False
+    prompt_logprobs: int | None = None  # as in ChatRequest
     ignored: tuple[Ignored, ...] = field(default=(), compare=False)

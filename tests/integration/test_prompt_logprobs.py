@@ -2,12 +2,15 @@
 on the real engine: an echo with logprobs gives the prompt's tokens with
 their logprobs (the first one's null) before the generated ones, as vLLM's
 server does for lm-eval's loglikelihood requests; text and token-id prompts,
-arrays, streaming and max_tokens 0 (the prompt alone). And /tokenizer_info,
-which lm-eval's `auto` tokenizer backend probes."""
+arrays, streaming and max_tokens 0 (the prompt alone); vLLM's own
+`prompt_logprobs` extension on completions and chat; a huge k refused in each
+API's shape. And /tokenizer_info, which lm-eval's `auto` tokenizer backend
+probes."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -124,13 +127,103 @@ def test_echo_logprobs_streamed_match_whole(client: openai.OpenAI) -> None:
         assert got[1:] == pytest.approx(want[1:], abs=TOL)
 
 
-@pytest.mark.parametrize("field", ["logprobs"])
-def test_huge_logprobs_refused(client: openai.OpenAI, field: str) -> None:
-    with pytest.raises(openai.BadRequestError) as err:
+def _same_prompt(extension: Any, ids: list[int], echo: Any) -> None:
+    """vLLM's prompt_logprobs: per prompt token null (the first) or the prompt's
+    own token first, with its logprob and rank, then the top 2; the prompt's
+    own values are the echo's."""
+    assert isinstance(extension, list) and len(extension) == len(ids)
+    assert extension[0] is None
+    for tid, entry, want in zip(ids[1:], extension[1:], echo.token_logprobs[1:], strict=True):
+        assert next(iter(entry)) == str(tid)  # the prompt's own token first
+        assert 1 <= len(entry) <= 3
+        own = entry[str(tid)]
+        assert own["logprob"] == pytest.approx(want, abs=TOL)
+        assert own["rank"] >= 1 and isinstance(own["decoded_token"], str)
+        ranks = sorted(v["rank"] for k, v in entry.items() if k != str(tid))
+        assert ranks in ([1, 2], [1], [2], [])  # the top 2 (the own token may be one)
+
+
+def test_vllms_prompt_logprobs_extension(
+    client: openai.OpenAI, sluice_server: SluiceProcess
+) -> None:
+    """vLLM's `prompt_logprobs` on completions (on each choice) and chat (at
+    the top), as vLLM's server answers it, through the `openai` client's
+    extra fields."""
+    ids = _ids(sluice_server, PROMPT)
+    echo = (
         client.completions.create(
-            model=MODEL, prompt=PROMPT, max_tokens=1, echo=True, extra_body={field: 100_000}
+            model=MODEL, prompt=ids, max_tokens=0, logprobs=0, echo=True, temperature=0
         )
+        .choices[0]
+        .logprobs
+    )
+    assert echo is not None
+    r = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    (choice,) = r.choices
+    assert choice.logprobs is None and not choice.text.startswith(PROMPT)  # no echo
+    assert choice.model_extra is not None
+    _same_prompt(choice.model_extra["prompt_logprobs"], ids, echo)
+
+    messages: Any = [{"role": "user", "content": PROMPT}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, extra_body={"prompt_logprobs": 2}
+    )
+    assert chat.usage is not None and chat.model_extra is not None
+    extension = chat.model_extra["prompt_logprobs"]
+    assert len(extension) == chat.usage.prompt_tokens and extension[0] is None
+    assert all(1 <= len(e) <= 3 for e in extension[1:])
+    # Not asked: not there, as before.
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert "prompt_logprobs" not in (plain.model_extra or {})
+    # With a stream, vLLM's server refuses it (there is no frame for it).
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=MODEL, messages=messages, stream=True, extra_body={"prompt_logprobs": 1}
+        )
+    assert err.value.param == "prompt_logprobs"  # type: ignore[attr-defined]
+
+
+HUGE = 100_000
+
+
+@pytest.mark.parametrize(
+    ("api", "field"),
+    [
+        ("completions", "logprobs"),
+        ("completions", "prompt_logprobs"),
+        ("chat", "prompt_logprobs"),
+        ("chat", "top_logprobs"),
+        ("ollama", "top_logprobs"),
+    ],
+)
+def test_huge_logprobs_refused(
+    client: openai.OpenAI, sluice_server: SluiceProcess, api: str, field: str
+) -> None:
+    """A huge k is a 400 in the API's own shape, bounded by --max-logprobs,
+    before the engine: never a 500."""
+    messages: Any = [{"role": "user", "content": PROMPT}]
+    if api == "ollama":
+        r = httpx.post(
+            sluice_server.base + "/api/chat",
+            json={"model": MODEL, "messages": messages, "stream": False, field: HUGE},
+            timeout=30,
+        )
+        assert r.status_code == 400 and isinstance(r.json()["error"], str), r.text
+        assert field in r.json()["error"]
+        return
+    with pytest.raises(openai.BadRequestError) as err:
+        if api == "completions":
+            client.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=1, echo=True, extra_body={field: HUGE}
+            )
+        else:
+            client.chat.completions.create(
+                model=MODEL, messages=messages, logprobs=True, extra_body={field: HUGE}
+            )
     assert err.value.body is not None and err.value.param == field  # type: ignore[attr-defined]
+    assert "20" in err.value.message  # the bound it is held to
 
 
 def test_tokenizer_info(sluice_server: SluiceProcess) -> None:

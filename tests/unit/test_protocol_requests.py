@@ -301,7 +301,11 @@ COMMON_BAD: list[tuple[dict[str, Any], str]] = [
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"logit_bias": {"1": 5}}, "logit_bias"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    # vLLM's prompt_logprobs: bounded, a non-negative integer, not with a stream.
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),  # --max-logprobs: 20
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": "1"}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"best_of": 2}, "best_of"),
     ({"modalities": ["text", "audio"]}, "modalities"),
 ]
@@ -394,6 +398,24 @@ COMPLETION_BAD: list[tuple[dict[str, Any], str]] = [
     ({"echo": True, "max_tokens": -1}, "max_tokens"),
     ({"suffix": "end"}, "suffix"),
 ]
+
+
+def test_vllms_prompt_logprobs_extension() -> None:
+    """Chat and completions take vLLM's prompt_logprobs: the engine computes the
+    larger of it and an echo's logprobs; 0 with a stream is accepted and unused."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    req = parse_chat(orjson.dumps({**chat, "prompt_logprobs": 2}), Limits())
+    assert (req.prompt_logprobs, req.sampling.prompt_logprobs) == (2, 2)
+    assert req.variant() != parse_chat(orjson.dumps(chat), Limits()).variant()
+    streamed = parse_chat(orjson.dumps({**chat, "prompt_logprobs": 0, "stream": True}), Limits())
+    assert (streamed.prompt_logprobs, streamed.sampling.prompt_logprobs) == (None, None)
+    base = {"model": "m", "prompt": [1, 2, 3]}
+    req = parse_completion(orjson.dumps({**base, "prompt_logprobs": 0}), Limits())
+    assert (req.prompt_logprobs, req.sampling.prompt_logprobs, req.echo) == (0, 0, False)
+    both = {**base, "echo": True, "logprobs": 3, "prompt_logprobs": 1}
+    req = parse_completion(orjson.dumps(both), Limits())
+    assert (req.prompt_logprobs, req.sampling.prompt_logprobs, req.sampling.logprobs) == (1, 3, 3)
+    assert parse_completion(orjson.dumps({**base, "prompt_logprobs": 7}), Limits(max_logprobs=7))
 
 
 def test_echo_with_logprobs_asks_for_the_prompt_s() -> None:

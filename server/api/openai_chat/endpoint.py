@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Any, Final
 
 from aiohttp import web
 
@@ -23,10 +23,25 @@ from server.engines.interface import ChatParser, ChoiceParser, CompletionDelta, 
 from server.engines.reasoning_split import ReasoningSplitter, split_reasoning
 from server.errors import SluiceError
 from server.http.models import use_model
-from server.http.pipeline import Encoder, Job, Trace, classify, logprobs, prompt_logprobs
+from server.http.pipeline import (
+    Encoder,
+    Job,
+    Trace,
+    candidates,
+    classify,
+    logprobs,
+    prompt_logprobs,
+)
 from server.state import METRICS, RUNTIME, SETTINGS
 from server.wire.ignored import Api
-from server.wire.output import ChatChoice, CompletionChoice, FinishReason, TokenLogprob, Usage
+from server.wire.output import (
+    ChatChoice,
+    CompletionChoice,
+    FinishReason,
+    PromptLogprob,
+    TokenLogprob,
+    Usage,
+)
 from server.wire.request import ChatRequest, CompletionRequest
 
 __all__ = [
@@ -169,6 +184,7 @@ class ChatEncoder:
         self._detokenize = detokenize
         self._parser = parser
         self._prompt_ids = prompt_ids
+        self._prompt_lps: tuple[PromptLogprob | None, ...] | None = None
         self._streams: dict[int, ChoiceParser] = {}
         n = req.sampling.n
         self._splitters = (
@@ -184,6 +200,11 @@ class ChatEncoder:
             reasoning_field=REASONING_FIELD,
             service_tier=service_tier,
         )
+
+    def prompt_output(self, prompt: int, out: EngineOutput) -> None:
+        """vLLM's prompt_logprobs extension: kept from the output that has them."""
+        if self._req.prompt_logprobs is not None and out.prompt_logprobs and not self._prompt_lps:
+            self._prompt_lps = candidates(self._detokenize, out.prompt_logprobs)
 
     def choices(
         self,
@@ -230,7 +251,15 @@ class ChatEncoder:
             usage=usage,
             reasoning_field=REASONING_FIELD,
             service_tier=self._tier,
+            prompt_logprobs=self._asked_prompt_logprobs(),
         )
+
+    def _asked_prompt_logprobs(self) -> tuple[PromptLogprob | None, ...] | None:
+        if self._req.prompt_logprobs is None:
+            return None
+        if self._prompt_lps is None:
+            raise SluiceError("the engine gave no prompt logprobs", status=500)
+        return self._prompt_lps
 
     def stream_head(self) -> bytes:
         return b"".join(self._enc.first(i) for i in range(self._req.sampling.n))
@@ -325,7 +354,7 @@ async def prepare_completion(
         stream=req.stream,
         include_usage=req.include_usage,
         user=req.user,
-        variant=(req.echo, req.prompt_only),
+        variant=(req.echo, req.prompt_only, req.prompt_logprobs),
     )
     return job, CompletionEncoder(req, prompts, tr.rid, engine.detokenize)
 
@@ -361,7 +390,8 @@ class CompletionEncoder:
         # or (prompt only) it is all the choice says.
         self._late_echo = req.echo and (req.sampling.prompt_logprobs is not None or req.prompt_only)
         self._echoed: set[int] = set()
-        self._prompt_lps: dict[int, list[TokenLogprob]] = {}
+        # Each prompt's prompt logprobs as the engine gave them (vLLM's entries).
+        self._prompt_entries: dict[int, Sequence[Any]] = {}
 
     def _echo(self, choice: int) -> str:
         if not self._req.echo:
@@ -371,22 +401,30 @@ class CompletionEncoder:
         return p if isinstance(p, str) else self._detokenize(self._prompts[pi])
 
     def prompt_output(self, prompt: int, out: EngineOutput) -> None:
-        k = self._req.sampling.prompt_logprobs
         entries = out.prompt_logprobs
-        if k is None or not entries or prompt in self._prompt_lps:
+        if self._req.sampling.prompt_logprobs is None or not entries:
             return
-        self._prompt_lps[prompt] = prompt_logprobs(
-            self._detokenize, self._prompts[prompt], entries, k
-        )
+        self._prompt_entries.setdefault(prompt, entries)
+
+    def _entries(self, choice: int) -> Sequence[Any]:
+        entries = self._prompt_entries.get(choice // self._req.sampling.n)
+        if entries is None:
+            raise SluiceError("the engine gave no prompt logprobs", status=500)
+        return entries
 
     def _echo_logprobs(self, choice: int) -> list[TokenLogprob]:
-        if self._req.sampling.prompt_logprobs is None:
+        """The echo's prompt tokens with the request's own ``logprobs`` k."""
+        k = self._req.sampling.logprobs
+        if k is None:
             return []
         pi = choice // self._req.sampling.n
-        lps = self._prompt_lps.get(pi)
-        if lps is None:
-            raise SluiceError("the engine gave no prompt logprobs", status=500)
-        return lps
+        return prompt_logprobs(self._detokenize, self._prompts[pi], self._entries(choice), k)
+
+    def _asked_prompt_logprobs(self, choice: int) -> tuple[PromptLogprob | None, ...] | None:
+        """vLLM's prompt_logprobs extension, on the choice as its server puts it."""
+        if self._req.prompt_logprobs is None:
+            return None
+        return candidates(self._detokenize, self._entries(choice))
 
     def choices(
         self,
@@ -411,6 +449,7 @@ class CompletionEncoder:
                     finish_reason=_finish_reason(reasons[idx]),
                     logprobs=tuple(lps) if want else None,
                     text_offset=offset,
+                    prompt_logprobs=self._asked_prompt_logprobs(idx),
                 )
             )
         return tuple(out)

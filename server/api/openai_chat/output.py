@@ -19,7 +19,7 @@ from typing import Any, Final, overload
 
 import orjson
 
-from server.wire.output import ChatChoice, CompletionChoice, TokenLogprob, Usage
+from server.wire.output import ChatChoice, CompletionChoice, PromptLogprob, TokenLogprob, Usage
 from server.wire.request import ToolCall
 
 __all__ = [
@@ -93,6 +93,22 @@ def completion_logprobs(tokens: Sequence[TokenLogprob], text_offset: int = 0) ->
     }
 
 
+def vllm_prompt_logprobs(
+    entries: Sequence[PromptLogprob | None],
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs`` field: per prompt token null (the first) or
+    ``{token id: {logprob, rank, decoded_token}}``."""
+    return [
+        None
+        if e is None
+        else {
+            str(tid): {"logprob": lp, "rank": rank, "decoded_token": text}
+            for tid, lp, rank, text in e.candidates
+        }
+        for e in entries
+    ]
+
+
 def chat_completion_body(
     *,
     request_id: str,
@@ -102,9 +118,11 @@ def chat_completion_body(
     usage: Usage,
     reasoning_field: str = REASONING_FIELD,
     service_tier: str = "default",
+    prompt_logprobs: Sequence[PromptLogprob | None] | None = None,
 ) -> bytes:
     """A non-streaming ``chat.completion`` body; ``id`` is ``chatcmpl-<request_id>``;
-    ``service_tier`` is the tier that served it (batching/classes.py rule 3)."""
+    ``service_tier`` is the tier that served it (batching/classes.py rule 3);
+    ``prompt_logprobs`` vLLM's extension, at the top as its server puts it."""
     out = []
     for c in choices:
         message: dict[str, Any] = {"role": "assistant", "content": c.content}
@@ -120,17 +138,30 @@ def chat_completion_body(
                 "finish_reason": c.finish_reason,
             }
         )
-    return orjson.dumps(
-        {
-            "id": f"chatcmpl-{request_id}",
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": out,
-            "usage": usage.as_dict(),
-            "service_tier": service_tier,
-        }
-    )
+    body: dict[str, Any] = {
+        "id": f"chatcmpl-{request_id}",
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": out,
+        "usage": usage.as_dict(),
+        "service_tier": service_tier,
+    }
+    if prompt_logprobs is not None:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(prompt_logprobs)
+    return orjson.dumps(body)
+
+
+def _completion_choice(c: CompletionChoice) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "index": c.index,
+        "text": c.text,
+        "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs, c.text_offset),
+        "finish_reason": c.finish_reason,
+    }
+    if c.prompt_logprobs is not None:
+        out["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_logprobs)
+    return out
 
 
 def completion_body(
@@ -148,17 +179,7 @@ def completion_body(
             "object": "text_completion",
             "created": created,
             "model": model,
-            "choices": [
-                {
-                    "index": c.index,
-                    "text": c.text,
-                    "logprobs": None
-                    if c.logprobs is None
-                    else completion_logprobs(c.logprobs, c.text_offset),
-                    "finish_reason": c.finish_reason,
-                }
-                for c in choices
-            ],
+            "choices": [_completion_choice(c) for c in choices],
             "usage": usage.as_dict(),
         }
     )

@@ -15,7 +15,7 @@ fields we have no use for (``store``, ``metadata``, ``prompt_cache_key``). A
 cannot honour are refused with a clear 400 instead of being silently
 dropped, because dropping them changes the answer (see
 ``fields.refuse_unsupported``): ``logit_bias``, ``suffix``, ``best_of``
-beyond ``n``, ``prompt_logprobs``, non-text content parts and audio, the
+beyond ``n``, non-text content parts and audio, the
 chat-template switches ``continue_final_message`` /
 ``add_generation_prompt: false``, and tools on /v1/completions. Function
 calling (``server/wire/tools.py``) and structured output
@@ -40,6 +40,7 @@ from server.wire.fields import (
     get_float,
     get_int,
     get_model,
+    get_prompt_logprobs,
     get_role,
     get_str,
     get_text_parts,
@@ -112,8 +113,8 @@ _SHARED: Final = frozenset(
         "priority",
         "service_tier",
         "user",
-        # Checked by refuse_unsupported: honoured in their neutral values.
         "prompt_logprobs",
+        # Checked by refuse_unsupported: honoured in their neutral values.
         "audio",
         "logit_bias",
         "suffix",
@@ -324,15 +325,20 @@ def parse_chat(body: bytes, limits: Limits) -> ChatRequest:
     logprobs = top if want_logprobs else None
 
     stream, include_usage = _stream(obj)
+    prompt_k = get_prompt_logprobs(obj, stream, limits.max_logprobs)
+    sampling = _sampling(obj, limits, max_tokens, logprobs)
+    if prompt_k is not None:
+        sampling = dataclasses.replace(sampling, prompt_logprobs=prompt_k)
     thinking, kwargs = _template_kwargs(obj, limits)
     notes = Notes("chat")
     notes.extra_keys(obj, _CHAT)
     return ChatRequest(
         model=model,
         messages=messages,
-        sampling=_sampling(obj, limits, max_tokens, logprobs),
+        sampling=sampling,
         stream=stream,
         include_usage=include_usage,
+        prompt_logprobs=prompt_k,
         priority=_priority(obj),
         service_tier=get_str(obj, "service_tier"),
         user=get_str(obj, "user"),
@@ -421,12 +427,16 @@ def parse_completion(body: bytes, limits: Limits) -> CompletionRequest:
 
     logprobs = get_int(obj, "logprobs", None, lo=0, hi=limits.max_logprobs)
     stream, include_usage = _stream(obj)
+    prompt_k = get_prompt_logprobs(obj, stream, limits.max_logprobs)
     sampling = _sampling(obj, limits, max_tokens, logprobs)
-    if echo and logprobs is not None:
-        # The echoed prompt's tokens carry their logprobs too (vLLM's
-        # prompt_logprobs, as its server sets them for an echo): computed by
-        # the engine over the prompt, bounded by --max-logprobs like logprobs.
-        sampling = dataclasses.replace(sampling, prompt_logprobs=logprobs)
+    # The echoed prompt's tokens carry their logprobs too (vLLM's
+    # prompt_logprobs, as its server sets them for an echo): computed by the
+    # engine over the prompt, bounded by --max-logprobs like logprobs. The
+    # engine's k serves both the echo and the extension's own field.
+    echo_k = logprobs if echo else None
+    engine_k = max((k for k in (echo_k, prompt_k) if k is not None), default=None)
+    if engine_k is not None:
+        sampling = dataclasses.replace(sampling, prompt_logprobs=engine_k)
     notes = Notes("completions")
     notes.extra_keys(obj, _COMPLETIONS)
     if sampling.constraint is not None:
@@ -444,6 +454,7 @@ def parse_completion(body: bytes, limits: Limits) -> CompletionRequest:
         user=get_str(obj, "user"),
         echo=echo,
         prompt_only=prompt_only,
+        prompt_logprobs=prompt_k,
         ignored=notes.done(),
     )
 
