@@ -3,7 +3,8 @@ local-completions` on a small local multiple-choice task, scored by
 loglikelihood, with its default `auto` tokenizer backend (which probes
 /tokenizer_info and /tokenize, then sends token-id prompts with echo,
 logprobs 1 and max_tokens 1). It finishes and prints its table, and each
-choice's loglikelihood is the one the prompt's logprobs give."""
+choice's loglikelihood is the one vLLM's own server gives lm-eval on the same
+demo model and flags, to 1e-3."""
 
 from __future__ import annotations
 
@@ -11,13 +12,17 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.support import SluiceProcess
+from tests.support import SluiceProcess, vllm_on_demo
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+
+MODEL = "sluice-demo"
 
 QUESTIONS = [
     ("The sky on a clear day is", [" blue", " green", " loud"], 0),
@@ -47,9 +52,24 @@ def _task(root: Path) -> None:
     )
 
 
-def test_lm_eval_multiple_choice(sluice_server: SluiceProcess, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def vllm_server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """vLLM's own server on the demo model: compiled, as the package's Sluice
+    runs (the same graph, so the same numbers), with the tokenizer-info route
+    lm-eval's `auto` backend reads (vLLM serves it only behind this flag)."""
+    flags = ["--no-enforce-eager", "--enable-tokenizer-info-endpoint"]
+    with vllm_on_demo(demo_model_dir, MODEL, flags, tmp_path_factory.mktemp("vllm")) as url:
+        yield url
+
+
+def _lm_eval(base: str, tmp_path: Path) -> tuple[str, list[dict[str, Any]]]:
+    """One `lm_eval` run of the tiny task against `base`: its table and samples.
+
+    One request at a time: each prompt is computed alone, in the same batch
+    shape on both servers (bf16 on the CPU differs in the last bits between
+    batch shapes)."""
     tasks = tmp_path / "tasks"
-    tasks.mkdir()
+    tasks.mkdir(parents=True)
     _task(tasks)
     out = tmp_path / "out"
     env = {
@@ -59,10 +79,7 @@ def test_lm_eval_multiple_choice(sluice_server: SluiceProcess, tmp_path: Path) -
         "HF_HOME": str(tmp_path / "hf"),
         "OPENAI_API_KEY": "none",
     }
-    args = (
-        f"model=sluice-demo,base_url={sluice_server.base}/v1/completions,"
-        "num_concurrent=2,max_retries=1"
-    )
+    args = f"model={MODEL},base_url={base}/v1/completions,num_concurrent=1,max_retries=1"
     run = subprocess.run(
         [
             sys.executable,
@@ -87,14 +104,29 @@ def test_lm_eval_multiple_choice(sluice_server: SluiceProcess, tmp_path: Path) -
         timeout=240,
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    # Its table, with the task's accuracy.
-    assert "sluice_tiny_mc" in run.stdout and "acc" in run.stdout, run.stdout
     (samples,) = out.rglob("samples_sluice_tiny_mc_*.jsonl")
-    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    return run.stdout, [json.loads(line) for line in samples.read_text().splitlines()]
+
+
+def _loglikelihoods(rows: list[dict[str, Any]]) -> dict[tuple[int, int], float]:
+    """(question, choice): the loglikelihood lm-eval summed from the prompt logprobs."""
+    return {(row["doc_id"], i): float(r[0][0]) for row in rows for i, r in enumerate(row["resps"])}
+
+
+def test_lm_eval_multiple_choice_as_on_vllms_server(
+    sluice_server: SluiceProcess, vllm_server: str, tmp_path: Path
+) -> None:
+    table, rows = _lm_eval(sluice_server.base, tmp_path / "sluice")
+    # Its table, with the task's accuracy.
+    assert "sluice_tiny_mc" in table and "acc" in table, table
     assert len(rows) == len(QUESTIONS)
-    for row in rows:
-        # One (loglikelihood, is_greedy) per choice: real values, not the
-        # zeros a missing prompt logprob would sum to.
-        lls = [float(r[0][0]) for r in row["resps"]]
-        assert len(lls) == 3
-        assert all(ll < 0 for ll in lls), lls
+    ours = _loglikelihoods(rows)
+    # One (loglikelihood, is_greedy) per choice: real values, not the zeros a
+    # missing prompt logprob would sum to.
+    assert len(ours) == 3 * len(QUESTIONS) and all(ll < 0 for ll in ours.values()), ours
+    # The same loglikelihoods as vLLM's own server gives lm-eval, to 1e-3.
+    _, theirs_rows = _lm_eval(vllm_server, tmp_path / "vllm")
+    theirs = _loglikelihoods(theirs_rows)
+    assert ours.keys() == theirs.keys()
+    far = {k: (ours[k], theirs[k]) for k in ours if abs(ours[k] - theirs[k]) > 1e-3}
+    assert not far, far
