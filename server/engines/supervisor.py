@@ -34,10 +34,10 @@ import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 from server.engines.interface import Engine
 from server.engines.loader import ModelLoader
+from server.engines.procs import alive, process_tree
 from server.engines.registry import ModelEntry, ModelRegistry, State
 from server.engines.restarts import Death, RestartPolicy, decide, exits, recent
 from server.errors import SluiceError
@@ -241,7 +241,7 @@ class Supervisor:
         await self.loader.discard(entry)
         deadline = self._clock() + _GONE_TIMEOUT
         # A worker of the core is not this process's child: nothing to await but /proc.
-        while (left := [p for p in pids if _alive(p)]) and self._clock() < deadline:  # noqa: ASYNC110
+        while (left := [p for p in pids if alive(p)]) and self._clock() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         if left:
             log.warning(
@@ -272,24 +272,3 @@ def _unanswered(engine: Engine) -> Death:
     the check's timeout can come first), when it is that exit."""
     death = _exit_death(engine)
     return death if death.code is not None else Death(hung=True)
-
-
-def process_tree(pid: int) -> list[int]:
-    """`pid` and its live descendants (from /proc's children lists), parents first."""
-    out = [pid]
-    i = 0
-    while i < len(out):
-        for listing in Path(f"/proc/{out[i]}/task").glob("*/children"):
-            with contextlib.suppress(OSError, ValueError):
-                out += [int(k) for k in listing.read_text().split() if int(k) not in out]
-        i += 1
-    return [p for p in out if _alive(p)]
-
-
-def _alive(pid: int) -> bool:
-    """Not exited (a zombie counts as gone: it holds no memory)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in "ZX"

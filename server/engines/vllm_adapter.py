@@ -59,8 +59,10 @@ from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
 
 from batching import EngineStep
 from batching.pressure import ENGINE_IDLE, EngineStats, RankStats
+from server.engines import start_priority
 from server.engines.interface import ModelInfo, PoolTask
 from server.engines.lora import Adapter, ModelShapes, check_shapes
+from server.engines.procs import process_tree
 from server.engines.thread_batcher import Batcher
 from server.engines.vllm_parsers import (
     OutputParsers,
@@ -462,9 +464,17 @@ class EngineAdapter:
         """Build the engine on a worker thread (it takes seconds to minutes),
         so the event loop keeps answering /health and /ready meanwhile."""
         factory = _stat_logger_factory(self._stats)
-        llm = await asyncio.to_thread(_build_engine, self._engine_args, factory)
+        # At a lower CPU priority until ready (server/engines/start_priority.py):
+        # a start must not take the cores from a model that serves.
+        priority = start_priority.plan()
+        llm = await start_priority.build_lowered(
+            priority, functools.partial(_build_engine, self._engine_args, factory)
+        )
         lighten_output_path(llm)
         self._llm = llm
+        start_priority.restore(
+            priority, [pid for core, _ in self.processes() for pid in process_tree(core)]
+        )
         self._names_ranks = names_ranks(llm.vllm_config)
         self._shapes = ModelShapes.from_config(llm.model_config.hf_config)
         for adapter in self._adapters:

@@ -54,6 +54,8 @@ def unit() -> dict[tuple[str, str], list[str]]:
         ("CacheDirectory", "sluice"),
         ("User", "sluice"),
         ("NoNewPrivileges", "yes"),
+        # An engine's start priority is set back once ready (issue 49, item 3).
+        ("LimitNICE", "20"),
         ("ProtectSystem", "strict"),
         ("ProtectHome", "yes"),
         ("PrivateTmp", "yes"),

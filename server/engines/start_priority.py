@@ -1,0 +1,139 @@
+"""An engine starts at a lower CPU priority, and runs at the front's once ready.
+
+Why this module exists (issue 49, item 3): an engine's start (three
+interpreters importing torch and vLLM, the model's load, compilation and the
+KV cache's profiling) takes the machine's cores for tens of seconds to
+minutes. Beside a model that serves (another model's on-demand load, its
+restart after a crash), that start made the serving model's chat turns
+wait: 2.04x their alone time during another model's restart
+(bench/results/faults-cpu.md). Started niced, its processes take the cores
+only when the serving model leaves them idle.
+
+The rules:
+
+1. An engine is built on a thread of its own whose nice value is the
+   front's plus ``START_NICE``; the processes it spawns (the engine core,
+   which spawns its workers) inherit it, as does every thread they start.
+2. Once the engine is ready, every thread of every one of its processes is
+   set back to the front's nice value: a serving engine is never demoted.
+3. Rule 2 needs the OS to let an unprivileged process raise a priority back:
+   RLIMIT_NICE (systemd's ``LimitNICE=``, systemd/sluice.service) or
+   CAP_SYS_NICE. Without either, rule 1 does not apply: an engine that could
+   never be raised again would serve at a tenth of the others' CPU share.
+   ``plan`` says which holds, once, at start.
+
+The card has no such knob here: NVIDIA's time slicing gives each process
+its turn, and a per-process share needs MPS (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``),
+which a start could only set for the process's whole life. On the card an
+engine's start is mostly copying weights and profiling, and Sluice's memory
+budget (server/engines/registry.py) already keeps it from the others' KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import resource
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+# Nice +10: a CFS weight of 110 against a serving engine's 1024, about a tenth
+# of the cores while both want them, all of them while the others idle.
+START_NICE = 10
+_CAP_SYS_NICE = 23
+
+
+@dataclass(frozen=True, slots=True)
+class StartPriority:
+    """What rule 1 does on this machine: the nice value an engine starts at
+    (None: the front's own, rule 3) and the one it runs at once ready."""
+
+    start: int | None
+    serve: int
+
+
+def _capabilities(status: str) -> int:
+    for line in status.splitlines():
+        if line.startswith("CapEff:"):
+            return int(line.split()[1], 16)
+    return 0
+
+
+def can_raise_to(nice: int, *, rlimit_nice: int, cap_eff: int) -> bool:
+    """Whether a thread at a higher nice value may be set back to ``nice``
+    (rule 3): RLIMIT_NICE's ceiling is ``20 - limit``, CAP_SYS_NICE has none."""
+    return bool(cap_eff >> _CAP_SYS_NICE & 1) or nice >= 20 - rlimit_nice
+
+
+@functools.cache
+def plan() -> StartPriority:
+    """This process's rule: read once, at the first engine's start (its nice
+    value, its limits)."""
+    serve = os.getpriority(os.PRIO_PROCESS, 0)
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    try:
+        caps = _capabilities(Path("/proc/self/status").read_text())
+    except OSError:
+        caps = 0
+    limit = 40 if soft == resource.RLIM_INFINITY else int(soft)
+    ok = can_raise_to(serve, rlimit_nice=limit, cap_eff=caps)
+    return StartPriority(start=min(serve + START_NICE, 19) if ok else None, serve=serve)
+
+
+async def build_lowered(priority: StartPriority, build: Callable[[], T]) -> T:
+    """``build()`` on a thread of its own at the start nice value (rule 1):
+    not the event loop's default pool, whose threads would keep it."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def run() -> None:
+        try:
+            if priority.start is not None:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), priority.start)
+            result = build()
+        except BaseException as exc:  # handed to the awaiting task, as to_thread does
+            loop.call_soon_threadsafe(_settle, done, None, exc)
+        else:
+            loop.call_soon_threadsafe(_settle, done, result, None)
+
+    thread = threading.Thread(target=run, name="sluice-engine-start", daemon=True)
+    thread.start()
+    try:
+        return await done
+    finally:
+        await asyncio.to_thread(thread.join)
+
+
+def _settle(fut: asyncio.Future[T], result: T | None, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)  # type: ignore[arg-type]
+
+
+def restore(priority: StartPriority, pids: Iterable[int]) -> int:
+    """Rule 2: every thread of ``pids`` back at the serving nice value.
+    Returns how many threads were set; a process that has gone is skipped."""
+    if priority.start is None:
+        return 0
+    count = 0
+    for pid in pids:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, priority.serve)
+            except (ProcessLookupError, PermissionError):
+                continue
+            count += 1
+    return count

@@ -1,0 +1,91 @@
+"""server/engines/start_priority.py: an engine is built at a lower CPU priority
+where the OS lets Sluice raise it back (rule 3), and raised back once ready."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import threading
+import time
+
+import pytest
+
+from server.engines import start_priority
+from server.engines.start_priority import StartPriority, build_lowered, can_raise_to, restore
+
+
+@pytest.mark.parametrize(
+    ("nice", "rlimit", "caps", "ok"),
+    [
+        (0, 0, 0, False),  # the default: no RLIMIT_NICE, no capability
+        (0, 20, 0, True),  # systemd's LimitNICE=20: ceiling 0
+        (5, 15, 0, True),  # a front at nice 5 with ceiling 5
+        (0, 19, 0, False),  # ceiling 1: 0 is out of reach
+        (0, 0, 1 << 23, True),  # CAP_SYS_NICE
+        (0, 0, (1 << 64) - 1 - (1 << 23), False),  # every capability but that one
+    ],
+)
+def test_rule_3_raising_back_needs_the_limit_or_the_capability(
+    nice: int, rlimit: int, caps: int, ok: bool
+) -> None:
+    assert can_raise_to(nice, rlimit_nice=rlimit, cap_eff=caps) is ok
+
+
+def _nice(tid: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, tid)
+
+
+async def test_rule_1_a_thread_of_its_own_and_what_it_spawns() -> None:
+    """The build runs on its own thread at the start value; a process it starts
+    inherits it; the event loop's thread (and its default pool) keep theirs."""
+    prio = StartPriority(start=_nice(0) + 3, serve=_nice(0))
+
+    def build() -> tuple[int, int, int]:
+        child = subprocess.run(
+            ["sh", "-c", "cut -d' ' -f19 /proc/self/stat"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        return threading.get_native_id(), _nice(threading.get_native_id()), int(child.stdout)
+
+    tid, own, spawned = await build_lowered(prio, build)
+    assert tid != threading.get_native_id()
+    assert own == spawned == prio.start
+    assert _nice(threading.get_native_id()) == prio.serve
+    assert await asyncio.to_thread(lambda: _nice(threading.get_native_id())) == prio.serve
+
+
+async def test_a_failed_build_raises_in_the_awaiting_task() -> None:
+    def build() -> None:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        await build_lowered(StartPriority(start=None, serve=0), build)
+
+
+def test_rule_2_every_thread_back_at_the_serving_value() -> None:
+    prio = start_priority.plan()
+    if prio.start is None:
+        pytest.skip("this process may not raise a priority back (rule 3)")
+    sleeper = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start()"
+    proc = subprocess.Popen(
+        ["nice", "-n", str(start_priority.START_NICE), "python3", "-c", sleeper]
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while len(os.listdir(f"/proc/{proc.pid}/task")) < 2:
+            assert time.monotonic() < deadline, "the sleeper's second thread never started"
+            time.sleep(0.01)
+        tids = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task")]
+        assert {_nice(t) for t in tids} == {prio.serve + start_priority.START_NICE}
+        assert restore(prio, [proc.pid, 2**22 + 1]) == len(tids)  # a gone pid is skipped
+        assert {_nice(t) for t in tids} == {prio.serve}
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_without_rule_3_nothing_is_lowered_or_raised() -> None:
+    assert restore(StartPriority(start=None, serve=0), [os.getpid()]) == 0
