@@ -30,6 +30,7 @@ import httpx
 import orjson
 import pytest
 
+from server.engines.procs import alive
 from tests.support import SluiceProcess
 
 pytestmark = pytest.mark.engine
@@ -105,14 +106,6 @@ def _pids(server: SluiceProcess, model: str) -> list[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in "ZX"
-
-
 @dataclass
 class _Stream:
     """One streamed completion, read on a thread: its events and how it ended."""
@@ -155,7 +148,7 @@ class _Stream:
     def join(self, timeout: float) -> None:
         assert self.thread is not None
         self.thread.join(timeout)
-        assert not self.thread.is_alive(), f"stream on {self.model} still running"
+        assert not self.thread.isalive(), f"stream on {self.model} still running"
 
     @property
     def finish_reason(self) -> str | None:
@@ -222,7 +215,7 @@ def test_kill_9_of_one_engine_fails_its_streams_the_other_streams_on_and_it_come
     back = time.monotonic() - killed
     assert r.status_code == 200, r.text
     assert _states(server)["other"] == "loaded"
-    assert not any(_alive(p) for p in pids)
+    assert not any(alive(p) for p in pids)
     assert _pids(server, "other") != pids
     log = server.tail(2_000_000)
     assert "engine died; restarting it model=other" in log and "cause=SIGKILL" in log
@@ -246,10 +239,10 @@ def test_a_stopped_engine_is_hung_its_processes_are_ended_and_it_restarts(
     stopped = time.monotonic()
     try:
         _until(lambda: "cause=health_check" in server.tail(2_000_000), 60, "the hang seen")
-        _until(lambda: not any(_alive(p) for p in pids), 30, "the stopped core ended")
+        _until(lambda: not any(alive(p) for p in pids), 30, "the stopped core ended")
     finally:
         for pid in pids:  # the test's own stop, if Sluice did not end it
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
     chat.join(240)
     assert chat.error is None and chat.done and chat.finish_reason == "length"

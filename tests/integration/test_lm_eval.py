@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.support import SluiceProcess, vllm_on_demo
@@ -130,3 +131,74 @@ def test_lm_eval_multiple_choice_as_on_vllms_server(
     assert ours.keys() == theirs.keys()
     far = {k: (ours[k], theirs[k]) for k in ours if abs(ours[k] - theirs[k]) > 1e-3}
     assert not far, far
+
+
+# Fields only vLLM's server writes (its own extensions; and its nulls and
+# empty lists, which Sluice leaves out); everything else of an answer is compared.
+_VLLM_ONLY = frozenset(
+    {
+        "stop_reason",
+        "token_ids",
+        "prompt_token_ids",
+        "prompt_text",
+        "kv_transfer_params",
+        "system_fingerprint",
+        "service_tier",
+        "routed_experts",
+        "prompt_logprobs",  # compared on its own, where it was asked
+        "id",
+        "created",
+    }
+)
+_BODIES: list[tuple[str, dict[str, Any]]] = [
+    ("completions", {"prompt": "The sky is", "max_tokens": 2, "logprobs": 1, "echo": True}),
+    (
+        "completions",
+        {"prompt": [[9, 10, 11, 12], [13, 14]], "max_tokens": 0, "logprobs": 2, "echo": True},
+    ),
+    ("completions", {"prompt": "Two plus two", "max_tokens": 1, "prompt_logprobs": 2}),
+    (
+        "chat",
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 1},
+    ),
+]
+
+
+def _close(ours: Any, theirs: Any, where: str) -> None:
+    """The same JSON, numbers to 1e-3, vLLM's own extra fields aside."""
+    if isinstance(theirs, dict):
+        assert isinstance(ours, dict), where
+        keys = {k for k, v in theirs.items() if k not in _VLLM_ONLY and v not in (None, [], {})}
+        assert keys <= ours.keys(), (where, keys - ours.keys())
+        for k in keys:
+            _close(ours[k], theirs[k], f"{where}.{k}")
+    elif isinstance(theirs, list):
+        assert isinstance(ours, list) and len(ours) == len(theirs), where
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            _close(a, b, f"{where}[{i}]")
+    elif isinstance(theirs, float):
+        assert ours == pytest.approx(theirs, abs=1e-3), where
+    else:
+        assert ours == theirs, where
+
+
+@pytest.mark.parametrize(("api", "body"), _BODIES)
+def test_the_same_answer_as_vllms_server(
+    sluice_server: SluiceProcess, vllm_server: str, api: str, body: dict[str, Any]
+) -> None:
+    """Echo with logprobs (text, token-id arrays, max_tokens 0) and vLLM's
+    prompt_logprobs extension: Sluice's answer is vLLM's server's, field by
+    field, greedy, one request at a time on each."""
+    path = "/v1/completions" if api == "completions" else "/v1/chat/completions"
+    sent = {"model": MODEL, "temperature": 0, **body}
+    if api == "chat":
+        sent["chat_template_kwargs"] = {"enable_thinking": False}
+    ours = httpx.post(sluice_server.base + path, json=sent, timeout=120)
+    theirs = httpx.post(vllm_server + path, json=sent, timeout=120)
+    assert ours.status_code == theirs.status_code == 200, (ours.text, theirs.text)
+    a, b = ours.json(), theirs.json()
+    _close(a, b, api)
+    if "prompt_logprobs" in body:
+        pairs = [(a, b)] if api == "chat" else list(zip(a["choices"], b["choices"], strict=True))
+        for x, y in pairs:
+            _close(x["prompt_logprobs"], y["prompt_logprobs"], "prompt_logprobs")
