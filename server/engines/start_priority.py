@@ -15,7 +15,10 @@ The rules:
    front's plus ``START_NICE``; the processes it spawns (the engine core,
    which spawns its workers) inherit it, as does every thread they start.
 2. Once the engine is ready, every thread of every one of its processes is
-   set back to the front's nice value: a serving engine is never demoted.
+   set back to the front's nice value, and so is every thread the build
+   started in the front's own process (vLLM's engine client: its ZMQ I/O
+   threads, which carry the model's requests and outputs for its whole
+   life): a serving engine is never demoted.
 3. Rule 2 needs the OS to let an unprivileged process raise a priority back:
    RLIMIT_NICE (systemd's ``LimitNICE=``, systemd/sluice.service) or
    CAP_SYS_NICE. Without either, rule 1 does not apply: an engine that could
@@ -119,21 +122,24 @@ def _settle(fut: asyncio.Future[T], result: T | None, exc: BaseException | None)
         fut.set_result(result)  # type: ignore[arg-type]
 
 
-def restore(priority: StartPriority, pids: Iterable[int]) -> int:
-    """Rule 2: every thread of ``pids`` back at the serving nice value.
-    Returns how many threads were set; a process that has gone is skipped."""
+def threads(pid: int | str = "self") -> set[int]:
+    """The thread ids of a process (this one by default); empty if it has gone."""
+    try:
+        return {int(t) for t in os.listdir(f"/proc/{pid}/task")}
+    except OSError:
+        return set()
+
+
+def restore(priority: StartPriority, pids: Iterable[int], tids: Iterable[int] = ()) -> int:
+    """Rule 2: every thread of ``pids``, and the threads ``tids``, back at the
+    serving nice value. Returns how many were set; one that has gone is skipped."""
     if priority.start is None:
         return 0
     count = 0
-    for pid in pids:
+    for tid in [t for pid in pids for t in threads(pid)] + list(tids):
         try:
-            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-        except OSError:
+            os.setpriority(os.PRIO_PROCESS, tid, priority.serve)
+        except (ProcessLookupError, PermissionError):
             continue
-        for tid in tids:
-            try:
-                os.setpriority(os.PRIO_PROCESS, tid, priority.serve)
-            except (ProcessLookupError, PermissionError):
-                continue
-            count += 1
+        count += 1
     return count

@@ -467,13 +467,16 @@ class EngineAdapter:
         # At a lower CPU priority until ready (server/engines/start_priority.py):
         # a start must not take the cores from a model that serves.
         priority = start_priority.plan()
+        front = start_priority.threads()
         llm = await start_priority.build_lowered(
             priority, functools.partial(_build_engine, self._engine_args, factory)
         )
         lighten_output_path(llm)
         self._llm = llm
         start_priority.restore(
-            priority, [pid for core, _ in self.processes() for pid in process_tree(core)]
+            priority,
+            [pid for core, _ in self.processes() for pid in process_tree(core)],
+            start_priority.threads() - front,  # the engine client's, in this process
         )
         self._names_ranks = names_ranks(llm.vllm_config)
         self._shapes = ModelShapes.from_config(llm.model_config.hf_config)
@@ -610,7 +613,8 @@ class EngineAdapter:
         llm = self._llm
         if llm is None:
             return ()
-        manager = getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
+        core = getattr(llm, "engine_core", None)
+        manager = getattr(getattr(core, "resources", None), "engine_manager", None)
         procs = getattr(manager, "processes", None) or ()
         return tuple((int(p.pid), p.exitcode) for p in procs if p.pid is not None)
 

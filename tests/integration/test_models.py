@@ -108,10 +108,11 @@ def _until(cond: Any, timeout: float, what: str) -> None:
         time.sleep(0.25)
 
 
-def _nices(core: int) -> set[int]:
-    """The nice values of every thread of an engine core and its workers."""
+def _nices(core: int, *, tree: bool = True) -> set[int]:
+    """The nice values of every thread of an engine core and its workers (or
+    of one process alone)."""
     out = set()
-    for pid in process_tree(core):
+    for pid in process_tree(core) if tree else [core]:
         for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
             with contextlib.suppress(OSError):
                 out.add(int(stat.read_text().rsplit(")", 1)[1].split()[16]))
@@ -151,8 +152,11 @@ def test_one_front_two_engines_one_loaded_on_its_first_request(
     assert starting and all(
         n == ({start_priority.START_NICE} if lowered else {0}) for n in starting
     )
-    # Once ready, every thread of both engines serves at the front's priority.
+    # Once ready, every thread of both engines serves at the front's priority,
+    # and so does every thread of the front (vLLM's engine client started its
+    # I/O threads there during the build).
     assert all(_nices(core) == {0} for core in cores), [_nices(c) for c in cores]
+    assert _nices(models_server.proc.pid, tree=False) == {0}
     assert "model loaded" in models_server.tail(200_000)
     with pytest.raises(openai.NotFoundError):
         _ask(client, "nope")

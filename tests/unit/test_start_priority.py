@@ -57,6 +57,31 @@ async def test_rule_1_a_thread_of_its_own_and_what_it_spawns() -> None:
     assert await asyncio.to_thread(lambda: _nice(threading.get_native_id())) == prio.serve
 
 
+async def test_rule_2_the_threads_a_build_starts_in_this_process() -> None:
+    """A thread the build starts here (vLLM's engine client's I/O threads) has
+    the start value, and is set back with the engine."""
+    prio = start_priority.plan()
+    if prio.start is None:
+        pytest.skip("this process may not raise a priority back (rule 3)")
+    stop = threading.Event()
+    started: list[int] = []
+
+    def build() -> None:
+        t = threading.Thread(target=stop.wait, daemon=True)
+        t.start()
+        assert t.native_id is not None
+        started.append(t.native_id)
+
+    before = start_priority.threads()
+    try:
+        await build_lowered(prio, build)
+        new = start_priority.threads() - before
+        assert set(started) <= new and _nice(started[0]) == prio.start
+        assert restore(prio, [], new) == len(new) and _nice(started[0]) == prio.serve
+    finally:
+        stop.set()
+
+
 async def test_a_failed_build_raises_in_the_awaiting_task() -> None:
     def build() -> None:
         raise ValueError("no such model")
