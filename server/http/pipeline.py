@@ -161,6 +161,9 @@ class Job:
     user: str | None = None  # the OpenAI `user` field: names the caller without keys
     variant: Hashable = None
     cacheable: bool = True
+    # Legacy completions: each token's top_logprobs holds the sampled token
+    # too (OpenAI's rule for that API, as vLLM's server answers; `_top`).
+    top_with_chosen: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,24 +250,41 @@ PreparePool = Callable[
 ]
 
 
+def _top(entry: Any, tok_id: int, k: int, with_chosen: bool) -> tuple[tuple[str, float], ...]:
+    """One position's alternatives: the top ``k`` by rank, and with
+    ``with_chosen`` the token that was there first (legacy completions: OpenAI
+    "always returns the logprob of the sampled token, so there may be up to
+    logprobs+1 elements", as vLLM's server answers)."""
+    ranked = [
+        lp
+        for lp in sorted(entry.values(), key=lambda lp: lp.rank or 0)
+        if lp.rank is not None and 1 <= lp.rank <= k
+    ]
+    chosen = entry.get(tok_id)
+    if with_chosen and chosen is not None and chosen not in ranked:
+        ranked.insert(0, chosen)
+    return tuple((lp.decoded_token or "", lp.logprob) for lp in ranked)
+
+
 def logprobs(
-    detokenize: Callable[[Sequence[int]], str], delta: CompletionDelta, k: int
+    detokenize: Callable[[Sequence[int]], str],
+    delta: CompletionDelta,
+    k: int,
+    *,
+    with_chosen: bool = False,
 ) -> list[TokenLogprob]:
     """vLLM's per-token {token_id: Logprob} dicts to our TokenLogprob values.
 
     vLLM returns the top `k` tokens plus the sampled one when it ranks below
-    them; OpenAI's `top_logprobs` is exactly the top `k` (rank 1..k).
+    them; chat's `top_logprobs` (OpenAI's, Ollama's) is exactly the top `k`
+    (rank 1..k), legacy completions' has the sampled one too (`_top`).
     """
     out = []
     lps = delta.logprobs or []
     for tok_id, entry in zip(delta.token_ids, lps, strict=False):
         chosen = entry.get(tok_id)
         token = chosen.decoded_token if chosen is not None else detokenize([tok_id])
-        top = tuple(
-            (lp.decoded_token or "", lp.logprob)
-            for lp in sorted(entry.values(), key=lambda lp: lp.rank or 0)
-            if lp.rank is not None and 1 <= lp.rank <= k
-        )
+        top = _top(entry, tok_id, k, with_chosen)
         out.append(TokenLogprob(token or "", chosen.logprob if chosen else 0.0, top))
     return out
 
@@ -277,7 +297,8 @@ def prompt_logprobs(
 ) -> list[TokenLogprob]:
     """A prompt's tokens with vLLM's prompt logprobs (one {token_id: Logprob}
     per token, None for the first, which nothing comes before): the same
-    values as a generated token's, the first without any."""
+    values as a generated token's in a legacy completion (the prompt's own
+    token among the alternatives, `_top`), the first without any."""
     out = []
     for tok_id, entry in zip(prompt, entries, strict=False):
         if entry is None:
@@ -285,11 +306,7 @@ def prompt_logprobs(
             continue
         chosen = entry.get(tok_id)
         token = chosen.decoded_token if chosen is not None else None
-        top = tuple(
-            (lp.decoded_token or "", lp.logprob)
-            for lp in sorted(entry.values(), key=lambda lp: lp.rank or 0)
-            if lp.rank is not None and 1 <= lp.rank <= k
-        )
+        top = _top(entry, tok_id, k, with_chosen=True)
         out.append(
             TokenLogprob(token or detokenize([tok_id]), chosen.logprob if chosen else 0.0, top)
         )
@@ -685,7 +702,7 @@ async def _gather(
             texts[idx].append(c.text)
             tr.completion_tokens += len(c.token_ids)
             if k is not None:
-                lps[idx].extend(logprobs(detokenize, c, k))
+                lps[idx].extend(logprobs(detokenize, c, k, with_chosen=job.top_with_chosen))
             if c.finish_reason is not None:
                 reasons[idx] = c.finish_reason
                 tr.finish_reasons.append(c.finish_reason)

@@ -355,6 +355,7 @@ async def prepare_completion(
         include_usage=req.include_usage,
         user=req.user,
         variant=(req.echo, req.prompt_only, req.prompt_logprobs),
+        top_with_chosen=True,
     )
     return job, CompletionEncoder(req, prompts, tr.rid, engine.detokenize)
 
@@ -474,7 +475,7 @@ class CompletionEncoder:
         k = self._req.sampling.logprobs
         only = self._req.prompt_only
         text = "" if only else delta.text
-        lps = [] if only or k is None else logprobs(self._detokenize, delta, k)
+        lps = [] if only or k is None else logprobs(self._detokenize, delta, k, with_chosen=True)
         if self._late_echo and choice not in self._echoed:
             self._echoed.add(choice)
             text = self._echo(choice) + text
