@@ -148,7 +148,7 @@ class _Stream:
     def join(self, timeout: float) -> None:
         assert self.thread is not None
         self.thread.join(timeout)
-        assert not self.thread.isalive(), f"stream on {self.model} still running"
+        assert not self.thread.is_alive(), f"stream on {self.model} still running"
 
     @property
     def finish_reason(self) -> str | None:
