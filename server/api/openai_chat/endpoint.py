@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from typing import Final, TypeVar
 
 from aiohttp import web
 
@@ -43,6 +43,8 @@ from server.wire.output import (
     Usage,
 )
 from server.wire.request import ChatRequest, CompletionRequest
+
+T = TypeVar("T")
 
 __all__ = [
     "REASONING_FIELD",
@@ -203,7 +205,9 @@ class ChatEncoder:
 
     def prompt_output(self, prompt: int, out: EngineOutput) -> None:
         """vLLM's prompt_logprobs extension: kept from the output that has them."""
-        if self._req.prompt_logprobs is not None and out.prompt_logprobs and not self._prompt_lps:
+        if self._req.prompt_logprobs is None or self._prompt_lps is not None:
+            return
+        if out.prompt_logprobs:
             self._prompt_lps = candidates(self._detokenize, out.prompt_logprobs)
 
     def choices(
@@ -360,6 +364,13 @@ async def prepare_completion(
     return job, CompletionEncoder(req, prompts, tr.rid, engine.detokenize)
 
 
+def _given(per_prompt: dict[int, T], prompt: int) -> T:
+    """A prompt's converted prompt logprobs, which the engine must have sent."""
+    if prompt not in per_prompt:
+        raise SluiceError("the engine gave no prompt logprobs", status=500)
+    return per_prompt[prompt]
+
+
 class CompletionEncoder:
     """text_completion bodies and stream frames for one request (echo included).
 
@@ -391,8 +402,10 @@ class CompletionEncoder:
         # or (prompt only) it is all the choice says.
         self._late_echo = req.echo and (req.sampling.prompt_logprobs is not None or req.prompt_only)
         self._echoed: set[int] = set()
-        # Each prompt's prompt logprobs as the engine gave them (vLLM's entries).
-        self._prompt_entries: dict[int, Sequence[Any]] = {}
+        # Per prompt, converted once from the output that carries them: the
+        # echo's tokens (with the request's own logprobs k) and vLLM's extension.
+        self._echo_lps: dict[int, list[TokenLogprob]] = {}
+        self._asked_lps: dict[int, tuple[PromptLogprob | None, ...]] = {}
 
     def _echo(self, choice: int) -> str:
         if not self._req.echo:
@@ -403,29 +416,26 @@ class CompletionEncoder:
 
     def prompt_output(self, prompt: int, out: EngineOutput) -> None:
         entries = out.prompt_logprobs
-        if self._req.sampling.prompt_logprobs is None or not entries:
+        if not entries or prompt in self._echo_lps or prompt in self._asked_lps:
             return
-        self._prompt_entries.setdefault(prompt, entries)
-
-    def _entries(self, choice: int) -> Sequence[Any]:
-        entries = self._prompt_entries.get(choice // self._req.sampling.n)
-        if entries is None:
-            raise SluiceError("the engine gave no prompt logprobs", status=500)
-        return entries
+        k = self._req.sampling.logprobs
+        if self._req.echo and k is not None:
+            ids = self._prompts[prompt]
+            self._echo_lps[prompt] = prompt_logprobs(self._detokenize, ids, entries, k)
+        if self._req.prompt_logprobs is not None:
+            self._asked_lps[prompt] = candidates(self._detokenize, entries)
 
     def _echo_logprobs(self, choice: int) -> list[TokenLogprob]:
         """The echo's prompt tokens with the request's own ``logprobs`` k."""
-        k = self._req.sampling.logprobs
-        if k is None:
+        if self._req.sampling.logprobs is None:
             return []
-        pi = choice // self._req.sampling.n
-        return prompt_logprobs(self._detokenize, self._prompts[pi], self._entries(choice), k)
+        return _given(self._echo_lps, choice // self._req.sampling.n)
 
     def _asked_prompt_logprobs(self, choice: int) -> tuple[PromptLogprob | None, ...] | None:
         """vLLM's prompt_logprobs extension, on the choice as its server puts it."""
         if self._req.prompt_logprobs is None:
             return None
-        return candidates(self._detokenize, self._entries(choice))
+        return _given(self._asked_lps, choice // self._req.sampling.n)
 
     def choices(
         self,
