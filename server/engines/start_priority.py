@@ -40,6 +40,7 @@ import os
 import resource
 import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -91,35 +92,19 @@ def plan() -> StartPriority:
 
 async def build_lowered(priority: StartPriority, build: Callable[[], T]) -> T:
     """``build()`` on a thread of its own at the start nice value (rule 1):
-    not the event loop's default pool, whose threads would keep it."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[T] = loop.create_future()
+    not the event loop's default pool, whose threads would keep it. A
+    cancelled wait returns at once, as `asyncio.to_thread`'s does."""
 
-    def run() -> None:
-        try:
-            if priority.start is not None:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), priority.start)
-            result = build()
-        except BaseException as exc:  # handed to the awaiting task, as to_thread does
-            loop.call_soon_threadsafe(_settle, done, None, exc)
-        else:
-            loop.call_soon_threadsafe(_settle, done, result, None)
+    def run() -> T:
+        if priority.start is not None:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), priority.start)
+        return build()
 
-    thread = threading.Thread(target=run, name="sluice-engine-start", daemon=True)
-    thread.start()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="sluice-engine-start")
     try:
-        return await done
+        return await asyncio.get_running_loop().run_in_executor(pool, run)
     finally:
-        await asyncio.to_thread(thread.join)
-
-
-def _settle(fut: asyncio.Future[T], result: T | None, exc: BaseException | None) -> None:
-    if fut.done():
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)  # type: ignore[arg-type]
+        pool.shutdown(wait=False)  # its one thread ends with the build
 
 
 def threads(pid: int | str = "self") -> set[int]:

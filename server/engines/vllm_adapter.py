@@ -297,8 +297,8 @@ def generation_defaults(model_config: Any) -> tuple[tuple[tuple[str, float], ...
 def max_logprobs(engine_args: Any) -> int:
     """The most logprobs (and prompt logprobs) one request may ask for: vLLM's
     ``--max-logprobs`` (default 20), so Sluice refuses in the API's shape what
-    the engine would refuse. -1 (vLLM: the vocabulary's size) is left to the
-    engine's own check, which Sluice answers as a 400 too."""
+    the engine would refuse. -1 (vLLM: the vocabulary's size) lifts Sluice's
+    bound and leaves the check to the engine's own."""
     value = int(engine_args.max_logprobs)
     return value if value >= 0 else 2**31 - 1
 
