@@ -66,7 +66,9 @@ async def read_form(
     """Read `request`'s multipart body: the parts named in `text` as UTF-8
     text, the first part named `file` handed to `store` (its filename and its
     bytes, streamed; `store` may raise to refuse them), any other part skipped."""
-    if not request.content_type.startswith("multipart/"):
+    with _parsing():  # the standard library's header parser raises on some bytes
+        multipart = request.content_type.startswith("multipart/")
+    if not multipart:
         raise SluiceError("the body must be multipart/form-data with `purpose` and `file`")
     fields: dict[str, str] = {}
     stored: T | None = None
