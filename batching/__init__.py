@@ -6,9 +6,10 @@ server passes time in (`now`) and acts on what the core returns.
 Modules: keys (GroupKey), types (requests, batches, outcomes), config, callers (caller
 policies and limits), classes (interactive or background), order (the release key),
 coalescer (admission and the window), backlog (fair release order), room (engine
-room), adapters (LoRA slots), drain (drain-rate estimate for Retry-After), cache (TTL
-result cache), events (observability records). Everything public is re-exported
-here; import from `batching`, not from the modules.
+room), adapters (LoRA slots), drain (drain-rate estimate for Retry-After), ledger
+(engine time per request), cache (TTL result cache), events (observability
+records). Everything public is re-exported here; import from `batching`, not from
+the modules.
 """
 
 from .cache import ResultCache
@@ -19,6 +20,7 @@ from .config import CoalescerConfig
 from .drain import DrainRate
 from .events import Counters, DedupeHit, Ended, Event, Refusal, Released, RoomCounters
 from .keys import GroupKey, group_key
+from .ledger import Charge, StepLedger, StepOutput
 from .order import ReleaseOrder, engine_priority
 from .room import EngineCapacity, Hold, underfed
 from .types import (
@@ -44,6 +46,7 @@ __all__ = [
     "CallerPolicy",
     "CallerStats",
     "Callers",
+    "Charge",
     "Coalescer",
     "CoalescerConfig",
     "Counters",
@@ -68,6 +71,8 @@ __all__ = [
     "RequestClass",
     "ResultCache",
     "RoomCounters",
+    "StepLedger",
+    "StepOutput",
     "class_priority",
     "engine_priority",
     "group_key",

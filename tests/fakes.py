@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from batching import EngineStep
+from batching import Charge, EngineStep
 from batching.pressure import ENGINE_IDLE, EngineStats
 from server.engines.interface import Kind, ModelInfo, Pooled
 from server.engines.lora import Adapter
@@ -142,6 +142,7 @@ class FakeEngine:
     # callback the driver watches them with.
     steps: list[EngineStep] = field(default_factory=list)
     on_step: Callable[[], None] | None = None
+    charges: dict[str, Charge] = field(default_factory=dict)
     # What the fake model serves (interface.py Kind): a pooling kind answers
     # pooling requests with a vector of `embed_dims` derived from the prompt's
     # ids (a unit vector, the same for the same ids), or a cross-encoder's
@@ -204,6 +205,10 @@ class FakeEngine:
 
     def watch_steps(self, callback: Callable[[], None] | None) -> None:
         self.on_step = callback
+
+    def charge(self, request_id: str) -> Charge:
+        """What a test set in `charges` for the request (none: zero), taken once."""
+        return self.charges.pop(request_id, Charge())
 
     def report_steps(self, *steps: EngineStep) -> None:
         """Report engine steps, as vLLM's stat logger would after each."""

@@ -65,6 +65,9 @@ class StepEngine:
     # The steps reported to the driver (the room releases from them, issue 27).
     _steps: list[Any] = field(default_factory=list)
     _on_step: Callable[[], None] | None = None
+    # The engine adapter's per-step accounting (batching/ledger.py), run as the
+    # adapter runs it (`--no-accounting` leaves it out); counted as the front's.
+    ledger: Any = None
 
     def __post_init__(self) -> None:
         from server.engines.interface import ModelInfo
@@ -120,7 +123,10 @@ class StepEngine:
                 self._running[rid] = run
                 prefill += run.prompt
             scheduled = len(self._running)
+            seen = []
             for rid, run in list(self._running.items()):
+                seen.append((rid, run.first, run.prompt))
+                run.first = False
                 run.left -= 1
                 done = run.left <= 0
                 out = CompletionOutput(
@@ -138,6 +144,21 @@ class StepEngine:
             self.steps += 1
             self._report_step(prefill, scheduled)
             self.step_cpu += time.thread_time() - t0
+            if self.ledger is not None:
+                self._account(prefill, seen)
+
+    def _account(self, prefill: int, seen: list[tuple[str, bool, int]]) -> None:
+        """The step into the ledger, as the adapter's `_observe` puts it."""
+        from batching import StepOutput
+
+        outs = [StepOutput(rid, 1, prompt if first else None, False) for rid, first, prompt in seen]
+        decode = sum(1 for _, first, _ in seen if not first)
+        self.ledger.step(self.step, prefill, decode, outs)
+
+    def charge(self, request_id: str) -> Any:
+        from batching import Charge
+
+        return Charge() if self.ledger is None else self.ledger.close(request_id)
 
     def _report_step(self, prefill: int, scheduled: int) -> None:
         """The step as vLLM's stat logger reports it to Sluice's driver."""
@@ -228,6 +249,8 @@ class StepEngine:
         from vllm.v1.engine.output_processor import RequestOutputCollector
 
         collector = RequestOutputCollector(params.output_kind, request_id)
+        if self.ledger is not None:
+            self.ledger.admit(request_id, len(prompt_tokens))
         self._waiting.append(
             (request_id, _Running(collector, int(params.max_tokens), len(prompt_tokens)))
         )

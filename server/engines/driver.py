@@ -38,6 +38,7 @@ from batching import (
     AdmissionState,
     Admitted,
     Batch,
+    Charge,
     Coalescer,
     Ended,
     EngineLoad,
@@ -126,6 +127,8 @@ class Generation:
         self._fetching = False
         self._first = True  # no output seen yet
         self.completion_tokens = 0
+        # Its share of the engine's steps, set when it is done (batching/ledger.py).
+        self.charge = Charge()
 
     async def _fetch(self) -> None:
         """One output from the collector into the shared history, in the
@@ -364,6 +367,7 @@ class Driver:
 
     def generation_done(self, gen: Generation) -> None:
         self._running.pop(gen.engine_id, None)
+        gen.charge = self.engine.charge(gen.engine_id)
         self.core.finished(gen.engine_id, self.now(), gen.completion_tokens)
         self._flush_events()
         self._check_idle()

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from batching import EngineStep
+from batching import Charge, EngineStep
 from batching.pressure import EngineStats
 from server.engines.lora import Adapter
 from server.errors import SluiceError
@@ -238,6 +238,9 @@ class Engine(Protocol):
     # callback called after each (server/engines/driver.py: the release follows the steps).
     def take_steps(self) -> list[EngineStep]: ...
     def watch_steps(self, callback: Callable[[], None] | None) -> None: ...
+    # A request's share of the engine's steps, once it is done; forgets it
+    # (batching/ledger.py). Zero for a request the engine never ran.
+    def charge(self, request_id: str) -> Charge: ...
 
     async def tokenize_chat(
         self, conversations: Sequence[tuple[Sequence[Message], dict[str, Any]]]

@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -57,7 +57,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
 
-from batching import EngineStep
+from batching import Charge, EngineStep, StepLedger, StepOutput
 from batching.pressure import ENGINE_IDLE, EngineStats, RankStats
 from server.engines import start_priority
 from server.engines.interface import ModelInfo, PoolTask
@@ -404,6 +404,49 @@ def lighten_output_path(llm: Any) -> None:
         ]
 
 
+def watch_outputs(llm: Any, observe: Callable[[Any], None]) -> None:
+    """Call `observe` with each step's EngineCoreOutputs as the engine client
+    receives them, before vLLM's output handler hands them to the requests'
+    collectors: a reader that sees its last output finds its step accounted
+    (batching/ledger.py). vLLM 0.32's AsyncLLM.output_handler looks up
+    `engine_core.get_output_async` on each pass, so an instance attribute
+    takes its place, from the next pass on."""
+    core = llm.engine_core
+    get = core.get_output_async
+
+    async def get_output_async() -> Any:
+        outputs = await get()
+        observe(outputs)
+        return outputs
+
+    core.get_output_async = get_output_async
+
+
+def step_outputs(outputs: Any, states: Mapping[str, Any]) -> list[StepOutput]:
+    """One step's outputs by Sluice's request ids. vLLM 0.32 gives each request
+    an internal id (the given id and 8 random characters, input_processor.py), and
+    each sample of an n > 1 request its own child; the output processor's
+    states map both back (`external_req_id`, the parent's for a child). A prompt's
+    first output carries what the engine computed of it (`prefill_stats`: the
+    prompt less the prefix cache's hit)."""
+    found = []
+    for eco in outputs.outputs:
+        state = states.get(eco.request_id)
+        if state is None:
+            continue
+        parent = state.parent_req
+        ps = eco.prefill_stats
+        found.append(
+            StepOutput(
+                state.external_req_id if parent is None else parent.external_req_id,
+                len(eco.new_token_ids),
+                None if ps is None else int(ps.num_computed_tokens),
+                eco.finish_reason is not None,
+            )
+        )
+    return found
+
+
 class EngineAdapter:
     """One vLLM AsyncLLM, and what Sluice needs from it."""
 
@@ -424,6 +467,8 @@ class EngineAdapter:
         self._tool_flags = (tool_call_parser, auto_tool_choice)
         self._model_name = model_name
         self._stats = _StatsBox()
+        # Each request's share of the engine's steps (batching/ledger.py).
+        self._ledger = StepLedger()
         self._llm: AsyncLLM | None = None
         self._names_ranks = False  # set at start (names_ranks)
         # Prefix placement's block hashes (vllm_prefix.py): set at start where
@@ -472,6 +517,7 @@ class EngineAdapter:
             priority, functools.partial(_build_engine, self._engine_args, factory)
         )
         lighten_output_path(llm)
+        watch_outputs(llm, self._observe)
         self._llm = llm
         start_priority.restore(
             priority,
@@ -495,6 +541,7 @@ class EngineAdapter:
         sampling_defaults, default_max_tokens = generation_defaults(llm.model_config)
         sched = llm.vllm_config.scheduler_config
         cache = llm.vllm_config.cache_config
+        self._ledger.block_size = int(cache.block_size or 16)
         if self._names_ranks and cache.enable_prefix_caching:
             self._hasher = PrefixHasher(
                 int(cache.block_size or 16), str(cache.prefix_caching_hash_algo or "sha256")
@@ -626,6 +673,28 @@ class EngineAdapter:
 
     def watch_steps(self, callback: Callable[[], None] | None) -> None:
         self._stats.on_step = callback
+
+    def charge(self, request_id: str) -> Charge:
+        return self._ledger.close(request_id)
+
+    def _observe(self, outputs: Any) -> None:
+        """One step, as the engine client received it: its time to the ledger."""
+        if self._llm is None:
+            return
+        stats = outputs.scheduler_stats
+        d = getattr(stats, "iteration_details", None)
+        seen = step_outputs(outputs, self._llm.output_processor.request_states)
+        if d is None or d.is_dummy:
+            if seen:  # outputs without step details: their tokens count, no time
+                self._ledger.step(0.0, 0, 0, seen, int(outputs.engine_index))
+            return
+        self._ledger.step(
+            float(d.elapsed_ms) / 1000.0,
+            int(d.num_ctx_tokens),
+            int(d.num_generation_tokens),
+            seen,
+            int(outputs.engine_index),
+        )
 
     # -- tokenization -------------------------------------------------------
 
@@ -928,11 +997,12 @@ class EngineAdapter:
                 lora_request=lora,
                 data_parallel_rank=dp_rank,
             )
+            self._ledger.admit(request_id, len(prompt_tokens), rank or 0)
             return PooledStream(collector)
         # A constraint from the first token: tell the engine's reasoning gate
         # the thinking is over (else it waits for a </think> that never comes).
         from_start = bool(params.extra_args and params.extra_args.get(_FROM_START))
-        return await self._llm.add_request(
+        collector = await self._llm.add_request(
             request_id,
             tokens_input(list(prompt_tokens), cache_salt=cache_salt),
             params,
@@ -941,6 +1011,8 @@ class EngineAdapter:
             data_parallel_rank=dp_rank,
             **({"reasoning_ended": True} if from_start else {}),
         )
+        self._ledger.admit(request_id, len(prompt_tokens), rank or 0)
+        return collector
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         if self._llm is not None and request_ids and not self._llm.errored:

@@ -49,7 +49,14 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from aiohttp import web
 
-from batching import DEFAULT_CALLER, RequestClass, class_priority, group_key, request_class
+from batching import (
+    DEFAULT_CALLER,
+    Charge,
+    RequestClass,
+    class_priority,
+    group_key,
+    request_class,
+)
 from batching import Request as CoreRequest
 from server.engines.driver import Driver, Generation, Ticket
 from server.engines.interface import (
@@ -831,6 +838,7 @@ def _finish_trace(request: web.Request, tr: Trace) -> None:
         metrics.batch_tokens.inc(tr.prompt_tokens * (tr.status == 200) + tr.completion_tokens)
     request.app[RUNTIME].tokens_out += tr.completion_tokens
     t = tr.tickets[0] if tr.tickets else None
+    charge = engine_charge(tr.tickets)
     fields: dict[str, Any] = {
         "request_id": tr.rid,
         "caller": tr.caller,
@@ -848,12 +856,23 @@ def _finish_trace(request: web.Request, tr: Trace) -> None:
         "batch_id": t.batch_id if t else None,
         "batch_size": t.batch_size if t else None,
         "deduped": t.joined if t else False,
+        "engine_ms": round(charge.engine_seconds * 1000, 3),
     }
     if tr.error:
         fields["error"] = tr.error
     request[ACCESS].fields = fields  # the request middleware writes the line
     if (tracer := request.app.get(TRACER)) is not None:
         tracer.record(_span(request, tr, t, now, cls))
+
+
+def engine_charge(tickets: Sequence[Ticket]) -> Charge:
+    """The request's share of the engine's steps: its own generations' (one that
+    joined another's, deduplicated, costs nothing: the first caller paid)."""
+    total = Charge()
+    for t in tickets:
+        if t.generation is not None and not t.joined:
+            total += t.generation.charge
+    return total
 
 
 def _span(

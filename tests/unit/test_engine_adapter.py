@@ -39,6 +39,13 @@ from server.wire.request import Constraint, Limits, Message, Sampling
 GPU_BLOCKS = 1000  # what the engine core's handshake would report
 
 
+class _NoCore:
+    """The engine core's client, absent: no step ever comes."""
+
+    async def get_output_async(self) -> Any:
+        raise AssertionError("no engine core in this test")
+
+
 class FrontHalf:
     """AsyncLLM up to the engine core: config, renderer, input processing."""
 
@@ -50,6 +57,7 @@ class FrontHalf:
         self.input_processor = InputProcessor(config, self.renderer)
         self.errored = False
         self.requests: list[Any] = []
+        self.engine_core = _NoCore()  # the adapter reads each step from it (watch_outputs)
         # What the engine core reports for the model (its runner and pooler).
         mc = config.model_config
         self.tasks: tuple[str, ...] = (
