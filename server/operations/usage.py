@@ -291,7 +291,7 @@ class UsageBook:
         end = -(-q.end // w) * w
         await self.flush()
         sums: list[UsageSum] = []
-        if end > start:
+        if end > start and q.callers != frozenset() and q.models != frozenset():
             sums = await self.db.usage_sums(
                 "usage_minutes" if w == 60 else "usage_hours",
                 kind=q.kind,
