@@ -239,7 +239,10 @@ class UsageBook:
             while True:
                 await asyncio.sleep(self.flush_seconds)
                 await self.flush()
-                await self._refresh_recent()
+                try:
+                    await self.refresh_recent()
+                except Exception:  # the page's table waits for the next one
+                    log.exception("usage: reading the status page's view failed")
         finally:
             await self.flush()
 
@@ -312,11 +315,11 @@ class UsageBook:
             tuple(UsageBucket(b, b + w, tuple(by_bucket.get(b, ()))) for b in range(start, end, w))
         )
 
-    async def _refresh_recent(self) -> None:
+    async def refresh_recent(self, *, force: bool = False) -> None:
         """The status page's per-caller last hour and last day (minute rows),
-        at most every 10 s."""
+        at most every 10 s (`force`: now)."""
         now = self._clock()
-        if now - self._recent_at < _RECENT_EVERY_S:
+        if not force and now - self._recent_at < _RECENT_EVERY_S:
             return
         self._recent_at = now
         hour = await self.db.usage_by_caller(int(now - 3600))

@@ -18,7 +18,7 @@ from openai.types.admin.organization.usage_embeddings_response import (
 
 from server.callers import parse_callers
 from server.operations.usage import UsageEvent
-from server.state import METRICS, USAGE
+from server.state import METRICS, STATUS, USAGE
 
 CALLERS = '[callers.alice]\nkey = "sk-alice"\n[callers.bob]\nkey = "sk-bob"\n'
 ADMIN = {"Authorization": "Bearer sk-admin"}
@@ -172,3 +172,23 @@ async def test_engine_seconds_per_caller_in_prometheus(make_client: Any) -> None
     text = app[METRICS].render().decode()
     assert 'sluice_caller_engine_seconds_total{caller="alice"} 0.5' in text
     assert 'sluice_caller_engine_seconds_total{caller="bob"} 0.5' in text
+
+
+async def test_the_status_page_shows_usage_per_caller(make_client: Any) -> None:
+    client, app, _ = await keyed(make_client)
+    await app[USAGE].flush()
+    await app[USAGE].refresh_recent(force=True)
+    status = app[STATUS]
+    status.sample()
+    app[USAGE].record(event(time.time(), "alice", engine_seconds=1.0))
+    status.sample()  # the engine seconds' rate needs two samples
+    doc = await (await client.get("/status.json", headers=ADMIN)).json()
+    rows = {u["caller"]: u for u in doc["usage"]}
+    assert set(rows) == {"alice", "bob"}
+    assert (rows["alice"]["hour_requests"], rows["alice"]["day_tokens"]) == (2, 30)
+    assert rows["bob"]["day_requests"] == 2  # its embeddings request too
+    assert set(doc["series"]["caller_engine_s"]) == {"alice", "bob"}
+    # A caller's key: its own line, the others summed into one.
+    doc = await (await client.get("/status.json", headers=ALICE)).json()
+    assert [u["caller"] for u in doc["usage"]] == ["alice", "(other callers)"]
+    assert set(doc["series"]["caller_engine_s"]) == {"alice", "(other callers)"}
