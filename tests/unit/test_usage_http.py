@@ -6,6 +6,7 @@ bucket, pages by cursor, and bad parameters are OpenAI-shaped 400s."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from openai.types.admin.organization.usage_embeddings_response import (
 )
 
 from server.callers import parse_callers
+from server.operations.state_db import StateDB
 from server.operations.usage import UsageEvent
 from server.state import METRICS, STATUS, USAGE
 
@@ -192,3 +194,15 @@ async def test_the_status_page_shows_usage_per_caller(make_client: Any) -> None:
     doc = await (await client.get("/status.json", headers=ALICE)).json()
     assert [u["caller"] for u in doc["usage"]] == ["alice", "(other callers)"]
     assert set(doc["series"]["caller_engine_s"]) == {"alice", "(other callers)"}
+
+
+async def test_a_clean_stop_writes_what_is_pending(make_client: Any, tmp_path: Path) -> None:
+    client, app, _ = await make_client(warmup=False, state_dir=tmp_path)
+    now = time.time()
+    app[USAGE].record(event(now, "default"))
+    assert app[USAGE].pending == 1
+    await client.close()  # the app's cleanup: the flush loop's last flush, then the DB closes
+    db = StateDB(tmp_path)
+    await db.open()
+    assert await db.usage_totals(int(now) - 3600) == {"default": (15, 0.25)}
+    await db.close()

@@ -124,8 +124,8 @@ def parse_query(
         )
     width = WIDTHS[width_name]
     end = _int(query, "end_time")
-    if end is None:
-        end = int(now) + 1  # up to now, the bucket in progress included
+    if end is None:  # up to now, the bucket in progress included
+        end = max(int(now) + 1, start + 1)
     if end <= start:
         raise SluiceError("'end_time' must be after 'start_time'", param="end_time")
     default, most = _LIMITS[width_name]
