@@ -206,3 +206,19 @@ async def test_a_clean_stop_writes_what_is_pending(make_client: Any, tmp_path: P
     await db.open()
     assert await db.usage_totals(int(now) - 3600) == {"default": (15, 0.25)}
     await db.close()
+
+
+async def test_the_openai_clients_own_usage_call_reads_it(make_client: Any) -> None:
+    from openai import AsyncOpenAI
+
+    client, _, now = await keyed(make_client)
+    async with AsyncOpenAI(
+        base_url=str(client.make_url("/v1")), api_key="sk-alice", admin_api_key="sk-admin"
+    ) as openai:
+        page = await openai.admin.organization.usage.completions(
+            start_time=now - 3600, bucket_width="1h", group_by=["api_key_id", "model"]
+        )
+    results = [r for b in page.data for r in b.results]
+    got = sorted((r.api_key_id, r.model, r.num_model_requests) for r in results)
+    assert got == [("alice", "fake", 2), ("bob", "fake", 1)]
+    assert not page.has_more
