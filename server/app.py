@@ -16,7 +16,8 @@ enters an `asyncio.TaskGroup` that owns every background task:
               model (the one --model) that is failed stops the process with
               exit code 1 (systemd restarts it), after the others drain;
     monitor   pings the systemd watchdog and updates STATUS=;
-    status    one sample a second for the status page (server/operations/status_samples.py).
+    status    one sample a second for the status page (server/operations/status_samples.py);
+    usage     writes the callers' usage every 2 s (server/operations/usage.py).
 
 A background task that crashes stops the server with exit code 1 (systemd
 restarts it) instead of leaving it half alive. Leaving the context cancels
@@ -60,6 +61,7 @@ from server.api.lora_admin.endpoint import add_admin_routes
 from server.api.openai_batches.runner import BATCHES, Batches
 from server.api.openai_responses.endpoint import RESPONSES, StoredResponses
 from server.api.openai_responses.store import ResponseStore
+from server.api.usage.endpoint import add_usage_routes
 from server.callers import CallerDirectory, CallersError, load_callers, world_readable
 from server.engines.driver import Driver, Generation, order_priority, request_priority
 from server.engines.interface import Engine, EngineParams, ModelInfo
@@ -78,6 +80,7 @@ from server.listen import BindError, bind
 from server.operations.metrics import Metrics
 from server.operations.sdnotify import SdNotify
 from server.operations.state_db import StateDB
+from server.operations.usage import UsageBook
 from server.operations.watchdog import (
     EngineReader,
     HostMemoryReader,
@@ -96,6 +99,7 @@ from server.state import (
     RUNTIME,
     SETTINGS,
     STATUS,
+    USAGE,
     WATCHDOG,
     Phase,
     Runtime,
@@ -354,6 +358,7 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
             jobs["status"] = app[STATUS].run()
             jobs["responses-retention"] = _sweep_responses(app)
             jobs["batches"] = app[BATCHES].run()
+            jobs["usage"] = app[USAGE].run()  # flushes once more when cancelled
             tasks = [spawn(c, n) for n, c in jobs.items()]
             try:
                 yield
@@ -365,6 +370,8 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
         for entry in registry:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(entry.engine.shutdown)
+        with contextlib.suppress(Exception):
+            await app[USAGE].flush()  # what the engines' last requests recorded
         await app[RESPONSES].close()
         app[DOOR].close()
         log.info("stopped", extra={"fields": {"exit_code": rt.exit_code}})
@@ -586,6 +593,8 @@ def build_app(
     # the state database (opened by _lifespan); the files' bytes beside it.
     db = StateDB(settings.state_dir)
     app[RESPONSES] = StoredResponses(db, ResponseStore(retention=settings.responses_retention))
+    app[USAGE] = UsageBook(db)  # who used the card: written beside them
+    app[METRICS].usage_totals = lambda: app[USAGE].engine_seconds
     app[DOOR] = Door.make()
     app[BATCHES] = Batches(
         db,
@@ -605,6 +614,7 @@ def build_app(
     add_routes(app)
     add_admin_routes(app)  # only with --allow-runtime-lora
     add_status_routes(app)
+    add_usage_routes(app)
     app.cleanup_ctx.append(_lifespan)
     return app
 

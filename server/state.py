@@ -26,6 +26,7 @@ from server.engines.registry import ModelEntry, ModelRegistry
 from server.operations.metrics import Metrics
 from server.operations.sdnotify import SdNotify
 from server.operations.status_samples import StatusSampler
+from server.operations.usage import UsageBook
 from server.operations.watchdog import Watchdog
 from server.settings import Settings
 from server.wire.output import ChatChoice, CompletionChoice
@@ -46,6 +47,7 @@ __all__ = [
     "RUNTIME",
     "SETTINGS",
     "STATUS",
+    "USAGE",
     "WATCHDOG",
     "Access",
     "CachedResult",
@@ -116,6 +118,8 @@ WATCHDOG = web.AppKey("watchdog", Watchdog)
 RESULTS = web.AppKey[ResultCache[CachedResult]]("results")  # --result-cache-ttl
 STATUS = web.AppKey("status", StatusSampler)  # the status page's ring buffer
 CALLERS = web.AppKey("callers", CallerDirectory)  # who is asking (server/callers.py)
+# Each caller's usage, counted per finished request (server/operations/usage.py).
+USAGE = web.AppKey("usage", UsageBook)
 CALLER = web.RequestKey("caller", str)  # set by the auth middleware when keys name callers
 ADMIN = web.RequestKey("admin", bool)  # /status.json with the admin key: the full view
 REQUEST_ID = web.RequestKey("request_id", str)  # set by the request middleware, every route

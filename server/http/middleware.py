@@ -60,6 +60,7 @@ __all__ = [
     "PROTECTED_PREFIXES",
     "STATUS_PATH",
     "UNLOAD_PATH",
+    "USAGE_PREFIX",
     "auth_middleware",
     "error_middleware",
     "install",
@@ -95,6 +96,9 @@ METRICS_PATH = "/metrics"
 LOAD_PATH = "/v1/load_lora_adapter"
 UNLOAD_PATH = "/v1/unload_lora_adapter"
 ADMIN_PATHS = frozenset({LOAD_PATH, UNLOAD_PATH})
+# OpenAI's Usage API (server/api/usage/): a caller's key sees its own usage,
+# the admin key every caller's.
+USAGE_PREFIX = "/v1/organization/usage/"
 # Paths whose clients read Anthropic's error shape and statuses.
 ANTHROPIC_PREFIX = "/v1/messages"
 # Paths whose clients read Ollama's error shape (server/api/ollama/).
@@ -273,11 +277,12 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     if path in ADMIN_PATHS:
         # the admin key's, not a caller's (server/api/lora_admin/endpoint.py)
         return await handler(request)
-    if path == STATUS_PATH and same_key(
+    if (path == STATUS_PATH or path.startswith(USAGE_PREFIX)) and same_key(
         bearer_token(request.headers.get("Authorization", "")),
         request.app[SETTINGS].admin_key,
     ):
-        request[ADMIN] = True  # the full view (server/http/status_page.py)
+        # the full view (server/http/status_page.py), every caller's usage
+        request[ADMIN] = True
         return await handler(request)
     api_key = request.headers.get("x-api-key")
     caller = (

@@ -39,6 +39,7 @@ from server.state import (
     RUNTIME,
     SETTINGS,
     STATUS,
+    USAGE,
     WATCHDOG,
     Phase,
 )
@@ -214,6 +215,8 @@ def snapshot(app: web.Application) -> Snapshot:
             if len(entries) == 1
             else {}
         ),
+        caller_engine_seconds=dict(app[USAGE].engine_seconds),
+        usage=app[USAGE].recent,
     )
 
 

@@ -16,7 +16,9 @@ Per caller (label `caller`: only configured names, server/callers.py
 `CallerDirectory.label`; without keys every `user`-named caller is one label,
 `user`, since the name is the client's own string): requests by status (429
 included), queue wait, queued / backlogged / in-flight work, prompt and
-generated tokens, service (prompt + 2 x generated, the fair-share unit) and
+generated tokens, service (prompt + 2 x generated, the fair-share unit),
+engine seconds (`sluice_caller_engine_seconds_total`, no `model` label: the
+usage ledger's running totals, server/operations/usage.py) and
 the fair-share counter itself (of a label that stands for several callers:
 the least of theirs, the one served next). Share of service per caller, in PromQL:
 
@@ -366,6 +368,29 @@ def _caller_families(
         yield fam
 
 
+class _UsageCollector(Collector):
+    """`sluice_caller_engine_seconds_total` read at scrape time from the usage
+    ledger's running totals (server/operations/usage.py): nothing per request."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        fam = CounterMetricFamily(
+            "sluice_caller_engine_seconds",
+            "Engine step time attributed to each caller's requests, in seconds "
+            "(its share of each step it was in)",
+            labels=["caller"],
+        )
+        by_label: dict[str, float] = {}
+        for caller, seconds in self._metrics.usage_totals().items():
+            label = self._metrics.caller_label(caller)
+            by_label[label] = by_label.get(label, 0.0) + seconds
+        for label, seconds in sorted(by_label.items()):
+            fam.add_metric([label], seconds)
+        yield fam
+
+
 class Metrics:
     """Sluice's metrics; one instance per app. `caller_label` turns a caller's
     name into its `caller` label (server/callers.py `CallerDirectory.label`);
@@ -496,6 +521,10 @@ class Metrics:
         # it takes exact p50/p95 per second from them (server/operations/status_samples.py).
         self.recent_ttft: deque[float] = deque(maxlen=_RECENT)
         self.recent_batch_sizes: deque[int] = deque(maxlen=_RECENT)
+        # Each caller's engine seconds since start (the app points it at the
+        # usage ledger's running totals: server/operations/usage.py).
+        self.usage_totals: Callable[[], Mapping[str, float]] = dict
+        r.register(_UsageCollector(self))
 
     def model(self, name: str | None) -> tuple[str, ...]:
         """The `model` label's value for a series' labels: (name,) with --models

@@ -1,7 +1,7 @@
 """The state database: what must outlive a restart, in SQLite under --state-dir.
 
-Why this module exists: the Responses API's stored responses (and, next, the
-Batch APIs' files, batches and lines) must survive a restart. They live in one
+Why this module exists: the Responses API's stored responses, the Batch APIs'
+files, batches and lines, and each caller's usage must survive a restart. They live in one
 embedded SQLite file, ``state.db``, opened with the standard ``sqlite3``
 module. SQLite blocks, so this module owns the one connection on one worker
 thread and every call runs there, off the event loop, in the order it was
@@ -27,9 +27,12 @@ from typing import Final, TypeVar
 __all__ = [
     "DB_NAME",
     "MIGRATIONS",
+    "USAGE_TABLES",
     "JobRow",
     "ResponseRow",
     "StateDB",
+    "UsageRow",
+    "UsageSum",
     "prepare_state_dir",
 ]
 
@@ -78,6 +81,43 @@ MIGRATIONS: Final[tuple[str, ...]] = (
         PRIMARY KEY (batch_id, line)
     );
     """,
+    # Usage per caller (server/operations/usage.py): counts added per bucket, in
+    # minute rows (kept 2 days) and hour rows (kept 400 days). An empty string
+    # stands for no adapter and no batch, so that the key has no NULLs.
+    """
+    CREATE TABLE usage_minutes (
+        bucket INTEGER NOT NULL,
+        caller TEXT NOT NULL,
+        model TEXT NOT NULL,
+        adapter TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        class TEXT NOT NULL,
+        batch_id TEXT NOT NULL,
+        requests INTEGER NOT NULL,
+        prompt_tokens INTEGER NOT NULL,
+        cached_tokens INTEGER NOT NULL,
+        completion_tokens INTEGER NOT NULL,
+        engine_seconds REAL NOT NULL,
+        block_seconds REAL NOT NULL,
+        PRIMARY KEY (bucket, caller, model, adapter, kind, class, batch_id)
+    ) WITHOUT ROWID;
+    CREATE TABLE usage_hours (
+        bucket INTEGER NOT NULL,
+        caller TEXT NOT NULL,
+        model TEXT NOT NULL,
+        adapter TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        class TEXT NOT NULL,
+        batch_id TEXT NOT NULL,
+        requests INTEGER NOT NULL,
+        prompt_tokens INTEGER NOT NULL,
+        cached_tokens INTEGER NOT NULL,
+        completion_tokens INTEGER NOT NULL,
+        engine_seconds REAL NOT NULL,
+        block_seconds REAL NOT NULL,
+        PRIMARY KEY (bucket, caller, model, adapter, kind, class, batch_id)
+    ) WITHOUT ROWID;
+    """,
 )
 
 
@@ -98,6 +138,17 @@ def prepare_state_dir(path: Path) -> Path:
     if db.exists() and not os.access(db, os.R_OK | os.W_OK):
         raise ValueError(f"--state-dir {path}: {DB_NAME} is not writable")
     return path
+
+
+# The usage tables (server/operations/usage.py): minute rows, hour rows.
+USAGE_TABLES: Final = ("usage_minutes", "usage_hours")
+# (bucket, caller, model, adapter, kind, class, batch_id, requests, prompt_tokens,
+# cached_tokens, completion_tokens, engine_seconds, block_seconds): one row to add.
+UsageRow = tuple[int, str, str, str, str, str, str, int, int, int, int, float, float]
+# What a usage query answers per group: (bucket, caller, model, batch, requests,
+# prompt_tokens, cached_tokens, completion_tokens, engine_seconds, block_seconds);
+# caller, model and batch are None when not grouped by.
+UsageSum = tuple[int, str | None, str | None, bool | None, int, int, int, int, float, float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,6 +376,136 @@ class StateDB:
             " ORDER BY line LIMIT ?"
         )
         return [(r[0], r[1], r[2]) for r in self._db().execute(sql, (batch_id, after, limit))]
+
+    # -- usage (server/operations/usage.py) --------------------------------
+    async def add_usage(
+        self,
+        minutes: Sequence[UsageRow],
+        hours: Sequence[UsageRow],
+        prune: tuple[int, int] | None = None,
+    ) -> None:
+        """Add the rows' counts to the minute and hour tables (a new key is
+        inserted) and, with `prune` (minute cut, hour cut), delete the rows of
+        buckets before those cuts: one transaction."""
+        await self._run(self._add_usage, tuple(minutes), tuple(hours), prune)
+
+    def _add_usage(
+        self,
+        minutes: tuple[UsageRow, ...],
+        hours: tuple[UsageRow, ...],
+        prune: tuple[int, int] | None,
+    ) -> None:
+        with self._db() as db:
+            db.execute("BEGIN")
+            for table, rows in zip(USAGE_TABLES, (minutes, hours), strict=True):
+                db.executemany(
+                    f"INSERT INTO {table} VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                    " ON CONFLICT DO UPDATE SET"
+                    " requests = requests + excluded.requests,"
+                    " prompt_tokens = prompt_tokens + excluded.prompt_tokens,"
+                    " cached_tokens = cached_tokens + excluded.cached_tokens,"
+                    " completion_tokens = completion_tokens + excluded.completion_tokens,"
+                    " engine_seconds = engine_seconds + excluded.engine_seconds,"
+                    " block_seconds = block_seconds + excluded.block_seconds",
+                    rows,
+                )
+            if prune is not None:
+                for table, cut in zip(USAGE_TABLES, prune, strict=True):
+                    db.execute(f"DELETE FROM {table} WHERE bucket < ?", (cut,))
+
+    async def usage_totals(self, since: int) -> dict[str, tuple[int, float]]:
+        """Per caller: (prompt + completion tokens, engine seconds) of the hour
+        rows of buckets from `since` on."""
+        return await self._run(self._usage_totals, since)
+
+    def _usage_totals(self, since: int) -> dict[str, tuple[int, float]]:
+        sql = (
+            "SELECT caller, SUM(prompt_tokens + completion_tokens), SUM(engine_seconds)"
+            " FROM usage_hours WHERE bucket >= ? GROUP BY caller"
+        )
+        return {r[0]: (r[1], r[2]) for r in self._db().execute(sql, (since,))}
+
+    async def usage_sums(
+        self,
+        table: str,
+        *,
+        kind: str,
+        start: int,
+        end: int,
+        width: int,
+        by_caller: bool,
+        by_model: bool,
+        by_batch: bool,
+        callers: Sequence[str] | None = None,
+        models: Sequence[str] | None = None,
+        batch: bool | None = None,
+    ) -> list[UsageSum]:
+        """The counts of `kind` in buckets of `width` seconds (UTC-aligned) from
+        `start` to `end` (exclusive), grouped by bucket and the fields asked
+        for: an adapter's rows count as the model of its own name (the name a
+        client sent). `callers`, `models`: only those (None: all); `batch`:
+        only batch lines (True) or only the rest (False)."""
+        args = (kind, start, end, width, by_caller, by_model, by_batch)
+        filters = (
+            None if callers is None else tuple(callers),
+            None if models is None else tuple(models),
+            batch,
+        )
+        return await self._run(self._usage_sums, _usage_table(table), args, filters)
+
+    def _usage_sums(
+        self,
+        table: str,
+        args: tuple[str, int, int, int, bool, bool, bool],
+        filters: tuple[tuple[str, ...] | None, tuple[str, ...] | None, bool | None],
+    ) -> list[UsageSum]:
+        kind, start, end, width, by_caller, by_model, by_batch = args
+        callers, models, batch = filters
+        name = "CASE WHEN adapter != '' THEN adapter ELSE model END"
+        is_batch = "batch_id != ''"
+        where = ["kind = ?", "bucket >= ?", "bucket < ?"]
+        params: list[object] = [kind, start, end]
+        if callers is not None:
+            where.append(f"caller IN ({','.join('?' * len(callers))})")
+            params.extend(callers)
+        if models is not None:
+            where.append(f"{name} IN ({','.join('?' * len(models))})")
+            params.extend(models)
+        if batch is not None:
+            where.append(is_batch if batch else "batch_id = ''")
+        sql = (
+            f"SELECT (bucket / {int(width)}) * {int(width)},"
+            f" {'caller' if by_caller else 'NULL'},"
+            f" {name if by_model else 'NULL'},"
+            f" {is_batch if by_batch else 'NULL'},"
+            " SUM(requests), SUM(prompt_tokens), SUM(cached_tokens), SUM(completion_tokens),"
+            " SUM(engine_seconds), SUM(block_seconds)"
+            f" FROM {table} WHERE {' AND '.join(where)}"
+            " GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 3, 4"
+        )
+        return [
+            (r[0], r[1], r[2], None if r[3] is None else bool(r[3]), *r[4:])
+            for r in self._db().execute(sql, params)
+        ]
+
+    async def usage_by_caller(self, since: int) -> dict[str, tuple[int, int, float]]:
+        """Per caller: (requests, prompt + completion tokens, engine seconds) of
+        the minute rows of buckets from `since` on (the status page's view)."""
+        return await self._run(self._usage_by_caller, since)
+
+    def _usage_by_caller(self, since: int) -> dict[str, tuple[int, int, float]]:
+        sql = (
+            "SELECT caller, SUM(requests), SUM(prompt_tokens + completion_tokens),"
+            " SUM(engine_seconds) FROM usage_minutes WHERE bucket >= ? GROUP BY caller"
+        )
+        return {r[0]: (r[1], r[2], r[3]) for r in self._db().execute(sql, (since,))}
+
+
+def _usage_table(name: str) -> str:
+    """One of the two usage tables, never a name from outside."""
+    if name not in USAGE_TABLES:
+        raise ValueError(f"no usage table {name!r}")
+    return name
 
 
 def _table(name: str) -> str:

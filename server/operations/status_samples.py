@@ -21,6 +21,10 @@ How it stays cheap:
   waiting and KV use are keyed columns ("rank 0 running", ...), so the page
   draws them only when the engine has more than one rank: one rank's numbers
   are the engine's, already plotted.
+* The usage ledger (server/operations/usage.py) adds each caller's engine
+  seconds a second (a keyed column, like the service per caller) and a table
+  of each caller's last hour and last day (`usage`: requests, tokens, engine
+  seconds), read from the state database at most every 10 s by the ledger.
 * With several models (--models), each model's running, queued, KV use and
   request rate are keyed columns too ("model_running", ...), and the body
   holds a table of the models as the last sample saw them (`models`: state,
@@ -49,6 +53,7 @@ from typing import Any
 import orjson
 
 from batching.pressure import RankStats
+from server.operations.usage import CallerUsage
 
 log = logging.getLogger("sluice.status")
 
@@ -123,6 +128,10 @@ class Snapshot:
     batch_lines: float = 0.0
     batch_tokens: float = 0.0
     batches_running: float = 0.0  # batches being run now (validating to finalizing)
+    # The usage ledger (server/operations/usage.py): each caller's engine seconds
+    # since start (cumulative), and its last hour and last day as last read.
+    caller_engine_seconds: Mapping[str, float] = field(default_factory=dict)
+    usage: Mapping[str, CallerUsage] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +177,8 @@ class Sample:
     batch_lines_s: float | None = None
     batch_share_pct: float | None = None
     batches_running: float | None = None  # None: none (the plot hides)
+    # Engine seconds a second by caller: its share of the engine's time.
+    caller_engine_s: Mapping[str, float] = field(default_factory=dict)
 
 
 # The keyed columns that total what a caller's view may not show by name.
@@ -210,6 +221,7 @@ _KEYED: tuple[str, ...] = (
     "model_queued",
     "model_kv_pct",
     "model_req_s",
+    "caller_engine_s",
 )
 _MODEL_KEYED = ("model_running", "model_queued", "model_kv_pct", "model_req_s")
 _COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(Sample) if f.name not in ("t", *_KEYED))
@@ -352,6 +364,7 @@ class StatusSampler:
         model_req: dict[str, float] = {}
         placed: dict[str, float] = {}
         hit: dict[str, float] = {}
+        engine_s: dict[str, float] = {}
         if self._prev is not None and now > self._prev[0]:
             old, dt = self._prev[1], now - self._prev[0]
             req = _rate(snap.requests, old.requests, dt)
@@ -363,6 +376,7 @@ class StatusSampler:
             by_reason = _rates(snap.refusals, old.refusals, dt)
             refused = sum(by_reason.values())
             callers = _rates(snap.callers, old.callers, dt)
+            engine_s = _rates(snap.caller_engine_seconds, old.caller_engine_seconds, dt)
             adapters = _rates(snap.adapters, old.adapters, dt)
             held_steps = _rate(snap.steps_held, old.steps_held, dt)
             underfed = _rate(snap.underfed_steps, old.underfed_steps, dt)
@@ -423,6 +437,7 @@ class StatusSampler:
             batch_lines_s=lines,
             batch_share_pct=share,
             batches_running=snap.batches_running or None,
+            caller_engine_s=engine_s,
         )
 
     def _append(self, s: Sample) -> None:
@@ -478,7 +493,8 @@ class StatusSampler:
         for name, cols in self.keyed.items():
             series[name] = {key: list(col) for key, col in sorted(cols.items())}
         if view is not None:
-            series["callers"] = _only(series["callers"], {view.caller}.__contains__, OTHER_CALLERS)
+            for name in ("callers", "caller_engine_s"):
+                series[name] = _only(series[name], {view.caller}.__contains__, OTHER_CALLERS)
             if view.adapters is not None:
                 series["adapters"] = _only(
                     series["adapters"], view.adapters.__contains__, OTHER_ADAPTERS
@@ -503,6 +519,7 @@ class StatusSampler:
                 {"t": round(m.t, 3), "state": m.state, "reason": m.reason} for m in self.marks
             ],
             "models": [_model_row(name, m) for name, m in models.items()],
+            "usage": _usage_rows(last.usage if last else {}, view),
             "cost_us": {
                 "last": round(self.cost_last * 1e6, 1),
                 "mean": round(self._cost_sum / self._cost_n * 1e6, 1) if self._cost_n else 0.0,
@@ -529,6 +546,38 @@ def _model_row(name: str, m: ModelRow) -> dict[str, Any]:
         "death": None if m.last_death is None else m.last_death[1],
         "back_in_s": None if m.back_in_s is None else round(m.back_in_s, 1),
     }
+
+
+def _usage_rows(usage: Mapping[str, CallerUsage], view: View | None) -> list[dict[str, Any]]:
+    """The usage table: a line per caller (a caller's view: its own, and the
+    others summed into one line), the last hour's and the last day's requests,
+    tokens and engine seconds."""
+    rows: dict[str, list[float]] = {}
+    for caller, u in sorted(usage.items()):
+        name = caller if view is None or caller == view.caller else OTHER_CALLERS
+        values = [
+            u.hour_requests,
+            u.hour_tokens,
+            u.hour_engine_seconds,
+            u.day_requests,
+            u.day_tokens,
+            u.day_engine_seconds,
+        ]
+        row = rows.setdefault(name, [0.0] * len(values))
+        for i, v in enumerate(values):
+            row[i] += v
+    return [
+        {
+            "caller": name,
+            "hour_requests": int(r[0]),
+            "hour_tokens": int(r[1]),
+            "hour_engine_s": _round(r[2]),
+            "day_requests": int(r[3]),
+            "day_tokens": int(r[4]),
+            "day_engine_s": _round(r[5]),
+        }
+        for name, r in rows.items()
+    ]
 
 
 def _only(

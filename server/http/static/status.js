@@ -67,6 +67,10 @@
       series: [["refusals_s", "all"]], keyed: "refusals_by_reason" },
     { id: "callers", title: "Service per caller", unit: "tokens/s", series: [],
       keyed: "callers", onlyWithData: true },
+    // The usage ledger (docs/operations.md, Usage): each caller's share of the
+    // engine's step time.
+    { id: "caller-engine", title: "Engine time per caller", unit: "engine s/s", series: [],
+      keyed: "caller_engine_s", onlyWithData: true },
     { id: "adapters", title: "Requests per adapter", unit: "req/s", series: [],
       keyed: "adapters", onlyWithData: true },
   ];
@@ -250,6 +254,7 @@
     $("reason").textContent = doc.reason || "";
     $("cost").textContent = doc.cost_us ? `Sampling costs ${fmt(doc.cost_us.mean)} µs a second.` : "";
     renderModels(doc.models || []);
+    renderUsage(doc.usage || []);
     const xs = doc.series.t;
     for (const def of CHARTS) {
       const cols = columnsFor(def, doc.series);
@@ -278,6 +283,21 @@
       }
     }
     probe.updates += 1;
+  }
+
+  // Each caller's last hour and last day (the usage ledger, read every 10 s).
+  function renderUsage(rows) {
+    const table = $("usage");
+    table.hidden = rows.length === 0;
+    const body = table.tBodies[0];
+    body.replaceChildren();
+    for (const u of rows) {
+      const row = body.insertRow();
+      const cells = [u.caller, u.hour_requests, u.hour_tokens, fmt(u.hour_engine_s),
+        u.day_requests, u.day_tokens, fmt(u.day_engine_s)];
+      for (const v of cells) row.insertCell().textContent = String(v);
+    }
+    probe.usage = rows.length;
   }
 
   // Several models (--models): one row per model, its state and its loads.
