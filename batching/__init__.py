@@ -7,10 +7,12 @@ Modules: keys (GroupKey), types (requests, batches, outcomes), config, callers (
 policies and limits), classes (interactive or background), order (the release key),
 coalescer (admission and the window), backlog (fair release order), room (engine
 room), adapters (LoRA slots), drain (drain-rate estimate for Retry-After), cache (TTL
-result cache), events (observability records). Everything public is re-exported
+result cache), budgets (per-caller day and month budgets), events (observability
+records). Everything public is re-exported
 here; import from `batching`, not from the modules.
 """
 
+from .budgets import Budget, Budgets, Clock, Overdraft, Spend
 from .cache import ResultCache
 from .callers import DEFAULT_CALLER, CallerPolicy, Callers, CallerStats
 from .classes import BACKGROUND_PRIORITY, RequestClass, class_priority, request_class
@@ -41,9 +43,12 @@ __all__ = [
     "AdmissionState",
     "Admitted",
     "Batch",
+    "Budget",
+    "Budgets",
     "CallerPolicy",
     "CallerStats",
     "Callers",
+    "Clock",
     "Coalescer",
     "CoalescerConfig",
     "Counters",
@@ -58,6 +63,7 @@ __all__ = [
     "GroupKey",
     "Hold",
     "Outcome",
+    "Overdraft",
     "Refusal",
     "RefusalReason",
     "Refused",
@@ -68,6 +74,7 @@ __all__ = [
     "RequestClass",
     "ResultCache",
     "RoomCounters",
+    "Spend",
     "class_priority",
     "engine_priority",
     "group_key",
