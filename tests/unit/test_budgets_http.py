@@ -3,10 +3,12 @@ a caller past its tokens_per_day gets 429 `insufficient_quota` with Retry-After
 at the reset, in each API's own error shape, while another caller is served;
 engine-free routes still answer; SIGHUP's new budget keeps the spend; a batch
 pauses at the budget and completes after a short clock's reset, each
-custom_id once."""
+custom_id once, and a line the door refused for the budget (a race) is sent
+again after the reset, not failed."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ from typing import Any
 import orjson
 import pytest
 
+from server.api.openai_batches.runner import BATCHES
 from server.app import reload_callers
 from server.callers import parse_callers
 from server.settings import EnvView
@@ -133,3 +136,40 @@ async def test_a_batch_pauses_at_the_budget_and_completes_after_the_reset(
         (s.labels["caller"], s.labels["status"]): s.value for s in m["sluice_caller_requests_total"]
     }
     assert by == {("capped", "200"): 3}
+
+
+async def test_a_line_refused_for_the_budget_waits_for_the_reset_and_is_not_failed(
+    make_client: Any,
+) -> None:
+    """The race: the runner saw the budget unspent, the door refuses the line
+    (429 insufficient_quota). The line is sent again after the reset, once."""
+    day = 4.0
+    table = parse_callers(FILE.format(limit=10))
+    client, app = await serve(
+        make_client, caller_table=table, callers=table.policies, env=EnvView(budget_day=day)
+    )
+    batches = app[BATCHES]
+    real = batches._over_budget
+    lies = [None]  # the runner's first look misses the spend (it raced it)
+    batches._over_budget = lambda owner: lies.pop() if lies else real(owner)
+    await asyncio.sleep(day - time.time() % day + 0.05)  # early in a day
+    await _spent(client)
+    reset = (time.time() // day + 1) * day
+    headers = bearer("sk-capped")
+    file_id = await upload(client, jsonl(line("q0")), headers)
+    resp = await client.post(
+        "/v1/batches",
+        json={"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"},
+        headers=headers,
+    )
+    assert resp.status == 200, await resp.text()
+    batch = await finished(client, (await resp.json())["id"], headers)
+    assert batch["request_counts"] == {"total": 1, "completed": 1, "failed": 0}, batch
+    assert time.time() >= reset
+    out = await content(client, batch["output_file_id"], headers)
+    assert [x["custom_id"] for x in out] == ["q0"]
+    m = scrape(await (await client.get("/metrics")).text())
+    by = {
+        (s.labels["caller"], s.labels["status"]): s.value for s in m["sluice_caller_requests_total"]
+    }
+    assert by == {("capped", "200"): 2, ("capped", "429"): 1}
