@@ -173,3 +173,10 @@ async def test_a_line_refused_for_the_budget_waits_for_the_reset_and_is_not_fail
         (s.labels["caller"], s.labels["status"]): s.value for s in m["sluice_caller_requests_total"]
     }
     assert by == {("capped", "200"): 2, ("capped", "429"): 1}
+
+
+def test_the_short_clock_is_read_once_from_the_environment() -> None:
+    assert EnvView.from_mapping({"SLUICE_BUDGET_DAY_SECONDS": "20"}).budget_day == 20.0
+    for bad in ("", "0", "-1", "x", "inf", "nan"):
+        assert EnvView.from_mapping({"SLUICE_BUDGET_DAY_SECONDS": bad}).budget_day is None
+    assert EnvView.from_mapping({}).budget_day is None
