@@ -7,11 +7,12 @@ Modules: keys (GroupKey), types (requests, batches, outcomes), config, callers (
 policies and limits), classes (interactive or background), order (the release key),
 coalescer (admission and the window), backlog (fair release order), room (engine
 room), adapters (LoRA slots), drain (drain-rate estimate for Retry-After), ledger
-(engine time per request), cache (TTL result cache), events (observability
-records). Everything public is re-exported here; import from `batching`, not from
-the modules.
+(engine time per request), budgets (per-caller day and month budgets), cache (TTL
+result cache), events (observability records). Everything public is re-exported
+here; import from `batching`, not from the modules.
 """
 
+from .budgets import Budget, Budgets, Clock, Overdraft, Spend
 from .cache import ResultCache
 from .callers import DEFAULT_CALLER, CallerPolicy, Callers, CallerStats
 from .classes import BACKGROUND_PRIORITY, RequestClass, class_priority, request_class
@@ -43,10 +44,13 @@ __all__ = [
     "AdmissionState",
     "Admitted",
     "Batch",
+    "Budget",
+    "Budgets",
     "CallerPolicy",
     "CallerStats",
     "Callers",
     "Charge",
+    "Clock",
     "Coalescer",
     "CoalescerConfig",
     "Counters",
@@ -61,6 +65,7 @@ __all__ = [
     "GroupKey",
     "Hold",
     "Outcome",
+    "Overdraft",
     "Refusal",
     "RefusalReason",
     "Refused",
@@ -71,6 +76,7 @@ __all__ = [
     "RequestClass",
     "ResultCache",
     "RoomCounters",
+    "Spend",
     "StepLedger",
     "StepOutput",
     "class_priority",

@@ -55,7 +55,7 @@ from typing import Any
 
 from aiohttp import web
 
-from batching import AdmissionState, Coalescer, ResultCache
+from batching import DEFAULT_CALLER, AdmissionState, Budgets, Clock, Coalescer, ResultCache
 from batching.pressure import ENGINE_IDLE, Decision, EngineStats, RankStats, State, Transition
 from server.api.lora_admin.endpoint import add_admin_routes
 from server.api.openai_batches.runner import BATCHES, Batches
@@ -90,6 +90,7 @@ from server.operations.watchdog import (
 from server.router import add_routes
 from server.settings import Settings
 from server.state import (
+    BUDGETS,
     CALLERS,
     LOADER,
     METRICS,
@@ -382,6 +383,13 @@ def _batches_running(rt: Runtime, n: int) -> None:
     rt.batches_running = n
 
 
+def _over_budget(budgets: Budgets, owner: str | None) -> float | None:
+    """Seconds until a batch owner's budget resets, when it is spent now (its
+    batch pauses: server/api/openai_batches/runner.py); None: it may spend."""
+    overdraft = budgets.over(owner or DEFAULT_CALLER, time.time())
+    return None if overdraft is None else overdraft.retry_after
+
+
 def _files_dir(app: web.Application, state_dir: Path | None) -> Path:
     """Where the Batch API's files live: `files/` in the state directory; without
     one (an app built without the CLI: tests), a private directory removed at exit."""
@@ -581,6 +589,12 @@ def build_app(
     app[CALLERS] = CallerDirectory(
         settings.caller_table, settings.api_key, shared_cache=settings.shared_prefix_cache
     )
+    # Budgets are per caller across every model (batching/budgets.py); the
+    # callers file gives them, SIGHUP swaps them and keeps the spend.
+    table = settings.caller_table
+    app[BUDGETS] = Budgets(
+        table.budget_table() if table is not None else {}, Clock(settings.env.budget_day)
+    )
     app[METRICS] = Metrics(
         caller_label=app[CALLERS].label, models=registry.names if settings.several else None
     )
@@ -606,6 +620,7 @@ def build_app(
         disk_per_caller=settings.batch_disk_per_caller,
         counted=app[METRICS].batch_event,
         running=functools.partial(_batches_running, app[RUNTIME]),
+        over_budget=functools.partial(_over_budget, app[BUDGETS]),
     )
     app[NOTIFIER] = notifier or SdNotify(None)
     if watchdog_factory is not None:
@@ -709,6 +724,8 @@ async def reload_callers(app: web.Application) -> bool:
     app[CALLERS].table = table
     for driver in _drivers(app):
         driver.core.set_callers(table.policies)
+    app[BUDGETS].set_budgets(table.budget_table())  # what was spent stays
+    app[BATCHES].look()  # a paused batch whose budget grew goes on
     log.info("callers reloaded", extra={"fields": {"callers": list(table.names)}})
     return True
 

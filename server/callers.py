@@ -52,6 +52,9 @@ The file:
     cache_group = "team-a"       # shares the engine's prefix cache with this group
     models = ["chat", "embed"]   # served models it may use and see (absent: all)
     background = true            # all its requests are background work (default false)
+    tokens_per_day = 50000000    # budgets: prompt + generated tokens per UTC day, across
+    engine_seconds_per_day = 3600.0  # models; engine seconds too; and per month:
+    tokens_per_month = 1000000000    # tokens_per_month, engine_seconds_per_month
 
 `adapters` and `default_adapter` name adapters given with --lora-modules (the
 list may also name the base model, to allow it too); server/engines/lora.py rule 4 says
@@ -62,6 +65,12 @@ adapters, is a 404 as for an unknown name. A name that is not configured
 is a start-up (or reload) error. Fair share is per model: each model's
 engine is its own resource with its own core, so a caller's share on one
 model says nothing of its share on another.
+
+The four budget keys (batching/budgets.py) are a caller's totals across
+every model, per UTC day (from 00:00) and per calendar month (from the 1st):
+past one, its requests get 429 `insufficient_quota` with Retry-After at the
+reset, and its batches pause until then. A SIGHUP reload applies new budgets
+and keeps what each caller has spent.
 
 Caller names (and `cache_group` names) are 1-64 characters of letters,
 digits, `_`, `-` and `.` (they become metric labels and log fields).
@@ -85,7 +94,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batching import DEFAULT_CALLER, CallerPolicy, Callers
+from batching import DEFAULT_CALLER, Budget, CallerPolicy, Callers
 from server.engines.lora import OPEN_ACCESS, AdapterAccess
 
 __all__ = [
@@ -123,6 +132,11 @@ _FIELDS = {
     "cache_group",
     "models",
     "background",
+    # A caller's budget (batching/budgets.py): whole tokens, and engine seconds.
+    "tokens_per_day",
+    "engine_seconds_per_day",
+    "tokens_per_month",
+    "engine_seconds_per_month",
 }
 
 
@@ -140,6 +154,11 @@ class CallerTable:
     access: tuple[tuple[str, AdapterAccess], ...] = ()
     # Each caller's cache_group (it shares the prefix cache); absent: its own.
     groups: tuple[tuple[str, str], ...] = ()
+    # Each caller's budget (batching/budgets.py); absent: none.
+    budgets: tuple[tuple[str, Budget], ...] = ()
+
+    def budget_table(self) -> dict[str, Budget]:
+        return dict(self.budgets)
 
     def access_for(self, name: str) -> AdapterAccess:
         return next((a for n, a in self.access if n == name), OPEN_ACCESS)
@@ -225,6 +244,26 @@ def _group(where: str, spec: dict[str, Any]) -> str | None:
     return group
 
 
+def _budget(where: str, spec: dict[str, Any]) -> Budget:
+    def tokens(f: str) -> int | None:
+        return _int(f"{where}.{f}", spec[f], 1) if f in spec else None
+
+    def seconds(f: str) -> float | None:
+        if f not in spec:
+            return None
+        value = spec[f]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise CallersError(f"{where}.{f} must be a number > 0")
+        return float(value)
+
+    return Budget(
+        tokens_per_day=tokens("tokens_per_day"),
+        engine_seconds_per_day=seconds("engine_seconds_per_day"),
+        tokens_per_month=tokens("tokens_per_month"),
+        engine_seconds_per_month=seconds("engine_seconds_per_month"),
+    )
+
+
 def _caller(name: str, spec: Any) -> tuple[CallerPolicy, str]:
     where = f"callers.{name}"
     if not _NAME.fullmatch(name):
@@ -282,6 +321,7 @@ def parse_callers(
     keys: list[tuple[bytes, str]] = []
     access: list[tuple[str, AdapterAccess]] = []
     groups: list[tuple[str, str]] = []
+    budgets: list[tuple[str, Budget]] = []
     seen: dict[str, str] = {}
     known = _Known(adapters, base, models)
     for name, spec in table.items():
@@ -296,7 +336,11 @@ def parse_callers(
             access.append((name, rules))
         if (group := _group(f"callers.{name}", spec)) is not None:
             groups.append((name, group))
-    return CallerTable(Callers(tuple(policies)), tuple(keys), tuple(access), tuple(groups))
+        if (budget := _budget(f"callers.{name}", spec)).limited:
+            budgets.append((name, budget))
+    return CallerTable(
+        Callers(tuple(policies)), tuple(keys), tuple(access), tuple(groups), tuple(budgets)
+    )
 
 
 def load_callers(

@@ -237,7 +237,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "--callers", type=Path, metavar="FILE", fills="callers_file",
         help="TOML file of callers: [callers.NAME] key, weight, max_concurrency, "
-        "max_queued, tokens_per_minute (see docs/queue.md); reloaded on SIGHUP",
+        "max_queued, tokens_per_minute, budgets per day and month (see docs/queue.md); "
+        "reloaded on SIGHUP",
     ),
     Option(
         "--shared-prefix-cache", action="store_true", fills="shared_prefix_cache",

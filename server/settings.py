@@ -7,6 +7,7 @@ reads `os.environ`; code that needs a setting gets it from here.
 
 from __future__ import annotations
 
+import math
 import os
 import ssl
 from collections.abc import Mapping
@@ -65,6 +66,10 @@ class EnvView:
     # STATE_DIRECTORY (systemd's StateDirectory=), XDG_STATE_HOME/sluice or
     # ~/.local/state/sluice: the default --state-dir
     state_root: Path = field(default_factory=lambda: default_state_dir({}))
+    # SLUICE_BUDGET_DAY_SECONDS, for tests only: a budget's day is this many
+    # seconds from the epoch and its month 30 of them (batching/budgets.py rule
+    # 2), so a test sees a budget reset; unset (or not a number > 0): UTC days.
+    budget_day: float | None = None
 
     @classmethod
     def from_mapping(cls, env: Mapping[str, str]) -> EnvView:
@@ -78,7 +83,17 @@ class EnvView:
             api_key=env.get("SLUICE_API_KEY") or None,
             cache_root=default_cache_root(env),
             state_root=default_state_dir(env),
+            budget_day=_positive(env.get("SLUICE_BUDGET_DAY_SECONDS")),
         )
+
+
+def _positive(text: str | None) -> float | None:
+    """A number > 0 from an environment variable's text, else None."""
+    try:
+        value = float(text or "")
+    except ValueError:
+        return None
+    return value if 0 < value < math.inf else None
 
 
 def default_state_dir(env: Mapping[str, str]) -> Path:

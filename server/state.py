@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from batching import AdmissionState, ResultCache
+from batching import AdmissionState, Budgets, ResultCache
 from server.callers import CallerDirectory
 from server.engines.loader import ModelLoader
 from server.engines.registry import ModelEntry, ModelRegistry
@@ -35,6 +35,7 @@ from server.wire.request import Limits
 __all__ = [
     "ACCESS",
     "ADMIN",
+    "BUDGETS",
     "CALLER",
     "CALLERS",
     "LOADER",
@@ -120,6 +121,9 @@ STATUS = web.AppKey("status", StatusSampler)  # the status page's ring buffer
 CALLERS = web.AppKey("callers", CallerDirectory)  # who is asking (server/callers.py)
 # Each caller's usage, counted per finished request (server/operations/usage.py).
 USAGE = web.AppKey("usage", UsageBook)
+# Each caller's budget and spend across every model (batching/budgets.py):
+# checked at admission (server/http/pipeline.py), spent as requests end.
+BUDGETS = web.AppKey("budgets", Budgets)
 CALLER = web.RequestKey("caller", str)  # set by the auth middleware when keys name callers
 ADMIN = web.RequestKey("admin", bool)  # /status.json with the admin key: the full view
 REQUEST_ID = web.RequestKey("request_id", str)  # set by the request middleware, every route

@@ -73,6 +73,7 @@ from server.http.door import BATCH_LINE
 from server.operations.tracing import TRACER, RequestSpan
 from server.state import (
     ACCESS,
+    BUDGETS,
     CALLER,
     CALLERS,
     METRICS,
@@ -367,6 +368,26 @@ def check_accepting(request: web.Request) -> None:
     raise SluiceError("the engine is not running", status=503, retry_after=5, code="engine_dead")
 
 
+def check_budget(request: web.Request, caller: str | None) -> None:
+    """429 `insufficient_quota` for a caller that has spent a budget
+    (batching/budgets.py), before its request costs anything; Retry-After is
+    the budget's reset. Requests already admitted finish."""
+    if caller is None:  # open mode: named by the body's `user`, never budgeted
+        return
+    overdraft = request.app[BUDGETS].over(caller, time.time())
+    if overdraft is None:
+        return
+    resets = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(overdraft.resets_at))
+    raise SluiceError(
+        f"caller {caller!r} has used its budget: {overdraft.limit} is {overdraft.allowed:g} "
+        f"and {overdraft.used:g} is spent; it resets at {resets}",
+        status=429,
+        code="insufficient_quota",
+        error_type="insufficient_quota",
+        retry_after=overdraft.retry_after,
+    )
+
+
 def classify(request: web.Request, service_tier: str | None) -> RequestClass:
     """A request's class (batching/classes.py rule 1): a batch line (the door),
     its body's `service_tier`, or its caller's policy in the callers file as it
@@ -434,6 +455,7 @@ def _traced(
         tr = Trace(request[REQUEST_ID], endpoint, time.monotonic(), caller=request.get(CALLER))
         try:
             check_accepting(request)
+            check_budget(request, tr.caller)
             return await run(request, tr)
         except SluiceError as err:
             tr.status, tr.error = err.status, err.code or err.message[:80]
@@ -837,6 +859,11 @@ def _finish_trace(request: web.Request, tr: Trace) -> None:
     if request.get(BATCH_LINE):  # a batch line (server/http/door.py)
         metrics.batch_tokens.inc(tr.prompt_tokens * (tr.status == 200) + tr.completion_tokens)
     request.app[RUNTIME].tokens_out += tr.completion_tokens
+    # The caller's budgets (batching/budgets.py): prompt tokens as counted
+    # above; engine seconds to come from the engine's per-request time.
+    spent = tr.prompt_tokens * (tr.status == 200) + tr.completion_tokens
+    if tr.caller is not None:
+        request.app[BUDGETS].spend(tr.caller, spent, 0.0, time.time())
     t = tr.tickets[0] if tr.tickets else None
     charge = engine_charge(tr.tickets)
     fields: dict[str, Any] = {

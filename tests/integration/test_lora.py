@@ -9,13 +9,22 @@ API runs on the adapter it names (Messages and Responses give chat's text for
 the same conversation); the listing, 404 and 403 follow server/engines/lora.py rule 4;
 the access line and the metrics name the adapter. A bad adapter at start-up
 is one line and exit 2, before any engine starts.
+
+Budgets (issue 52) share this server, the suite's one with a callers file: a
+caller past its tokens_per_day gets 429 `insufficient_quota` with Retry-After
+while another is served, and its batch pauses at the budget and completes
+after the reset, each custom_id once. The module's budget day is `DAY`
+seconds (SLUICE_BUDGET_DAY_SECONDS, a test's short clock), so a reset comes
+within the test.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +45,9 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 MODEL = "sluice-demo"
 # The unit tests' callers file: all (every adapter), support (alpha, its default), sql (beta).
 CALLERS = FILE
+# ... and a caller with a budget: one request spends its day (batching/budgets.py).
+METERED = '[callers.metered]\nkey = "sk-metered"\ntokens_per_day = 1\n'
+DAY = 20.0  # seconds in a budget day on this server (SLUICE_BUDGET_DAY_SECONDS)
 PROMPT = "The quick brown fox"
 ASK: Any = [{"role": "user", "content": "Write about the sea."}]
 
@@ -55,7 +67,7 @@ def server(
 ) -> Iterator[SluiceProcess]:
     tmp = tmp_path_factory.mktemp("lora")
     callers = tmp / "callers.toml"
-    callers.write_text(CALLERS)
+    callers.write_text(CALLERS + METERED)
     callers.chmod(0o600)
     args = [
         "--log-format",
@@ -70,7 +82,12 @@ def server(
         "--lora-modules",
         *(f"{name}={path}" for name, path in adapters.items()),
     ]
-    proc = SluiceProcess(args, cache_dir=demo_cache_root, log_path=tmp / "sluice.log")
+    proc = SluiceProcess(
+        args,
+        cache_dir=demo_cache_root,
+        log_path=tmp / "sluice.log",
+        env={"SLUICE_BUDGET_DAY_SECONDS": str(DAY)},
+    )
     # A longer wait than the default 240 s: on the shared 2-core machine the
     # engine's worker process took 155 s just to start (its import starved).
     with proc.running(timeout=480) as p:
@@ -193,6 +210,64 @@ def test_the_access_line_and_the_metrics_name_the_adapter(server: SluiceProcess)
         f"caller=sql model={MODEL} adapter=beta endpoint=completions class=interactive status=200"
     )
     assert line in server.tail(20000)
+
+
+def spend_the_day(server: SluiceProcess) -> openai.RateLimitError:
+    """`metered`'s requests until one is refused for its budget (each one
+    served spends the day; a reset between two may serve one more)."""
+    metered = client(server, "sk-metered")
+    with pytest.raises(openai.RateLimitError) as refused:
+        for _ in range(3):
+            metered.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2)
+    return refused.value
+
+
+def test_a_caller_past_its_tokens_per_day_gets_429_insufficient_quota(
+    server: SluiceProcess,
+) -> None:
+    err = spend_the_day(server)
+    assert err.status_code == 429
+    assert err.code == "insufficient_quota" and err.type == "insufficient_quota"
+    assert 1 <= int(err.response.headers["retry-after"]) <= DAY + 1
+    assert chat(server, MODEL)  # another caller is served
+
+
+def test_a_batch_pauses_at_the_budget_and_completes_after_the_reset(
+    server: SluiceProcess,
+) -> None:
+    metered = client(server, "sk-metered")
+    spend_the_day(server)
+    reset = (time.time() // DAY + 1) * DAY
+    body: Any = {"model": MODEL, "messages": ASK, "max_tokens": 2, "temperature": 0}
+    lines = [
+        {"custom_id": f"m{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+        for i in range(3)
+    ]
+    data = b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+    f = metered.files.create(file=("in.jsonl", data), purpose="batch")
+    batch = metered.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    while time.time() < reset - 2:  # paused: nothing done before the reset
+        counts = metered.batches.retrieve(batch.id).request_counts
+        assert counts is None or counts.completed + counts.failed == 0, counts
+        time.sleep(0.5)
+    end = time.monotonic() + 240
+    while (batch := metered.batches.retrieve(batch.id)).status not in (
+        "completed",
+        "failed",
+        "expired",
+        "cancelled",
+    ):
+        assert time.monotonic() < end, batch
+        time.sleep(0.5)
+    assert batch.status == "completed" and time.time() >= reset, batch
+    assert batch.request_counts is not None
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (3, 0)
+    assert batch.output_file_id is not None
+    out = [json.loads(x) for x in metered.files.content(batch.output_file_id).text.splitlines()]
+    assert sorted(x["custom_id"] for x in out) == ["m0", "m1", "m2"]
+    assert {x["response"]["status_code"] for x in out} == {200}
 
 
 def start_error(args: list[str], cache_root: Path) -> str:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from batching import DEFAULT_CALLER, CallerPolicy
+from batching import DEFAULT_CALLER, Budget, CallerPolicy
 from server.callers import (
     MAX_USER_NAMES,
     OTHER_CALLER,
@@ -28,6 +28,8 @@ key = "sk-batch"
 max_queued = 200
 tokens_per_minute = 2000000
 background = true
+tokens_per_day = 50000
+engine_seconds_per_month = 36
 """
 
 
@@ -41,6 +43,9 @@ def test_a_good_file() -> None:
     assert table.identify("sk-chat") == "chat" and table.identify("sk-batch") == "batch"
     assert table.identify("sk-cha") is None and table.identify("") is None
     assert "sk-" not in repr(table)  # keys never printed
+    assert table.budget_table() == {
+        "batch": Budget(tokens_per_day=50_000, engine_seconds_per_month=36.0)
+    }
 
 
 @pytest.mark.parametrize(
@@ -58,6 +63,16 @@ def test_a_good_file() -> None:
         ("[callers.a]\nkey = 'k'\ntokens_per_minute = -1", "tokens_per_minute must be"),
         ("[callers.a]\nkey = 'k'\nbackground = 1", "callers.a.background must be true or false"),
         ("[callers.a]\nkey = 'k'\nmax_conc = 2", "unknown field(s) max_conc"),
+        ("[callers.a]\nkey = 'k'\ntokens_per_day = 0", "callers.a.tokens_per_day must be"),
+        ("[callers.a]\nkey = 'k'\ntokens_per_month = 1.5", "tokens_per_month must be an int"),
+        (
+            "[callers.a]\nkey = 'k'\nengine_seconds_per_day = 0",
+            "callers.a.engine_seconds_per_day must be a number > 0",
+        ),
+        (
+            "[callers.a]\nkey = 'k'\nengine_seconds_per_month = '1'",
+            "callers.a.engine_seconds_per_month must be a number > 0",
+        ),
         ("[callers.'a b']\nkey = 'k'", "a name is 1-64 letters"),
         ("[callers]\na = 'k'", "callers.a must be a table"),
         ("[callers.a]\nkey = 'k'\n[callers.b]\nkey = 'k'", "is also the key of callers.a"),

@@ -9,6 +9,12 @@ in memory). A line refused for overload (429, 503: the caller's limits, the
 watchdog, a drain) is sent again after its Retry-After; any other answer is
 its result (an error-file line when not 2xx).
 
+Budgets (batching/budgets.py): while a batch's caller has spent its budget,
+the batch pauses: no new line is sent, and a line refused 429 for the budget
+(it raced the spend of another) waits too; none is failed for it. The
+pause sleeps until the budget resets (or a SIGHUP's new budgets, a cancel,
+the batch's expiry), then the lines go on; lines already sent finish.
+
 Durability (server/operations/state_db.py): a line's result is one row, written
 once when its answer has come whole; a line running at a kill has none and
 runs again after the restart, so every `custom_id` is in the output exactly
@@ -91,6 +97,7 @@ class Batches:
         disk_per_caller: int = 10 * 10**9,
         counted: Callable[[str, int], None] = lambda kind, n: None,
         running: Callable[[int], None] = lambda n: None,
+        over_budget: Callable[[str | None], float | None] = lambda owner: None,
     ) -> None:
         self.db = db
         self.files = files
@@ -100,9 +107,12 @@ class Batches:
         self.in_flight = in_flight
         self._counted = counted  # ("line" | "batch:<status>", n)
         self._running = running  # told how many batches run, as that changes
+        # An owner's seconds until its budget resets while it is spent; None: it may spend.
+        self._over_budget = over_budget
         self._runs: dict[str, _Run] = {}
         self._queue: asyncio.Queue[str] = asyncio.Queue()
-        self._wake = asyncio.Event()  # a drain began, or ended: runs look at `accepting`
+        # Set (and replaced) by look(): paused runs look at their budget again.
+        self._wake = asyncio.Event()
         self._quota = Quota(disk_per_caller)  # loaded from the files' rows at first use
         self._quota_loaded = False
         self._quota_loading = asyncio.Lock()
@@ -233,8 +243,26 @@ class Batches:
         return batch
 
     def look(self) -> None:
-        """The app's admission changed (a drain): running batches look again."""
-        self._wake.set()
+        """The app's admission changed (new budgets): paused batches look again."""
+        wake, self._wake = self._wake, asyncio.Event()
+        wake.set()
+
+    async def _paused(self, run: _Run) -> None:
+        """Return once the batch's owner may spend (or the batch stops): while
+        its budget is spent, sleep until the reset, a look() or a cancel."""
+        paused = False
+        while (wait := self._over_budget(run.owner)) is not None and self._stopping(run) is None:
+            if not paused:
+                paused = True
+                log.info(
+                    "batch paused: its caller's budget is spent",
+                    extra={"fields": {"batch": run.batch["id"], "resets_in_s": round(wait, 1)}},
+                )
+            until_expiry = run.batch["expires_at"] - time.time()
+            # A little past the reset (clocks differ by rounding), never a spin.
+            await _until(max(0.05, min(wait + 0.01, until_expiry)), self._wake, run.cancel)
+        if paused:
+            log.info("batch resumed", extra={"fields": {"batch": run.batch["id"]}})
 
     async def run(self) -> None:
         """Until cancelled; a task of the app's task group. Resumes the batches
@@ -346,6 +374,11 @@ class Batches:
                             continue
                         if self._stopping(run) is not None or not await _room(room, stop):
                             break
+                        # With a place taken (the line before has ended, and been
+                        # charged): while the caller's budget is spent, until it resets.
+                        await self._paused(run)
+                        if self._stopping(run) is not None:
+                            break
                         task = tg.create_task(self._send(session, run, item, room))
                         sending.add(task)
                         task.add_done_callback(sending.discard)
@@ -388,6 +421,11 @@ class Batches:
                     status, retry = 503, None
                 if status not in (429, 503, 529):
                     break
+                if status == 429 and self._over_budget(run.owner) is not None:
+                    await self._paused(run)  # refused for the budget: sent again after its reset
+                    if self._stopping(run) is not None:
+                        return
+                    continue
                 if self._stopping(run) is not None:
                     return
                 wait = float(retry) if retry is not None and full_match(_SECONDS, retry) else 1.0
@@ -581,6 +619,16 @@ async def _room(room: asyncio.Semaphore, stop: asyncio.Task[Any]) -> bool:
         room.release()  # taken as the cancel came: not used
         return False
     return True
+
+
+async def _until(timeout: float, *events: asyncio.Event) -> None:
+    """Until one of `events` is set, or `timeout` seconds have passed."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
 
 
 async def _open(path: Path, mode: str) -> Any:
