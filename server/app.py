@@ -55,7 +55,15 @@ from typing import Any
 
 from aiohttp import web
 
-from batching import DEFAULT_CALLER, AdmissionState, Budgets, Clock, Coalescer, ResultCache
+from batching import (
+    DEFAULT_CALLER,
+    AdmissionState,
+    Budgets,
+    Clock,
+    Coalescer,
+    ResultCache,
+    Spend,
+)
 from batching.pressure import ENGINE_IDLE, Decision, EngineStats, RankStats, State, Transition
 from server.api.lora_admin.endpoint import add_admin_routes
 from server.api.openai_batches.runner import BATCHES, Batches
@@ -297,12 +305,25 @@ async def _guarded(rt: Runtime, name: str, coro: Coroutine[Any, Any, None]) -> N
         rt.stop.set()
 
 
+async def _seed_budgets(app: web.Application) -> None:
+    """Each caller's spend of this day and month, from the durable usage
+    (server/operations/usage.py): a restart keeps what a budget has used."""
+    budgets, at = app[BUDGETS], time.time()
+    day, month = [await app[USAGE].totals_since(t) for t in budgets.periods(at)]
+    budgets.load(
+        at,
+        day={caller: Spend(*spent) for caller, spent in day.items()},
+        month={caller: Spend(*spent) for caller, spent in month.items()},
+    )
+
+
 async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     metrics = app[METRICS]
     rt = app[RUNTIME]
     registry = app[MODELS]
     await app[RESPONSES].open(time.time())  # the state database: before any engine starts
+    await _seed_budgets(app)
     try:
         async with asyncio.TaskGroup() as tg:
 

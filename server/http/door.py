@@ -7,7 +7,8 @@ fair share (issue 42). So the Batch API's runner
 this same app, through a Unix socket in a private directory (mode 0700, the
 socket 0600) opened on the app's runner beside the public socket. A request
 there carrying the process's random secret (`DOOR_HEADER`) is the caller named
-by `CALLER_HEADER`, and a batch line (`BATCH_LINE`): background work
+by `CALLER_HEADER`, and a line of the batch `BATCH_HEADER` names (`BATCH_LINE`,
+its id, for the usage record: server/operations/usage.py): background work
 (batching/classes.py rule 1, which raises its priority; the body stays the
 client's); server/http/middleware.py refuses the header anywhere else.
 """
@@ -24,11 +25,13 @@ from typing import Final
 
 from aiohttp import web
 
-__all__ = ["BATCH_LINE", "CALLER_HEADER", "DOOR", "DOOR_HEADER", "Door"]
+__all__ = ["BATCH_HEADER", "BATCH_LINE", "CALLER_HEADER", "DOOR", "DOOR_HEADER", "Door"]
 
 DOOR_HEADER: Final = "x-sluice-door"
 CALLER_HEADER: Final = "x-sluice-caller"
-BATCH_LINE = web.RequestKey("batch_line", bool)  # set by the middleware at the door
+BATCH_HEADER: Final = "x-sluice-batch"  # the line's batch id, for its usage record
+# Set by the middleware at the door: the batch id of a batch line ("" if unnamed).
+BATCH_LINE = web.RequestKey("batch_line", str)
 
 
 @dataclass(frozen=True, slots=True)

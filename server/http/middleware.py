@@ -34,7 +34,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from server.callers import bearer_token, same_key
 from server.errors import SluiceError
-from server.http.door import BATCH_LINE, CALLER_HEADER, DOOR, DOOR_HEADER
+from server.http.door import BATCH_HEADER, BATCH_LINE, CALLER_HEADER, DOOR, DOOR_HEADER
 from server.http.models import release_model
 from server.operations import logs
 from server.state import (
@@ -307,7 +307,7 @@ def _through_the_door(request: web.Request) -> None:
         raise SluiceError("invalid or missing API key", status=401, code="invalid_api_key")
     if (caller := request.headers.get(CALLER_HEADER)) is not None:
         request[CALLER] = caller
-    request[BATCH_LINE] = True
+    request[BATCH_LINE] = request.headers.get(BATCH_HEADER, "")
 
 
 def _check_metrics_key(request: web.Request) -> None:

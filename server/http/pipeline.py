@@ -71,6 +71,7 @@ from server.engines.registry import ModelEntry
 from server.errors import SluiceError
 from server.http.door import BATCH_LINE
 from server.operations.tracing import TRACER, RequestSpan
+from server.operations.usage import UsageEvent
 from server.state import (
     ACCESS,
     BUDGETS,
@@ -81,6 +82,7 @@ from server.state import (
     RESULTS,
     RUNTIME,
     SETTINGS,
+    USAGE,
     Phase,
 )
 from server.wire.output import PromptLogprob, TokenLogprob, Usage
@@ -135,6 +137,9 @@ class Trace:
     finish_reasons: list[str] = field(default_factory=list)  # per choice, as they end
     # Interactive or background (batching/classes.py), once the body is read.
     request_class: RequestClass | None = None
+    # The Usage API endpoint that counts it (server/operations/usage.py):
+    # "completions" for generations, "embeddings" for pooling (rerank and score too).
+    usage_kind: str = "completions"
 
     def first_token(self) -> None:
         if self.ttft is None:
@@ -393,7 +398,7 @@ def classify(request: web.Request, service_tier: str | None) -> RequestClass:
     its body's `service_tier`, or its caller's policy in the callers file as it
     stands now (SIGHUP swaps it)."""
     return request_class(
-        batch_line=request.get(BATCH_LINE, False),
+        batch_line=BATCH_LINE in request,
         service_tier=service_tier,
         caller=request.app[CALLERS].policy(request.get(CALLER)),
     )
@@ -429,6 +434,7 @@ def pooling_endpoint(
         if tr.caller is None:
             tr.caller = request.app[CALLERS].from_user(job.user)
         tr.request_class = classify(request, None)
+        tr.usage_kind = "embeddings"
         tr.model = job.entry.name
         tr.adapter = job.adapter.name if job.adapter is not None else None
         tr.prompt_tokens = sum(map(len, job.inputs))
@@ -856,16 +862,12 @@ def _finish_trace(request: web.Request, tr: Trace) -> None:
     # A request that failed before its body was read: classed by what is known.
     cls = tr.request_class or classify(request, None)
     metrics.class_requests.labels(cls.value, str(tr.status), *m).inc()
-    if request.get(BATCH_LINE):  # a batch line (server/http/door.py)
+    if BATCH_LINE in request:  # a batch line (server/http/door.py)
         metrics.batch_tokens.inc(tr.prompt_tokens * (tr.status == 200) + tr.completion_tokens)
     request.app[RUNTIME].tokens_out += tr.completion_tokens
-    # The caller's budgets (batching/budgets.py): prompt tokens as counted
-    # above; engine seconds to come from the engine's per-request time.
-    spent = tr.prompt_tokens * (tr.status == 200) + tr.completion_tokens
-    if tr.caller is not None:
-        request.app[BUDGETS].spend(tr.caller, spent, 0.0, time.time())
     t = tr.tickets[0] if tr.tickets else None
     charge = engine_charge(tr.tickets)
+    _account(request, tr, cls, charge)
     fields: dict[str, Any] = {
         "request_id": tr.rid,
         "caller": tr.caller,
@@ -890,6 +892,36 @@ def _finish_trace(request: web.Request, tr: Trace) -> None:
     request[ACCESS].fields = fields  # the request middleware writes the line
     if (tracer := request.app.get(TRACER)) is not None:
         tracer.record(_span(request, tr, t, now, cls))
+
+
+def _account(request: web.Request, tr: Trace, cls: RequestClass, charge: Charge) -> None:
+    """The request's usage (server/operations/usage.py) and its caller's budget
+    spend (batching/budgets.py). What a request is charged: its engine time; its
+    prompt tokens if it was answered or reached the engine (a refused request
+    counts nothing); what it generated, answered or not."""
+    ran = tr.status == 200 or charge.engine_seconds > 0 or tr.completion_tokens > 0
+    if tr.caller is None or tr.model is None or not ran:
+        return
+    at = time.time()
+    request.app[USAGE].record(
+        UsageEvent(
+            at=at,
+            caller=tr.caller,
+            model=tr.model,
+            adapter=tr.adapter,
+            kind=tr.usage_kind,
+            request_class=cls.value,
+            batch_id=request.get(BATCH_LINE) or None,
+            prompt_tokens=tr.prompt_tokens,
+            cached_tokens=sum(tr.cached.values()),
+            completion_tokens=tr.completion_tokens,
+            engine_seconds=charge.engine_seconds,
+            block_seconds=charge.block_seconds,
+        )
+    )
+    request.app[BUDGETS].spend(
+        tr.caller, tr.prompt_tokens + tr.completion_tokens, charge.engine_seconds, at
+    )
 
 
 def engine_charge(tickets: Sequence[Ticket]) -> Charge:

@@ -13,6 +13,7 @@ first. The check is on order only, not on time.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -73,3 +74,58 @@ async def test_a_chat_turn_starts_beside_an_unstarted_long_prompt(
             asyncio.gather(long, _first_token(client, base, chat, "chat", order)), 120
         )
     assert order == ["chat", "long"]
+
+
+def _engine_seconds(base: str, since: int) -> dict[str, float]:
+    """Engine seconds per caller from the Usage API (open mode: every caller's)."""
+    r = httpx.get(
+        base + "/v1/organization/usage/completions",
+        params={"start_time": since, "bucket_width": "1d", "group_by": "api_key_id"},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    seconds: dict[str, float] = {}
+    for bucket in r.json()["data"]:
+        for res in bucket["results"]:
+            key = res["api_key_id"]
+            seconds[key] = seconds.get(key, 0.0) + res["engine_seconds"]
+    return seconds
+
+
+async def _complete(
+    client: httpx.AsyncClient, base: str, prompt: list[int], user: str, n: int
+) -> None:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "ignore_eos": True, "user": user}
+    r = await client.post(base + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+
+
+async def test_each_callers_engine_seconds_add_up_to_the_engines_busy_time(
+    small_step: SluiceProcess,
+) -> None:
+    """Issue 52, item 1, on the real engine with 256-token steps (a long prompt
+    takes many steps of chunks beside the chat turns' decodes): the Usage API's
+    engine seconds per caller add up to the engine's step time over the same
+    requests, within 2 %, and the caller of the long prompts is charged more."""
+    base = small_step.base
+    since = int(time.time()) - 60
+    busy0 = metric(base, "sluice_engine_step_seconds_total")
+    async with httpx.AsyncClient(timeout=240) as client:
+        # Alone: one request is charged every step it ran in.
+        await _complete(client, base, [11 + i % 900 for i in range(1500)], "u-alone", 4)
+        alone = _engine_seconds(base, since)["u-alone"]
+        busy1 = metric(base, "sluice_engine_step_seconds_total")
+        assert alone == pytest.approx(busy1 - busy0, rel=0.02)
+        # Beside each other: long prompts and short chat turns.
+        jobs = [
+            _complete(client, base, [13 + (i + k) % 900 for i in range(2500)], "u-long", 4)
+            for k in range(3)
+        ] + [
+            _complete(client, base, [7 + k + i for i in range(CHAT)], "u-chat", 24)
+            for k in range(12)
+        ]
+        await asyncio.wait_for(asyncio.gather(*jobs), 240)
+    busy2 = metric(base, "sluice_engine_step_seconds_total")
+    used = _engine_seconds(base, since)
+    assert used["u-long"] + used["u-chat"] == pytest.approx(busy2 - busy1, rel=0.02)
+    assert used["u-long"] > used["u-chat"] > 0

@@ -51,7 +51,7 @@ from server.api.openai_batches.output import (
 from server.api.openai_batches.parse import Line, LineError, check_line
 from server.api.openai_batches.quota import Quota
 from server.errors import SluiceError
-from server.http.door import CALLER_HEADER, DOOR_HEADER, Door
+from server.http.door import BATCH_HEADER, CALLER_HEADER, DOOR_HEADER, Door
 from server.operations.state_db import JobRow, StateDB
 from server.wire.fields import full_match
 from server.wire.request import Limits
@@ -404,6 +404,7 @@ class Batches:
             DOOR_HEADER: self.door.secret,
             "content-type": "application/json",
             "x-request-id": f"{batch_id}-{line.line}",
+            BATCH_HEADER: batch_id,
         }
         if run.owner is not None:
             headers[CALLER_HEADER] = run.owner
