@@ -142,7 +142,11 @@ class FakeEngine:
     # callback the driver watches them with.
     steps: list[EngineStep] = field(default_factory=list)
     on_step: Callable[[], None] | None = None
+    # Each generation's share of the engine's steps (batching/ledger.py), as
+    # the real adapter's ledger would charge it: `charges` by request id, else
+    # `charge_each`.
     charges: dict[str, Charge] = field(default_factory=dict)
+    charge_each: Charge = field(default_factory=Charge)
     # What the fake model serves (interface.py Kind): a pooling kind answers
     # pooling requests with a vector of `embed_dims` derived from the prompt's
     # ids (a unit vector, the same for the same ids), or a cross-encoder's
@@ -207,8 +211,8 @@ class FakeEngine:
         self.on_step = callback
 
     def charge(self, request_id: str) -> Charge:
-        """What a test set in `charges` for the request (none: zero), taken once."""
-        return self.charges.pop(request_id, Charge())
+        """What a test set for the request, taken once."""
+        return self.charges.pop(request_id, self.charge_each)
 
     def report_steps(self, *steps: EngineStep) -> None:
         """Report engine steps, as vLLM's stat logger would after each."""

@@ -21,12 +21,18 @@ req/s. It is a stand-in only here, to price the front alone: every test of the
 front against an engine runs the real one (tests/integration).
 
     python -m bench.points.front_bench [--points 128x64,512x32] [--requests 512,1536] [--repeat 3]
+
+`--accounting both` prices issue 52's accounting: each repetition runs every
+point without it (no step ledger in the stand-in, no usage record or budget
+spend per request: the pipeline's `_account` left out) and with it, alternating,
+and reports the ratio of the medians.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -314,7 +320,29 @@ class PointResult:
 
 
 async def _serve_point(
-    concurrency: int, output_len: int, requests: int, *, step: float, slots: int, prompt: int
+    concurrency: int,
+    output_len: int,
+    requests: int,
+    *,
+    step: float,
+    slots: int,
+    prompt: int,
+    accounting: bool = True,
+) -> PointResult:
+    from unittest import mock
+
+    from batching import StepLedger
+    from server.http import pipeline
+
+    engine = StepEngine(step=step, slots=slots, ledger=StepLedger() if accounting else None)
+    with contextlib.ExitStack() as stack:
+        if not accounting:
+            stack.enter_context(mock.patch.object(pipeline, "_account", lambda *a: None))
+        return await _serve_app(engine, concurrency, output_len, requests, prompt)
+
+
+async def _serve_app(
+    engine: StepEngine, concurrency: int, output_len: int, requests: int, prompt: int
 ) -> PointResult:
     from aiohttp import web
 
@@ -323,7 +351,6 @@ async def _serve_point(
     from server.app import build_app
     from server.settings import Settings
 
-    engine = StepEngine(step=step, slots=slots)
     settings = dataclasses.replace(
         Settings(model_name=MODEL, model_path="/models/front-bench"),
         core=CoalescerConfig(),
@@ -396,6 +423,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--step", type=float, default=0.05, help="seconds per engine step")
     ap.add_argument("--slots", type=int, default=128, help="the engine's running slots")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument(
+        "--accounting",
+        choices=("on", "off", "both"),
+        default="on",
+        help="usage accounting per request (issue 52); both: alternate, report the ratio",
+    )
     ns = ap.parse_args(argv)
     points = _points(ns.points)
     counts = [int(x) for x in ns.requests.split(",")]
@@ -422,33 +455,45 @@ def _run(
 ) -> int:
     import uvloop
 
-    results: dict[tuple[int, int], list[PointResult]] = {}
+    results: dict[tuple[int, int, bool], list[PointResult]] = {}
+    modes = {"on": [True], "off": [False], "both": [False, True]}[ns.accounting]
     try:
         # A short point first, not reported: imports and first-call paths
         # (vLLM's output classes, the adapter's sampling_params) are paid here.
         uvloop.run(_serve_point(8, 4, 16, step=ns.step, slots=ns.slots, prompt=ns.prompt))
-        for _ in range(ns.repeat):
+        for i in range(ns.repeat):
             for (c, o), n in zip(points, counts, strict=True):
-                r = uvloop.run(
-                    _serve_point(c, o, n, step=ns.step, slots=ns.slots, prompt=ns.prompt)
-                )
-                results.setdefault((c, o), []).append(r)
-                print(json.dumps(dataclasses.asdict(r)), flush=True)
+                # Alternated, the order flipped each repetition: drift is shared.
+                for acct in modes if i % 2 == 0 else modes[::-1]:
+                    r = uvloop.run(
+                        _serve_point(
+                            c, o, n, step=ns.step, slots=ns.slots, prompt=ns.prompt, accounting=acct
+                        )
+                    )
+                    results.setdefault((c, o, acct), []).append(r)
+                    print(json.dumps({**dataclasses.asdict(r), "accounting": acct}), flush=True)
     finally:
         listener.stop()
+    from statistics import median
+
     from bench.report.cells import spread_cell
 
-    for (c, o), rs in results.items():
+    def cell(vals: list[float]) -> str:
+        return spread_cell(vals, ".2f")
 
-        def cell(vals: list[float]) -> str:
-            return spread_cell(vals, ".2f")
-
+    for (c, o, acct), rs in results.items():
+        label = f"accounting {'on' if acct else 'off'}: " if len(modes) > 1 else ""
         print(
-            f"c={c}, {o} out: front CPU {cell([r.cpu_ms_per_request for r in rs])} ms/request "
-            f"(system {cell([r.sys_ms_per_request for r in rs])}), "
+            f"c={c}, {o} out: {label}front CPU {cell([r.cpu_ms_per_request for r in rs])} "
+            f"ms/request (system {cell([r.sys_ms_per_request for r in rs])}), "
             f"{cell([r.us_per_output for r in rs])} us/output, "
             f"{cell([r.req_s for r in rs])} req/s, failed {sum(r.failed for r in rs)}"
         )
+    if len(modes) > 1:
+        for (c, o), _ in zip(points, counts, strict=True):
+            on = median(r.cpu_ms_per_request for r in results[(c, o, True)])
+            off = median(r.cpu_ms_per_request for r in results[(c, o, False)])
+            print(f"c={c}, {o} out: front CPU with accounting / without: {on / off:.3f}x")
     return 0
 
 

@@ -1,13 +1,17 @@
 """What Sluice holds outlives a SIGKILL: a stored response created with the
 `openai` client is read back and continued, and a batch killed mid-way resumes
 and completes with each `custom_id` exactly once in its output, after Sluice
-is killed and started again on the same --state-dir (two engine starts)."""
+is killed and started again on the same --state-dir (two engine starts). The
+usage written before the kill is still there, no line of the batch counted
+twice, and a caller that spent its day's budget is still refused."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -23,8 +27,44 @@ MODEL = "sluice-demo"
 NO_THINK: Any = {"effort": "none"}
 
 
-def _client(proc: SluiceProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=proc.base + "/v1", api_key="unused", max_retries=0)
+CALLERS = """
+[callers.main]
+key = "sk-main"
+[callers.metered]
+key = "sk-metered"
+tokens_per_day = 1
+"""
+
+
+def _client(proc: SluiceProcess, key: str = "sk-main") -> openai.OpenAI:
+    # The Usage API is an admin route in the client: a caller's own key reads its own.
+    return openai.OpenAI(base_url=proc.base + "/v1", api_key=key, admin_api_key=key, max_retries=0)
+
+
+def _written(state: Path, caller: str) -> int:
+    """Requests of `caller` in the usage table on disk (what a kill keeps)."""
+    with contextlib.closing(sqlite3.connect(f"file:{state / 'state.db'}?mode=ro", uri=True)) as db:
+        row = db.execute(
+            "SELECT COALESCE(SUM(requests), 0) FROM usage_hours WHERE caller = ?", (caller,)
+        ).fetchone()
+    return int(row[0])
+
+
+def _metered_chat(client: openai.OpenAI) -> Any:
+    return client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi."}],
+        max_tokens=4,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+
+
+def _batch_requests(client: openai.OpenAI) -> int:
+    """Batch lines in the caller's usage (all time), through the openai client."""
+    page = client.admin.organization.usage.completions(
+        start_time=int(time.time()) - 86400, bucket_width="1d", group_by=["batch"]
+    )
+    return sum(r.num_model_requests for b in page.data for r in b.results if r.batch)
 
 
 def _gone(pid: int) -> bool:
@@ -70,7 +110,10 @@ def test_stored_responses_and_a_batch_survive_a_sigkill(
     demo_cache_root: Path, tmp_path: Path
 ) -> None:
     state = tmp_path / "state"
-    args = ["--state-dir", str(state), "--batch-lines-in-flight", "4"]
+    callers = tmp_path / "callers.toml"
+    callers.write_text(CALLERS)
+    callers.chmod(0o600)
+    args = ["--state-dir", str(state), "--batch-lines-in-flight", "4", "--callers", str(callers)]
     first = SluiceProcess(args, cache_dir=demo_cache_root, log_path=tmp_path / "first.log")
     try:
         first.wait_ready()
@@ -82,8 +125,17 @@ def test_stored_responses_and_a_batch_survive_a_sigkill(
         batch = client.batches.create(
             input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
+        # The metered caller spends its day's budget; its usage reaches the disk
+        # by the ledger's own flush (within its 2 s), not by a read of it.
+        _metered_chat(_client(first, "sk-metered"))
+        deadline = time.monotonic() + 30
+        while _written(state, "metered") < 1:
+            assert time.monotonic() < deadline, "the usage was not written"
+            time.sleep(0.1)
         # Killed with some lines done and others running.
-        _until(client, batch.id, lambda b: b.request_counts.completed >= 4, 120)
+        done_at_kill = _until(
+            client, batch.id, lambda b: b.request_counts.completed >= 4, 120
+        ).request_counts.completed
         cores = first.engine_core_pids()
         assert cores, first.tail()
         os.kill(first.proc.pid, signal.SIGKILL)  # no drain, no close of the database
@@ -121,3 +173,9 @@ def test_stored_responses_and_a_batch_survive_a_sigkill(
         out = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
         assert sorted(x["custom_id"] for x in out) == sorted(f"k{i}" for i in range(LINES))
         assert all(x["response"]["status_code"] == 200 for x in out)
+        # Each line's usage once: those the kill caught unwritten (at most its
+        # last 2 s) are missing, none is counted twice.
+        assert LINES - done_at_kill <= _batch_requests(client) <= LINES
+        with pytest.raises(openai.RateLimitError) as over:
+            _metered_chat(_client(second, "sk-metered"))
+        assert over.value.code == "insufficient_quota"

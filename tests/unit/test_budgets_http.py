@@ -16,11 +16,14 @@ from typing import Any
 import orjson
 import pytest
 
+from batching import Charge
 from server.api.openai_batches.runner import BATCHES
 from server.app import reload_callers
 from server.callers import parse_callers
+from server.operations.usage import UsageQuery
 from server.settings import EnvView
-from server.state import BUDGETS
+from server.state import BUDGETS, USAGE
+from tests.fakes import FakeEngine
 from tests.unit.test_batches_http import content, finished, jsonl, line, serve, upload
 from tests.unit.test_callers_http import bearer, with_file
 from tests.unit.test_handlers import CHAT, HI, assert_error, chat, retry_after, scrape
@@ -180,3 +183,35 @@ def test_the_short_clock_is_read_once_from_the_environment() -> None:
     for bad in ("", "0", "-1", "x", "inf", "nan"):
         assert EnvView.from_mapping({"SLUICE_BUDGET_DAY_SECONDS": bad}).budget_day is None
     assert EnvView.from_mapping({}).budget_day is None
+
+
+async def test_engine_seconds_are_spent_and_counted_in_usage(make_client: Any) -> None:
+    """Each request's engine seconds (the fake's per-generation charge, as the
+    adapter's ledger would give it) reach both the budget and the usage record."""
+    text = FILE.replace("tokens_per_day = {limit}", "engine_seconds_per_day = 0.9")
+    engine = FakeEngine(charge_each=Charge(0.5, 2.0))
+    client, app, _ = await with_file(make_client, text, engine=engine, warmup=False)
+    for _ in range(2):
+        await _spent(client)
+    resp = await client.post(CHAT, json=chat(), headers=bearer("sk-capped"))
+    err = await assert_error(resp, 429, code="insufficient_quota")
+    assert "engine_seconds_per_day" in err["message"]
+    page = await app[USAGE].query(
+        UsageQuery("completions", int(time.time()) - 60, int(time.time()) + 60, width=3600)
+    )
+    (used,) = [r for b in page.buckets for r in b.results]
+    assert (used.requests, used.engine_seconds, used.block_seconds) == (2, 1.0, 4.0)
+
+
+async def test_a_budgets_spend_survives_a_restart(make_client: Any, tmp_path: Path) -> None:
+    """The spend is in the durable usage (server/operations/usage.py): a new
+    process on the same state directory starts from it."""
+    text = FILE.format(limit=10)
+    client, _, _ = await with_file(make_client, text, state_dir=tmp_path, warmup=False)
+    await _spent(client)
+    await client.close()  # a clean stop: the usage is written
+    again, _, _ = await with_file(make_client, text, state_dir=tmp_path, warmup=False)
+    resp = await again.post(CHAT, json=chat(), headers=bearer("sk-capped"))
+    await assert_error(resp, 429, code="insufficient_quota")
+    served = await again.post(CHAT, json=chat(), headers=bearer("sk-free"))
+    assert served.status == 200, await served.text()
