@@ -917,6 +917,7 @@ def _account(request: web.Request, tr: Trace, cls: RequestClass, charge: Charge)
             completion_tokens=tr.completion_tokens,
             engine_seconds=charge.engine_seconds,
             block_seconds=charge.block_seconds,
+            api=tr.endpoint,
         )
     )
     request.app[BUDGETS].spend(

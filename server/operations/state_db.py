@@ -91,6 +91,7 @@ MIGRATIONS: Final[tuple[str, ...]] = (
         model TEXT NOT NULL,
         adapter TEXT NOT NULL,
         kind TEXT NOT NULL,
+        api TEXT NOT NULL,
         class TEXT NOT NULL,
         batch_id TEXT NOT NULL,
         requests INTEGER NOT NULL,
@@ -99,7 +100,7 @@ MIGRATIONS: Final[tuple[str, ...]] = (
         completion_tokens INTEGER NOT NULL,
         engine_seconds REAL NOT NULL,
         block_seconds REAL NOT NULL,
-        PRIMARY KEY (bucket, caller, model, adapter, kind, class, batch_id)
+        PRIMARY KEY (bucket, caller, model, adapter, kind, api, class, batch_id)
     ) WITHOUT ROWID;
     CREATE TABLE usage_hours (
         bucket INTEGER NOT NULL,
@@ -107,6 +108,7 @@ MIGRATIONS: Final[tuple[str, ...]] = (
         model TEXT NOT NULL,
         adapter TEXT NOT NULL,
         kind TEXT NOT NULL,
+        api TEXT NOT NULL,
         class TEXT NOT NULL,
         batch_id TEXT NOT NULL,
         requests INTEGER NOT NULL,
@@ -115,7 +117,7 @@ MIGRATIONS: Final[tuple[str, ...]] = (
         completion_tokens INTEGER NOT NULL,
         engine_seconds REAL NOT NULL,
         block_seconds REAL NOT NULL,
-        PRIMARY KEY (bucket, caller, model, adapter, kind, class, batch_id)
+        PRIMARY KEY (bucket, caller, model, adapter, kind, api, class, batch_id)
     ) WITHOUT ROWID;
     """,
 )
@@ -142,13 +144,15 @@ def prepare_state_dir(path: Path) -> Path:
 
 # The usage tables (server/operations/usage.py): minute rows, hour rows.
 USAGE_TABLES: Final = ("usage_minutes", "usage_hours")
-# (bucket, caller, model, adapter, kind, class, batch_id, requests, prompt_tokens,
+# (bucket, caller, model, adapter, kind, api, class, batch_id, requests, prompt_tokens,
 # cached_tokens, completion_tokens, engine_seconds, block_seconds): one row to add.
-UsageRow = tuple[int, str, str, str, str, str, str, int, int, int, int, float, float]
-# What a usage query answers per group: (bucket, caller, model, batch, requests,
+UsageRow = tuple[int, str, str, str, str, str, str, str, int, int, int, int, float, float]
+# What a usage query answers per group: (bucket, caller, model, batch, api, requests,
 # prompt_tokens, cached_tokens, completion_tokens, engine_seconds, block_seconds);
-# caller, model and batch are None when not grouped by.
-UsageSum = tuple[int, str | None, str | None, bool | None, int, int, int, int, float, float]
+# caller, model, batch and api are None when not grouped by.
+UsageSum = tuple[
+    int, str | None, str | None, bool | None, str | None, int, int, int, int, float, float
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -399,7 +403,7 @@ class StateDB:
             db.execute("BEGIN")
             for table, rows in zip(USAGE_TABLES, (minutes, hours), strict=True):
                 db.executemany(
-                    f"INSERT INTO {table} VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                    f"INSERT INTO {table} VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
                     " ON CONFLICT DO UPDATE SET"
                     " requests = requests + excluded.requests,"
                     " prompt_tokens = prompt_tokens + excluded.prompt_tokens,"
@@ -436,6 +440,7 @@ class StateDB:
         by_caller: bool,
         by_model: bool,
         by_batch: bool,
+        by_api: bool = False,
         callers: Sequence[str] | None = None,
         models: Sequence[str] | None = None,
         batch: bool | None = None,
@@ -445,7 +450,7 @@ class StateDB:
         for: an adapter's rows count as the model of its own name (the name a
         client sent). `callers`, `models`: only those (None: all); `batch`:
         only batch lines (True) or only the rest (False)."""
-        args = (kind, start, end, width, by_caller, by_model, by_batch)
+        args = (kind, start, end, width, by_caller, by_model, by_batch, by_api)
         filters = (
             None if callers is None else tuple(callers),
             None if models is None else tuple(models),
@@ -456,10 +461,10 @@ class StateDB:
     def _usage_sums(
         self,
         table: str,
-        args: tuple[str, int, int, int, bool, bool, bool],
+        args: tuple[str, int, int, int, bool, bool, bool, bool],
         filters: tuple[tuple[str, ...] | None, tuple[str, ...] | None, bool | None],
     ) -> list[UsageSum]:
-        kind, start, end, width, by_caller, by_model, by_batch = args
+        kind, start, end, width, by_caller, by_model, by_batch, by_api = args
         callers, models, batch = filters
         name = "CASE WHEN adapter != '' THEN adapter ELSE model END"
         is_batch = "batch_id != ''"
@@ -478,10 +483,11 @@ class StateDB:
             f" {'caller' if by_caller else 'NULL'},"
             f" {name if by_model else 'NULL'},"
             f" {is_batch if by_batch else 'NULL'},"
+            f" {'api' if by_api else 'NULL'},"
             " SUM(requests), SUM(prompt_tokens), SUM(cached_tokens), SUM(completion_tokens),"
             " SUM(engine_seconds), SUM(block_seconds)"
             f" FROM {table} WHERE {' AND '.join(where)}"
-            " GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 3, 4"
+            " GROUP BY 1, 2, 3, 4, 5 ORDER BY 1, 2, 3, 4, 5"
         )
         return [
             (r[0], r[1], r[2], None if r[3] is None else bool(r[3]), *r[4:])

@@ -60,8 +60,8 @@ _RECENT_EVERY_S = 10.0
 # Bucket widths in seconds, by the Usage API's names.
 WIDTHS: Mapping[str, int] = {"1m": 60, "1h": 3600, "1d": 86400}
 
-# (bucket, caller, model, adapter or "", kind, class, batch_id or ""): one row's key.
-_Key = tuple[int, str, str, str, str, str, str]
+# (bucket, caller, model, adapter or "", kind, api, class, batch_id or ""): one row's key.
+_Key = tuple[int, str, str, str, str, str, str, str]
 # requests, prompt_tokens, cached_tokens, completion_tokens, engine_seconds, block_seconds
 _Counts = list[float]
 
@@ -82,6 +82,9 @@ class UsageEvent:
     completion_tokens: int
     engine_seconds: float  # its share of the engine's step time
     block_seconds: float  # KV blocks held x seconds
+    # The API it came through (the access line's endpoint: chat, messages,
+    # responses, ollama_chat, embeddings, ...); "" when not known.
+    api: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +92,7 @@ class UsageQuery:
     """Buckets of `width` seconds (60, 3600 or 86400: aligned to UTC minutes,
     hours, days) from `start` (rounded down to a bucket) to `end` (exclusive,
     rounded up), of one `kind`, grouped by the fields in `group_by` ("caller",
-    "model", "batch"); `callers` and `models` keep only those (None: all),
+    "model", "batch", and Sluice's own "api"); `callers` and `models` keep only those (None: all),
     `batch` only batch lines (True) or only the rest (False)."""
 
     kind: str
@@ -109,6 +112,7 @@ class UsageResult:
     caller: str | None
     model: str | None  # an adapter's requests: the adapter's name
     batch: bool | None
+    api: str | None  # grouped by "api" (Sluice's own): the API the requests came through
     requests: int
     prompt_tokens: int
     cached_tokens: int
@@ -173,8 +177,8 @@ def _rows(pending: Mapping[_Key, _Counts]) -> list[UsageRow]:
 def _merge(into: dict[_Key, _Counts], rows: Iterable[UsageRow]) -> None:
     """Rows a failed write held, back into what is pending."""
     for r in rows:
-        key: _Key = r[:7]
-        counts: _Counts = list(r[7:])
+        key: _Key = r[:8]
+        counts: _Counts = list(r[8:])
         c = into.get(key)
         if c is None:
             into[key] = counts
@@ -219,6 +223,7 @@ class UsageBook:
             event.model,
             event.adapter or "",
             event.kind,
+            event.api,
             event.request_class,
             event.batch_id or "",
         )
@@ -306,6 +311,7 @@ class UsageBook:
                 by_caller="caller" in q.group_by,
                 by_model="model" in q.group_by,
                 by_batch="batch" in q.group_by,
+                by_api="api" in q.group_by,
                 callers=None if q.callers is None else sorted(q.callers),
                 models=None if q.models is None else sorted(q.models),
                 batch=q.batch,

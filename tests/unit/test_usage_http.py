@@ -222,3 +222,22 @@ async def test_the_openai_clients_own_usage_call_reads_it(make_client: Any) -> N
     got = sorted((r.api_key_id, r.model, r.num_model_requests) for r in results)
     assert got == [("alice", "fake", 2), ("bob", "fake", 1)]
     assert not page.has_more
+
+
+async def test_group_by_api_splits_the_apis_a_caller_used(make_client: Any) -> None:
+    """Sluice's own `group_by=api`: usage per API the requests came through."""
+    client, app, now = await keyed(make_client)
+    app[USAGE].record(event(now - 30, "alice", api="messages", completion_tokens=9))
+    app[USAGE].record(event(now - 30, "alice", api="chat"))
+    params = {"start_time": now - 3600, "bucket_width": "1h", "group_by": "api_key_id,api"}
+    body = await (await client.get(URL, params=params, headers=ALICE)).json()
+    got = sorted(
+        (r["api"], r["num_model_requests"], r["output_tokens"])
+        for b in body["data"]
+        for r in b["results"]
+    )
+    assert got == [("", 2, 10), ("chat", 1, 5), ("messages", 1, 9)]
+    body = await (
+        await client.get(URL, params=params | {"group_by": "model"}, headers=ALICE)
+    ).json()
+    assert {r["api"] for b in body["data"] for r in b["results"]} == {None}

@@ -26,9 +26,12 @@ Rules:
    cannot apply it.
 3. Every bucket of the page's range is in `data`, the empty ones with
    `results: []`, as OpenAI's are. A field not grouped by is null.
-4. Each result carries Sluice's own two fields beside OpenAI's:
-   `engine_seconds` (the requests' share of the engine's step time) and
-   `kv_block_seconds` (KV-cache blocks held x seconds).
+4. Each result carries Sluice's own fields beside OpenAI's:
+   `engine_seconds` (the requests' share of the engine's step time),
+   `kv_block_seconds` (KV-cache blocks held x seconds) and `api` (with
+   Sluice's own `group_by=api`: the API the requests came through, as the
+   access line names it: `chat`, `completions`, `responses`, `messages`,
+   `ollama_chat`, `embeddings`, ...; else null).
 5. Who sees what: the admin key (`Authorization: Bearer`, --admin-key-file)
    sees every caller; a caller's key sees only its own rows (the caller
    filter is forced to it); without any keys (open mode, where every other
@@ -61,9 +64,18 @@ _LIMITS = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}
 # Rule 2: what each endpoint may group by; the caller's two names, the rest null.
 _GROUPS = {
     "completions": frozenset(
-        {"project_id", "user_id", "api_key_id", "model", "batch", "service_tier", "api_source"}
+        {
+            "project_id",
+            "user_id",
+            "api_key_id",
+            "model",
+            "batch",
+            "service_tier",
+            "api_source",
+            "api",
+        }
     ),
-    "embeddings": frozenset({"project_id", "user_id", "api_key_id", "model"}),
+    "embeddings": frozenset({"project_id", "user_id", "api_key_id", "model", "api"}),
 }
 _CURSOR = "page_"
 
@@ -165,7 +177,7 @@ def parse_query(
     groups = set()
     if {"api_key_id", "project_id"} & set(group_by):
         groups.add("caller")
-    groups.update(g for g in group_by if g in ("model", "batch"))
+    groups.update(g for g in group_by if g in ("model", "batch", "api"))
     models = _values(query, "models")
     q = UsageQuery(
         kind=kind,
@@ -206,6 +218,7 @@ def _result(kind: str, r: UsageResult, group_by: frozenset[str]) -> dict[str, An
     out |= {
         "engine_seconds": round(r.engine_seconds, 6),
         "kv_block_seconds": round(r.block_seconds, 6),
+        "api": r.api,
     }
     return out
 
