@@ -39,13 +39,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = ["Charge", "StepLedger", "StepOutput"]
 
 
-@dataclass(frozen=True, slots=True)
-class StepOutput:
-    """One request's output in a step, as the engine reported it."""
+class StepOutput(NamedTuple):
+    """One request's output in a step, as the engine reported it (a tuple: one
+    is made per output of every step, 0.3 us against a frozen dataclass's 1.5)."""
 
     request_id: str
     new_tokens: int
@@ -70,26 +71,54 @@ NO_CHARGE = Charge()
 
 
 class _Open:
-    __slots__ = ("block_seconds", "generated", "prefilled", "prompt", "rank", "seconds", "started")
+    __slots__ = (
+        "block_seconds",
+        "blocks",
+        "generated",
+        "mark",
+        "prefilled",
+        "prompt",
+        "rank",
+        "seconds",
+        "started",
+    )
 
-    def __init__(self, prompt: int, rank: int) -> None:
+    def __init__(self, prompt: int, rank: int, mark: float) -> None:
         self.prompt = prompt
         self.rank = rank
         self.prefilled = 0  # prompt tokens charged so far (rules 3-4)
         self.generated = 0
         self.started = False  # its first output came
         self.seconds = 0.0
+        # Rule 7, kept lazily: `blocks` held since its rank's step clock read
+        # `mark`; settled (added to block_seconds) whenever its tokens change.
         self.block_seconds = 0.0
+        self.blocks = 0
+        self.mark = mark
+
+    def settle(self, clock: float, size: int) -> None:
+        """Rule 7 up to `clock`, then the blocks its tokens fill now."""
+        self.block_seconds += self.blocks * (clock - self.mark)
+        self.mark = clock
+        held = (self.prompt if self.started else self.prefilled) + self.generated
+        self.blocks = -(-held // size)
 
 
 class StepLedger:
-    """Per-request engine seconds and block-seconds, from the engine's steps."""
+    """Per-request engine seconds and block-seconds, from the engine's steps.
+
+    A step costs O(its outputs) (plus the prompts it finds still prefilling,
+    rule 4): block-seconds are settled per request when its tokens change,
+    against its rank's clock of step seconds, not by a pass over every request.
+    """
 
     def __init__(self, block_size: int = 16) -> None:
         self.block_size = max(1, block_size)
         self._open: dict[str, _Open] = {}
         # Not started yet, per rank, in admission order (rule 4).
         self._prefilling: dict[int, dict[str, _Open]] = {}
+        # Each rank's step seconds so far (rule 7's clock).
+        self._clock: dict[int, float] = {}
         self.seconds_total = 0.0  # every step's seconds
         self.unattributed = 0.0  # rule 5's steps with no request to charge
         self.closed_seconds = 0.0  # charged to requests since closed
@@ -97,7 +126,10 @@ class StepLedger:
     # -- queries -------------------------------------------------------------
     def charged(self, request_id: str) -> Charge:
         o = self._open.get(request_id)
-        return NO_CHARGE if o is None else Charge(o.seconds, o.block_seconds)
+        if o is None:
+            return NO_CHARGE
+        pending = o.blocks * (self._clock.get(o.rank, 0.0) - o.mark)
+        return Charge(o.seconds, o.block_seconds + pending)
 
     def open_seconds(self) -> float:
         return sum(o.seconds for o in self._open.values())
@@ -109,7 +141,7 @@ class StepLedger:
     def admit(self, request_id: str, prompt_tokens: int, rank: int = 0) -> None:
         if request_id in self._open:
             self.close(request_id)  # an id used again: its first life ends here
-        o = _Open(max(0, prompt_tokens), rank)
+        o = _Open(max(0, prompt_tokens), rank, self._clock.get(rank, 0.0))
         self._open[request_id] = o
         self._prefilling.setdefault(rank, {})[request_id] = o
 
@@ -118,6 +150,7 @@ class StepLedger:
         if o is None:
             return NO_CHARGE
         self._prefilling.get(o.rank, {}).pop(request_id, None)
+        o.settle(self._clock.get(o.rank, 0.0), self.block_size)
         self.closed_seconds += o.seconds
         return Charge(o.seconds, o.block_seconds)
 
@@ -132,62 +165,72 @@ class StepLedger:
         """One step of `rank`: `seconds` split by rules 2-7."""
         seconds = max(0.0, seconds)
         self.seconds_total += seconds
+        clock = self._clock.get(rank, 0.0)
+        size = self.block_size
+        get = self._open.get
         prefilling = self._prefilling.get(rank, {})
-        prefill: dict[str, tuple[_Open, float]] = {}
-        decode: dict[str, tuple[_Open, float]] = {}
-        left = prefill_tokens
+        prefill: list[tuple[_Open, int]] = []
+        decode: list[tuple[_Open, int]] = []
+        pre_total = dec_total = 0
         for out in outputs:
-            o = self._open.get(out.request_id)
+            o = get(out.request_id)
             if o is None:
                 continue  # rule 1
+            n = out.new_tokens
             if o.started:
-                decode[out.request_id] = (o, float(out.new_tokens))
-            else:  # rule 3
-                computed = o.prompt if out.computed is None else min(out.computed, o.prompt)
-                w = max(computed - o.prefilled, 0)
-                prefill[out.request_id] = (o, float(w))
-                left -= w
-                o.started = True
-                o.prefilled = o.prompt
-                prefilling.pop(out.request_id, None)
-            o.generated += out.new_tokens
+                if n > 0:
+                    decode.append((o, n))
+                    dec_total += n
+                    o.generated += n
+                    if o.prompt + o.generated > o.blocks * size:  # rule 7: a new block
+                        o.settle(clock if o.rank == rank else self._clock.get(o.rank, 0.0), size)
+                continue
+            # Rule 3: its first output.
+            computed = o.prompt if out.computed is None else min(out.computed, o.prompt)
+            w = computed - o.prefilled
+            if w > 0:
+                prefill.append((o, w))
+                pre_total += w
+            o.started = True
+            o.prefilled = o.prompt
+            prefilling.pop(out.request_id, None)
+            o.generated += n
+            o.settle(clock if o.rank == rank else self._clock.get(o.rank, 0.0), size)  # rule 7
+        left = prefill_tokens - pre_total
         if left > 0:  # rule 4
-            for rid, o in prefilling.items():
-                take = min(max(o.prompt - 1 - o.prefilled, 0), left)
+            for o in prefilling.values():
+                take = min(o.prompt - 1 - o.prefilled, left)
                 if take > 0:
                     o.prefilled += take
-                    prefill[rid] = (o, float(take))
+                    o.settle(clock, size)
+                    prefill.append((o, take))
+                    pre_total += take
                     left -= take
                     if left <= 0:
                         break
-        weights = _scaled(prefill, prefill_tokens) + _scaled(decode, decode_tokens)
-        total = sum(w for _, w in weights)
-        if total <= 0:  # rule 5: nothing placed
+        self._clock[rank] = clock + seconds
+        # Rule 5: each part weighs what the engine scheduled of it (as counted
+        # where it reported none).
+        pre_w = prefill_tokens if pre_total and prefill_tokens > 0 else pre_total
+        dec_w = decode_tokens if dec_total and decode_tokens > 0 else dec_total
+        total = pre_w + dec_w
+        if total <= 0:  # nothing placed: evenly over the rank's open requests
             on_rank = [o for o in self._open.values() if o.rank == rank]
             if not on_rank:
                 self.unattributed += seconds
                 return
-            weights = [(o, 1.0) for o in on_rank]
-            total = float(len(weights))
+            prefill, pre_total, pre_w = [(o, 1) for o in on_rank], len(on_rank), 1
+            decode, dec_w, total = [], 0, 1
         given = 0.0
-        last = len(weights) - 1
-        for i, (o, weight) in enumerate(weights):  # rule 6
-            share = seconds - given if i == last else seconds * weight / total
-            o.seconds += share
-            given += share
-        size = self.block_size
-        for o in self._open.values():  # rule 7
-            if o.rank == rank:
-                held = (o.prompt if o.started else o.prefilled) + o.generated
-                if held > 0:
-                    o.block_seconds += -(-held // size) * seconds
-
-
-def _scaled(part: dict[str, tuple[_Open, float]], tokens: int) -> list[tuple[_Open, float]]:
-    """Rule 5: one part's weights, scaled so they sum to the tokens the engine
-    scheduled of that part (as they are where it reported none)."""
-    total = sum(w for _, w in part.values())
-    if total <= 0 or tokens <= 0:
-        return [(o, w) for o, w in part.values() if w > 0]
-    k = tokens / total
-    return [(o, w * k) for o, w in part.values() if w > 0]
+        last: _Open | None = None
+        for part, w, n in ((prefill, pre_w, pre_total), (decode, dec_w, dec_total)):
+            if not part:
+                continue
+            rate = seconds * w / (total * n)  # seconds per token of this part
+            for o, tokens in part:
+                share = tokens * rate
+                o.seconds += share
+                given += share
+                last = o
+        if last is not None:  # rule 6: the shares add up to the step's seconds
+            last.seconds += seconds - given
