@@ -84,42 +84,28 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     # Usage per caller (server/operations/usage.py): counts added per bucket, in
     # minute rows (kept 2 days) and hour rows (kept 400 days). An empty string
     # stands for no adapter and no batch, so that the key has no NULLs.
+    "".join(
+        f"""
+    CREATE TABLE {table} (
+        bucket INTEGER NOT NULL,
+        caller TEXT NOT NULL,
+        model TEXT NOT NULL,
+        adapter TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        api TEXT NOT NULL,
+        class TEXT NOT NULL,
+        batch_id TEXT NOT NULL,
+        requests INTEGER NOT NULL,
+        prompt_tokens INTEGER NOT NULL,
+        cached_tokens INTEGER NOT NULL,
+        completion_tokens INTEGER NOT NULL,
+        engine_seconds REAL NOT NULL,
+        block_seconds REAL NOT NULL,
+        PRIMARY KEY (bucket, caller, model, adapter, kind, api, class, batch_id)
+    ) WITHOUT ROWID;
     """
-    CREATE TABLE usage_minutes (
-        bucket INTEGER NOT NULL,
-        caller TEXT NOT NULL,
-        model TEXT NOT NULL,
-        adapter TEXT NOT NULL,
-        kind TEXT NOT NULL,
-        api TEXT NOT NULL,
-        class TEXT NOT NULL,
-        batch_id TEXT NOT NULL,
-        requests INTEGER NOT NULL,
-        prompt_tokens INTEGER NOT NULL,
-        cached_tokens INTEGER NOT NULL,
-        completion_tokens INTEGER NOT NULL,
-        engine_seconds REAL NOT NULL,
-        block_seconds REAL NOT NULL,
-        PRIMARY KEY (bucket, caller, model, adapter, kind, api, class, batch_id)
-    ) WITHOUT ROWID;
-    CREATE TABLE usage_hours (
-        bucket INTEGER NOT NULL,
-        caller TEXT NOT NULL,
-        model TEXT NOT NULL,
-        adapter TEXT NOT NULL,
-        kind TEXT NOT NULL,
-        api TEXT NOT NULL,
-        class TEXT NOT NULL,
-        batch_id TEXT NOT NULL,
-        requests INTEGER NOT NULL,
-        prompt_tokens INTEGER NOT NULL,
-        cached_tokens INTEGER NOT NULL,
-        completion_tokens INTEGER NOT NULL,
-        engine_seconds REAL NOT NULL,
-        block_seconds REAL NOT NULL,
-        PRIMARY KEY (bucket, caller, model, adapter, kind, api, class, batch_id)
-    ) WITHOUT ROWID;
-    """,
+        for table in ("usage_minutes", "usage_hours")
+    ),
 )
 
 

@@ -176,6 +176,7 @@ def test_stored_responses_and_a_batch_survive_a_sigkill(
         # Each line's usage once: those the kill caught unwritten (at most its
         # last 2 s) are missing, none is counted twice.
         assert LINES - done_at_kill <= _batch_requests(client) <= LINES
+        assert _batch_requests(_client(second, "sk-metered")) == 0  # not its usage
         with pytest.raises(openai.RateLimitError) as over:
             _metered_chat(_client(second, "sk-metered"))
         assert over.value.code == "insufficient_quota"
