@@ -77,7 +77,8 @@ async def test_rule_2_the_threads_a_build_starts_in_this_process() -> None:
         await build_lowered(prio, build)
         new = start_priority.threads() - before
         assert set(started) <= new and _nice(started[0]) == prio.start
-        assert restore(prio, [], new) == len(new) and _nice(started[0]) == prio.serve
+        # The build's own executor thread may have ended by now: not counted.
+        assert restore(prio, [], new) >= len(started) and _nice(started[0]) == prio.serve
     finally:
         stop.set()
 
