@@ -186,6 +186,12 @@ def _int(where: str, value: Any, low: int) -> int:
     return value
 
 
+def _positive(where: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise CallersError(f"{where} must be a number > 0")
+    return float(value)
+
+
 class _Known:
     """The model names a callers file may give: the adapters, and the served
     models (the one base model with --model; every model with --models)."""
@@ -249,12 +255,7 @@ def _budget(where: str, spec: dict[str, Any]) -> Budget:
         return _int(f"{where}.{f}", spec[f], 1) if f in spec else None
 
     def seconds(f: str) -> float | None:
-        if f not in spec:
-            return None
-        value = spec[f]
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-            raise CallersError(f"{where}.{f} must be a number > 0")
-        return float(value)
+        return _positive(f"{where}.{f}", spec[f]) if f in spec else None
 
     return Budget(
         tokens_per_day=tokens("tokens_per_day"),
@@ -276,9 +277,7 @@ def _caller(name: str, spec: Any) -> tuple[CallerPolicy, str]:
     key = spec.get("key")
     if not isinstance(key, str) or not key.strip():
         raise CallersError(f"{where}.key must be a non-empty string")
-    weight = spec.get("weight", 1)
-    if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
-        raise CallersError(f"{where}.weight must be a number > 0")
+    weight = _positive(f"{where}.weight", spec.get("weight", 1))
     limits = {
         f: _int(f"{where}.{f}", spec[f], low)
         for f, low in (("max_concurrency", 1), ("max_queued", 0), ("tokens_per_minute", 1))
@@ -288,7 +287,7 @@ def _caller(name: str, spec: Any) -> tuple[CallerPolicy, str]:
     if not isinstance(background, bool):
         raise CallersError(f"{where}.background must be true or false")
     try:
-        policy = CallerPolicy(name, float(weight), **limits, background=background)
+        policy = CallerPolicy(name, weight, **limits, background=background)
     except ValueError as exc:
         raise CallersError(str(exc)) from exc
     return policy, key.strip()

@@ -541,11 +541,9 @@ class EngineAdapter:
         sampling_defaults, default_max_tokens = generation_defaults(llm.model_config)
         sched = llm.vllm_config.scheduler_config
         cache = llm.vllm_config.cache_config
-        self._ledger.block_size = int(cache.block_size or 16)
+        self._ledger.block_size = block = int(cache.block_size or 16)
         if self._names_ranks and cache.enable_prefix_caching:
-            self._hasher = PrefixHasher(
-                int(cache.block_size or 16), str(cache.prefix_caching_hash_algo or "sha256")
-            )
+            self._hasher = PrefixHasher(block, str(cache.prefix_caching_hash_algo or "sha256"))
         self.info = ModelInfo(
             name=self._model_name,
             max_model_len=int(llm.model_config.max_model_len),
@@ -678,23 +676,20 @@ class EngineAdapter:
         return self._ledger.close(request_id)
 
     def _observe(self, outputs: Any) -> None:
-        """One step, as the engine client received it: its time to the ledger."""
+        """One step, as the engine client received it: its time to the ledger
+        (outputs without step details: their tokens count, no time)."""
         if self._llm is None:
             return
         stats = outputs.scheduler_stats
         d = getattr(stats, "iteration_details", None)
         seen = step_outputs(outputs, self._llm.output_processor.request_states)
-        if d is None or d.is_dummy:
-            if seen:  # outputs without step details: their tokens count, no time
-                self._ledger.step(0.0, 0, 0, seen, int(outputs.engine_index))
+        if d is not None and not d.is_dummy:
+            prefill, decode = int(d.num_ctx_tokens), int(d.num_generation_tokens)
+        elif seen:
+            prefill = decode = 0
+        else:
             return
-        self._ledger.step(
-            float(d.elapsed_ms) / 1000.0,
-            int(d.num_ctx_tokens),
-            int(d.num_generation_tokens),
-            seen,
-            int(outputs.engine_index),
-        )
+        self._ledger.step(step_seconds(stats), prefill, decode, seen, int(outputs.engine_index))
 
     # -- tokenization -------------------------------------------------------
 

@@ -141,6 +141,11 @@ class Trace:
     # "completions" for generations, "embeddings" for pooling (rerank and score too).
     usage_kind: str = "completions"
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache held, over its prompts."""
+        return sum(self.cached.values())
+
     def first_token(self) -> None:
         if self.ttft is None:
             self.ttft = time.monotonic() - self.t0
@@ -515,7 +520,7 @@ async def _run(request: web.Request, tr: Trace, job: Job, enc: Encoder[Any]) -> 
 
 
 def _usage(tr: Trace) -> Usage:
-    return Usage(tr.prompt_tokens, tr.completion_tokens, sum(tr.cached.values()))
+    return Usage(tr.prompt_tokens, tr.completion_tokens, tr.cached_tokens)
 
 
 def _note_cached(tr: Trace, prompt: int, out: EngineOutput) -> None:
@@ -913,7 +918,7 @@ def _account(request: web.Request, tr: Trace, cls: RequestClass, charge: Charge)
             request_class=cls.value,
             batch_id=request.get(BATCH_LINE) or None,
             prompt_tokens=tr.prompt_tokens,
-            cached_tokens=sum(tr.cached.values()),
+            cached_tokens=tr.cached_tokens,
             completion_tokens=tr.completion_tokens,
             engine_seconds=charge.engine_seconds,
             block_seconds=charge.block_seconds,
