@@ -15,7 +15,13 @@ here; import from `batching`, not from the modules.
 from .budgets import Budget, Budgets, Clock, Overdraft, Spend
 from .cache import ResultCache
 from .callers import DEFAULT_CALLER, CallerPolicy, Callers, CallerStats
-from .classes import BACKGROUND_PRIORITY, RequestClass, class_priority, request_class
+from .classes import (
+    BACKGROUND_PRIORITY,
+    RequestClass,
+    class_priority,
+    is_background,
+    request_class,
+)
 from .coalescer import Coalescer
 from .config import CoalescerConfig
 from .drain import DrainRate
@@ -82,6 +88,7 @@ __all__ = [
     "class_priority",
     "engine_priority",
     "group_key",
+    "is_background",
     "request_class",
     "underfed",
 ]

@@ -12,6 +12,7 @@ import math
 from collections.abc import Hashable
 
 from .callers import CallerPolicy, CallerStats
+from .classes import is_background
 from .drain import DrainRate
 from .keys import GroupKey
 from .order import Key
@@ -181,6 +182,11 @@ class Gen:
         "subs",
         "tokens",
     )
+
+    @property
+    def interactive(self) -> bool:
+        """Not background work (classes.py; room.py rule 8)."""
+        return not is_background(self.request.priority)
 
     def __init__(
         self,

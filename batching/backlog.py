@@ -221,7 +221,7 @@ class Backlog:
             if arrival > barrier:
                 tried.append(e)
                 break  # it and everything after it would pass a skipped head too far
-            if room.fits(g.ptok) and room.admits(g.request.key.adapter):
+            if room.fits(g.ptok, g.interactive) and room.admits(g.request.key.adapter):
                 found = g
                 break
             tried.append(e)
@@ -283,14 +283,14 @@ class Backlog:
                     return
             assert head is not None  # an active caller has a live entry
             adapter = head.request.key.adapter
-            if room.fits(head.ptok) and room.admits(adapter):
+            if room.fits(head.ptok, head.interactive) and room.admits(adapter):
                 heappop(best.heap)  # the head is the heap's top (_head cleaned it)
                 gen: Gen | None = head
             else:
                 gen = self._fit(best, room)
             if gen is None:
                 blocked.add(best)
-                rule = room.blocks(head.ptok)
+                rule = room.blocks(head.ptok, head.interactive)
                 if held is None:
                     held = rule or Hold.ADAPTER
                 if rule is None:  # it waits for a LoRA slot: no floor (rule 5)

@@ -32,7 +32,14 @@ from typing import Final
 
 from .callers import CallerPolicy
 
-__all__ = ["BACKGROUND_PRIORITY", "FLEX", "RequestClass", "class_priority", "request_class"]
+__all__ = [
+    "BACKGROUND_PRIORITY",
+    "FLEX",
+    "RequestClass",
+    "class_priority",
+    "is_background",
+    "request_class",
+]
 
 # Rule 2: added to a background request's own priority (vLLM's: lower first).
 BACKGROUND_PRIORITY: Final = 1 << 20
@@ -64,3 +71,9 @@ def request_class(
 def class_priority(priority: int, cls: RequestClass) -> int:
     """The priority a request of class `cls` is ordered by (rule 2)."""
     return priority + BACKGROUND_PRIORITY if cls is RequestClass.BACKGROUND else priority
+
+
+def is_background(priority: int) -> bool:
+    """Was a request of this (rule 2) priority background work? A client's own
+    priorities are small integers, far from `BACKGROUND_PRIORITY` either way."""
+    return priority >= BACKGROUND_PRIORITY // 2

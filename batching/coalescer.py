@@ -253,6 +253,8 @@ class Coalescer:
         self._unstarted_tokens = 0  # their prompt tokens
         self._unstarted_feed = 0  # what the engine's next steps prefill of them (rule 2)
         self._unstarted_long = 0  # of them, prompts that take more than a step's chunk (rule 5)
+        # Background work in flight, unstarted, and its unstarted feed (room.py rule 8).
+        self._bg_flying = self._bg_unstarted = self._bg_feed = 0
         self._n_admitted = 0
         self._n_refused = 0
         self._n_dispatched = 0
@@ -323,6 +325,7 @@ class Coalescer:
         ranks = cfg.engine.ranks
         unstarted = [g for g in self._in_flight.values() if not g.started]
         self._unstarted_feed = sum(size(g.ptok, steps) for g in unstarted)
+        self._bg_feed = sum(size(g.ptok, steps) for g in unstarted if not g.interactive)
         self._unstarted_long = sum(1 for g in unstarted if multi(g.ptok, short))
         per_rank = [0] * ranks
         for g in unstarted:
@@ -1016,7 +1019,7 @@ class Coalescer:
         released: list[Gen] = []
         serve = backlog.served
         for g in backlog.pick(now, room):
-            room.take(g.ptok, g.request.key.adapter)
+            room.take(g.ptok, g.request.key.adapter, g.interactive)
             serve(g)
             released.append(g)
         self._slot_bound = room.slot_bound
@@ -1049,6 +1052,7 @@ class Coalescer:
             now,
             self._unstarted_long,
             cfg.long_prefills if self._callers_busy() > 1 else 0,
+            (self._bg_flying, self._bg_unstarted, self._bg_feed) if cfg.interactive_first else None,
         )
 
     def _ending(self) -> list[int]:
@@ -1077,9 +1081,9 @@ class Coalescer:
         for gens, _ in fresh:
             for g in gens:
                 adapter = g.request.key.adapter
-                if not (room.fits(g.ptok) and room.admits(adapter)):
+                if not (room.fits(g.ptok, g.interactive) and room.admits(adapter)):
                     return False
-                room.take(g.ptok, adapter)
+                room.take(g.ptok, adapter, g.interactive)
         return True
 
     def _release_fresh(
@@ -1187,6 +1191,10 @@ class Coalescer:
             ptok += g.ptok
             feed += size(g.ptok, steps)
             longs += multi(g.ptok, short)
+            if not g.interactive:  # room.py rule 8
+                self._bg_flying += 1
+                self._bg_unstarted += 1
+                self._bg_feed += size(g.ptok, steps)
             rank = None
             if ranks > 1:
                 rank = place(cfg.engine, self._last_steps, ending, unstarted, g.ptok)
@@ -1250,6 +1258,9 @@ class Coalescer:
         engine prefilled `prefilled` of its prompt tokens."""
         cfg = self._config
         self._unstarted_n -= 1
+        if not gen.interactive:
+            self._bg_unstarted -= 1
+            self._bg_feed -= cfg.engine.feed_size(gen.ptok, cfg.feed_steps)
         if gen.rank < len(self._unstarted_rank):
             self._unstarted_rank[gen.rank] -= 1
         self._unstarted_tokens -= gen.ptok
@@ -1274,6 +1285,8 @@ class Coalescer:
         gen = self._in_flight.pop(request_id, None)
         if gen is None:
             return False
+        if not gen.interactive:
+            self._bg_flying -= 1
         if gen.rank < len(self._endings):
             self._endings[gen.rank].end(request_id)
         n = len(gen.subs)

@@ -84,6 +84,9 @@ class CoalescerConfig:
     short_prompt_tokens: int = 256  # a prompt this long or shorter counts as short
     feed_steps: float = 2.0  # engine steps of work kept in the engine's queue (room.py rule 2)
     long_prefills: int = 1  # multi-step prompts unstarted beside others' work (room.py rule 5)
+    # The engines run Sluice's scheduler, which puts interactive work first in its
+    # steps (room.py rule 8; server/engines/vllm_scheduler.py). Set by the server.
+    interactive_first: bool = False
     adapter_wait: float = 0.0  # seconds the head may wait for a LoRA slot (adapters.py)
     # Data-parallel ranks: a release follows its prompt's prefix (prefix.py P1-P4);
     # off, every release is placed by room alone (room.py rule 6).

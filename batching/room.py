@@ -121,6 +121,15 @@ engine number, and an unknown number never holds anything back):
    finished) is a superset, so a released request never waits in vLLM's queue for a
    slot, at the price of counting a slot until the last of its work has ended.
 
+8. Interactive first (`interactive_first`, where the engines run Sluice's scheduler:
+   server/engines/vllm_scheduler.py). That scheduler keeps background work (classes.py)
+   out of the steps interactive work waits for or prefills in, and preempts the newest
+   background requests for an interactive request's seat (batching/step_share.py rules
+   2-3). So for an interactive prompt rule 2 counts only the interactive work in the
+   engine's queue, and the seats background work runs in as free: a chat turn is not
+   held in Sluice's backlog because a batch fills the engine. Background work keeps
+   rule 2 as it is, its own and the interactive work's together.
+
 A caller's own limits (max_concurrency, backlog.py rule 4) are the backlog's, not
 the room's: the engine cannot tell them either.
 """
@@ -232,9 +241,13 @@ class Room:
     """One release round's view of the engine; `take()` books each release."""
 
     __slots__ = (
+        "bg_feed",
+        "bg_flying",
+        "bg_unstarted",
         "feed_size",
         "feed_slots",
         "feed_tokens",
+        "first",
         "in_flight",
         "kv_long",
         "kv_pending",
@@ -274,8 +287,13 @@ class Room:
         now: float = 0.0,
         long_n: int = 0,
         long_bound: int = 0,
+        background: tuple[int, int, int] | None = None,
     ) -> None:
         self.limited = capacity.known
+        # Rule 8: with interactive first, background work's (in flight, unstarted,
+        # unstarted feed tokens); None: off.
+        self.first = background is not None
+        self.bg_flying, self.bg_unstarted, self.bg_feed = background or (0, 0, 0)
         # Rule 5: unstarted multi-step prompts, and how many may be (0: no bound).
         self.long_n = long_n
         self.long_bound = long_bound * capacity.ranks
@@ -306,8 +324,16 @@ class Room:
     @property
     def full(self) -> bool:
         """The engine's queue holds all the requests its next steps take: nothing
-        fits, whatever its size (rule 2)."""
-        return self.limited and self.in_flight > 0 and self.unstarted_n >= self.feed_slots
+        fits, whatever its size or class (rules 2 and 8)."""
+        if not (self.limited and self.in_flight > 0 and self.unstarted_n >= self.feed_slots):
+            return False
+        return not self.first or self._interactive_slot_bound()
+
+    def _interactive_slot_bound(self) -> bool:
+        """Rule 8: interactive work's unstarted requests fill its feed's slots, the
+        seats background work runs in counted free."""
+        running_bg = self.bg_flying - self.bg_unstarted
+        return self.unstarted_n - self.bg_unstarted >= self.feed_slots + running_bg
 
     @property
     def reserved(self) -> float:
@@ -319,17 +345,20 @@ class Room:
         """Rule 2 holds work for want of slots, not of budget."""
         return self.unstarted_n >= self.feed_slots
 
-    def fits(self, ptok: int) -> bool:
-        return self.blocks(ptok) is None
+    def fits(self, ptok: int, interactive: bool = False) -> bool:
+        return self.blocks(ptok, interactive) is None
 
-    def blocks(self, ptok: int) -> Hold | None:
+    def blocks(self, ptok: int, interactive: bool = False) -> Hold | None:
         """The rule that holds a prompt of `ptok` tokens now, None if it fits."""
         if not self.limited or not self.in_flight:
             return None
-        if self.unstarted_n >= self.feed_slots or (
-            self.unstarted_n
-            and self.unstarted_feed + self.feed_size(ptok, self.steps) > self.feed_tokens
-        ):
+        if interactive and self.first:  # rule 8
+            ahead = self.unstarted_n - self.bg_unstarted
+            feed = self.unstarted_feed - self.bg_feed
+            slot_bound = self._interactive_slot_bound()
+        else:
+            ahead, feed, slot_bound = self.unstarted_n, self.unstarted_feed, self.slot_bound
+        if slot_bound or (ahead and feed + self.feed_size(ptok, self.steps) > self.feed_tokens):
             return Hold.FEED
         if (
             self.long_bound
@@ -363,12 +392,17 @@ class Room:
             return 0
         return 1
 
-    def take(self, ptok: int, adapter: str | None = None) -> None:
+    def take(self, ptok: int, adapter: str | None = None, interactive: bool = False) -> None:
         if adapter is not None and self.loras:
             self.resident.add(adapter)
         self.in_flight += 1
         self.unstarted_n += 1
-        self.unstarted_feed += self.feed_size(ptok, self.steps)
+        feed = self.feed_size(ptok, self.steps)
+        self.unstarted_feed += feed
+        if not interactive:  # rule 8's background counts
+            self.bg_flying += 1
+            self.bg_unstarted += 1
+            self.bg_feed += feed
         self.kv_pending += ptok
         self.kv_round += ptok
         if self.multi_step(ptok, self.short_prompt):

@@ -77,6 +77,15 @@ def _run(argv: Sequence[str]) -> int:
     from server.engines.vllm_adapter import EngineAdapter
     from server.operations.sdnotify import SdNotify
 
+    board = None
+    if settings.interactive_first:
+        # The engines' shared page (server/engines/board.py), named to the engine
+        # processes through their environment.
+        from server.engines.board import ENV, Board
+
+        board = Board.create()
+        os.environ[ENV] = str(board.path)
+
     async def main() -> int:
         notifier = SdNotify(
             settings.env.notify_socket,
@@ -87,7 +96,11 @@ def _run(argv: Sequence[str]) -> int:
             settings, EngineAdapter.from_spec, notifier, watchdog_factory(settings), sock=sock
         )
 
-    return uvloop.run(main())
+    try:
+        return uvloop.run(main())
+    finally:
+        if board is not None:
+            board.close()
 
 
 def _flag_value(argv: Sequence[str], flag: str) -> str | None:

@@ -470,6 +470,7 @@ def _live(app: web.Application) -> list[tuple[str | None, dict[str, Any]]]:
                     "prefill_tokens": stats.prefill_tokens_total,
                     "decode_tokens": stats.decode_tokens_total,
                     "step_seconds": stats.step_seconds_total,
+                    "step_share": entry.engine.step_share(),
                     "room": core.room_counters,
                     "placements": core.placements,
                     "ready": ready,

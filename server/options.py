@@ -160,6 +160,14 @@ OPTIONS: tuple[Option, ...] = (
         "(default: %(default)s)",
     ),
     Option(
+        "--interactive-first", action=SWITCH, fills="interactive_first",
+        help="each engine's scheduler keeps background work (batch lines, service_tier "
+        "flex, background callers) out of the steps an interactive turn waits for or "
+        "prefills in, here or on another model, and caps it to the interactive step's "
+        "own time while interactive work runs; off leaves the steps to vLLM's scheduler "
+        "(default: %(default)s)",
+    ),
+    Option(
         "--prefix-placement", action=SWITCH, fills="core.prefix_placement",
         help="with data parallelism: send a request to the rank that was given its prompt's "
         "leading blocks (a conversation's earlier turns), unless that rank is busier than "

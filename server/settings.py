@@ -138,6 +138,9 @@ class Settings:
     max_batch_seqs: int | None = None
     max_batch_tokens: int | None = None
     hold_backlog: bool = True
+    # Sluice's scheduler in each engine puts interactive work first in its steps and
+    # holds background work across models (server/engines/vllm_scheduler.py).
+    interactive_first: bool = True
     # What the engine gets as a request's priority: "request" (its own field) or
     # "order" (the release key, batching/order.py: server/engines/driver.py order_priority).
     engine_priority: str = "request"
@@ -255,6 +258,7 @@ class Settings:
                 self.max_batch_tokens or info.max_num_batched_tokens or self.core.max_batch_tokens
             ),
             engine=engine if self.hold_backlog else EngineCapacity(),
+            interactive_first=self.interactive_first,
         )
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from batching import Charge, EngineStep
 from batching.pressure import ENGINE_IDLE, EngineStats
+from batching.step_share import StepCounters
 from server.engines.interface import Kind, ModelInfo, Pooled
 from server.engines.lora import Adapter
 from server.errors import SluiceError
@@ -115,6 +116,8 @@ class FakeEngine:
     stats_value: EngineStats = ENGINE_IDLE
     peak_running: int = 0  # most requests producing at once
     priorities: dict[str, int] = field(default_factory=dict)  # engine priority per request
+    background: dict[str, bool] = field(default_factory=dict)  # the class add() was told
+    share: StepCounters | None = None  # what step_share() reports
     adapters: dict[str, str | None] = field(default_factory=dict)  # LoRA adapter per request
     salts: dict[str, str | None] = field(default_factory=dict)  # prefix-cache salt per request
     ranks: dict[str, int | None] = field(default_factory=dict)  # data-parallel rank per request
@@ -209,6 +212,9 @@ class FakeEngine:
 
     def watch_steps(self, callback: Callable[[], None] | None) -> None:
         self.on_step = callback
+
+    def step_share(self) -> StepCounters | None:
+        return self.share
 
     def charge(self, request_id: str) -> Charge:
         """What a test set for the request, taken once."""
@@ -379,10 +385,12 @@ class FakeEngine:
         adapter: Adapter | None = None,
         cache_salt: str | None = None,
         rank: int | None = None,
+        background: bool = False,
     ) -> FakeCollector:
         if self._dead:
             raise SluiceError("the engine died; retry shortly", status=503, retry_after=5)
         collector = FakeCollector()
+        self.background[request_id] = background
         if hasattr(params, "task"):
             self.added.append(request_id)
             self.priorities[request_id] = priority

@@ -161,6 +161,9 @@ class StepEngine:
         decode = sum(1 for _, first, _ in seen if not first)
         self.ledger.step(self.step, prefill, decode, outs)
 
+    def step_share(self) -> None:
+        return None
+
     def charge(self, request_id: str) -> Any:
         from batching import Charge
 
@@ -251,6 +254,7 @@ class StepEngine:
         adapter: Any = None,
         cache_salt: str | None = None,
         rank: int | None = None,
+        background: bool = False,
     ) -> Any:
         from vllm.v1.engine.output_processor import RequestOutputCollector
 

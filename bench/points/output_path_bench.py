@@ -67,7 +67,7 @@ async def _variant(variant: str, flags: list[str], points: list[tuple[int, int, 
 
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
     args = AsyncEngineArgs.from_cli_args(parser.parse_args(flags))
-    llm = _build_engine(args, _stat_logger_factory(_StatsBox()))
+    llm = _build_engine(args, _stat_logger_factory(_StatsBox()), None)
     try:
         if variant == "lightened":
             lighten_output_path(llm)

@@ -49,6 +49,7 @@ from batching import (
     Refused,
     Request,
     engine_priority,
+    is_background,
 )
 from server.engines.interface import Engine, EngineOutput, EngineParams, OutputStream
 from server.engines.lora import Adapter
@@ -560,6 +561,7 @@ class Driver:
                     lead.adapter,
                     lead.cache_salt,
                     entry.rank,
+                    background=is_background(req.priority),
                 )
             except SluiceError as exc:
                 self._fail_entry(req.id, subscribers, exc)

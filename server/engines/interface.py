@@ -18,6 +18,7 @@ from typing import Any, Literal, Protocol
 
 from batching import Charge, EngineStep
 from batching.pressure import EngineStats
+from batching.step_share import StepCounters
 from server.engines.lora import Adapter
 from server.errors import SluiceError
 from server.wire.output import FinishReason, Parsed, ParsedDelta
@@ -241,6 +242,9 @@ class Engine(Protocol):
     # A request's share of the engine's steps, once it is done; forgets it
     # (batching/ledger.py). Zero for a request the engine never ran.
     def charge(self, request_id: str) -> Charge: ...
+    # What Sluice's scheduler did with background work in this engine's steps,
+    # summed over its ranks (batching/step_share.py); None without it.
+    def step_share(self) -> StepCounters | None: ...
 
     async def tokenize_chat(
         self, conversations: Sequence[tuple[Sequence[Message], dict[str, Any]]]
@@ -299,6 +303,9 @@ class Engine(Protocol):
         # The data-parallel rank to run it on (batching/room.py `place`); None:
         # the engine's own choice.
         rank: int | None = None,
+        # Background work (batching/classes.py): the engine's scheduler puts
+        # interactive work first in its steps (server/engines/vllm_scheduler.py).
+        background: bool = False,
     ) -> OutputStream: ...
     async def abort(self, request_ids: Sequence[str]) -> None: ...
     # Load a LoRA adapter into the engine now; SluiceError (400) naming the cause.

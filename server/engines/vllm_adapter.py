@@ -36,6 +36,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -59,7 +60,10 @@ from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
 
 from batching import Charge, EngineStep, StepLedger, StepOutput
 from batching.pressure import ENGINE_IDLE, EngineStats, RankStats
+from batching.step_share import StepCounters
 from server.engines import start_priority
+from server.engines.board import ENV as BOARD_ENV
+from server.engines.board import SEAT_KEY, Board, allocate
 from server.engines.interface import ModelInfo, PoolTask
 from server.engines.lora import Adapter, ModelShapes, check_shapes
 from server.engines.procs import process_tree
@@ -72,6 +76,7 @@ from server.engines.vllm_parsers import (
 )
 from server.engines.vllm_pooling import PooledStream, Pooling, Side, model_kind
 from server.engines.vllm_prefix import PrefixHasher
+from server.engines.vllm_scheduler import mark
 from server.errors import SluiceError
 from server.wire.request import ChatRequest, Constraint, Message, Sampling, merge_system
 
@@ -367,12 +372,22 @@ class _NoIterationLines(logging.Filter):
 _VLLM_STAT_LOG = logging.getLogger("vllm.v1.metrics.loggers")
 
 
-def _build_engine(engine_args: Any, stat_logger: Callable[..., StatLoggerBase]) -> AsyncLLM:
-    """Construct the engine as `vllm serve` does (blocking: seconds to minutes)."""
+def _build_engine(
+    engine_args: Any, stat_logger: Callable[..., StatLoggerBase], slot: int | None
+) -> AsyncLLM:
+    """Construct the engine as `vllm serve` does (blocking: seconds to minutes), with
+    Sluice's scheduler where it has a board slot (server/engines/vllm_scheduler.py)."""
     if not any(isinstance(f, _NoIterationLines) for f in _VLLM_STAT_LOG.filters):
         _VLLM_STAT_LOG.addFilter(_NoIterationLines())
+    config = engine_config(engine_args)
+    if slot is not None:
+        sched = config.scheduler_config
+        name = "InteractiveFirstAsync" if sched.async_scheduling else "InteractiveFirst"
+        sched.scheduler_cls = f"server.engines.vllm_scheduler.{name}"
+        extra = config.additional_config if isinstance(config.additional_config, dict) else {}
+        config.additional_config = {**extra, SEAT_KEY: slot}
     return AsyncLLM.from_vllm_config(
-        engine_config(engine_args),
+        config,
         usage_context=USAGE_CONTEXT,
         stat_loggers=[stat_logger],
         enable_log_requests=engine_args.enable_log_requests,
@@ -469,6 +484,11 @@ class EngineAdapter:
         self._stats = _StatsBox()
         # Each request's share of the engine's steps (batching/ledger.py).
         self._ledger = StepLedger()
+        # The engine's board slot (server/engines/board.py), taken at its first start
+        # when the front made a board (--interactive-first): None runs vLLM's own
+        # scheduler.
+        self._slot: int | None = None
+        self._board: Board | None = None
         self._llm: AsyncLLM | None = None
         self._names_ranks = False  # set at start (names_ranks)
         # Prefix placement's block hashes (vllm_prefix.py): set at start where
@@ -505,6 +525,15 @@ class EngineAdapter:
 
     # -- life cycle ---------------------------------------------------------
 
+    def _seat(self) -> int | None:
+        """This engine's first board slot, taken once (None without a board)."""
+        if self._slot is None and os.environ.get(BOARD_ENV):
+            ranks = max(1, int(getattr(self._engine_args, "data_parallel_size", 1) or 1))
+            self._slot = allocate(ranks)
+            if self._slot is not None:
+                self._board = Board.from_env()
+        return self._slot
+
     async def start(self) -> None:
         """Build the engine on a worker thread (it takes seconds to minutes),
         so the event loop keeps answering /health and /ready meanwhile."""
@@ -514,7 +543,7 @@ class EngineAdapter:
         priority = start_priority.plan()
         front = start_priority.threads()
         llm = await start_priority.build_lowered(
-            priority, functools.partial(_build_engine, self._engine_args, factory)
+            priority, functools.partial(_build_engine, self._engine_args, factory, self._seat())
         )
         lighten_output_path(llm)
         watch_outputs(llm, self._observe)
@@ -671,6 +700,15 @@ class EngineAdapter:
 
     def watch_steps(self, callback: Callable[[], None] | None) -> None:
         self._stats.on_step = callback
+
+    def step_share(self) -> StepCounters | None:
+        board, slot = self._board, self._slot
+        if board is None or slot is None or self._llm is None:
+            return None
+        total = StepCounters()
+        for rank in range(dp_ranks(self._llm.vllm_config)):
+            total.add(board.read(slot + rank).counters)
+        return total
 
     def charge(self, request_id: str) -> Charge:
         return self._ledger.close(request_id)
@@ -964,6 +1002,7 @@ class EngineAdapter:
         adapter: Adapter | None = None,
         cache_salt: str | None = None,
         rank: int | None = None,
+        background: bool = False,
     ) -> Any:
         """Add one request; returns vLLM's per-request output collector.
 
@@ -982,6 +1021,8 @@ class EngineAdapter:
             raise SluiceError("engine not started", status=503, retry_after=5)
         lora = None if adapter is None else lora_request(adapter)
         dp_rank = rank if self._names_ranks else None
+        if background and self._slot is not None:
+            params = mark(params)  # for Sluice's scheduler (vllm_scheduler.py)
         if isinstance(params, PoolingParams):
             # A pooling request: one output, its vector or score (vllm_pooling.py rule 5).
             collector = await self._llm.add_request(

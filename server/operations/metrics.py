@@ -54,6 +54,7 @@ from prometheus_client.registry import Collector
 
 from batching import CallerStats, DedupeHit, Ended, Outcome, Refusal, Released
 from batching.pressure import RankStats
+from batching.step_share import StepCounters
 from server.operations.ignored_log import IgnoredFields
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -172,6 +173,7 @@ class _LiveCollector(Collector):
             "time the engine spent in steps rather than between them",
             value=v.get("step_seconds", 0.0),
         )
+        yield from _step_share(v.get("step_share"))
         room = v.get("room")
         yield CounterMetricFamily(
             "sluice_engine_steps_held",
@@ -591,3 +593,52 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _step_share(c: StepCounters | None) -> Iterable[Metric]:
+    """What Sluice's scheduler did with background work (batching/step_share.py); nothing
+    without it (--no-interactive-first, or an engine of another kind)."""
+    if c is None:
+        return
+    yield CounterMetricFamily(
+        "sluice_background_held",
+        "Background requests left out of an engine step because interactive work waited "
+        "or prefilled, in this engine or another (request-steps; batching/step_share.py rule 2)",
+        value=c.held,
+    )
+    yield CounterMetricFamily(
+        "sluice_background_capped",
+        "Background requests left out of an engine step by the step budget while "
+        "interactive work ran (request-steps; batching/step_share.py rule 4)",
+        value=c.capped,
+    )
+    yield CounterMetricFamily(
+        "sluice_background_preempted",
+        "Background requests preempted for an interactive request's seat; they resume "
+        "with a prefix-cache hit (batching/step_share.py rule 3)",
+        value=c.preempted,
+    )
+    yield CounterMetricFamily(
+        "sluice_background_floor_steps",
+        "Engine steps that ran held background work because it had sat out the floor's "
+        "limit of steps in a row (batching/step_share.py rule 5)",
+        value=c.floor_steps,
+    )
+    steps = CounterMetricFamily(
+        "sluice_engine_class_steps",
+        "Engine steps by whether interactive work was present (waiting, running, or "
+        "within a second of its last request)",
+        labels=["interactive"],
+    )
+    steps.add_metric(["present"], c.steps_present)
+    steps.add_metric(["absent"], c.steps_alone)
+    yield steps
+    seconds = CounterMetricFamily(
+        "sluice_engine_class_step_seconds",
+        "Seconds of engine steps by whether interactive work was present; divided by "
+        "sluice_engine_class_steps_total, the mean step an interactive turn shares",
+        labels=["interactive"],
+    )
+    seconds.add_metric(["present"], c.seconds_present)
+    seconds.add_metric(["absent"], c.seconds_alone)
+    yield seconds

@@ -381,3 +381,27 @@ def test_beside_another_callers_work_one_long_prompt_is_in_prefill_at_a_time() -
         co.finished(rid, 0.3)
     assert ids(co.due(0.3)) == ["f2", "f3"]
     assert co.config.long_prefills == 1  # the default
+
+
+# -- interactive first (room.py rule 8) ------------------------------------------------
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["interactive-first", "off"])
+def test_background_filling_the_seats_does_not_hold_a_chat_turn(first: bool) -> None:
+    """Rule 8: with Sluice's scheduler in the engine, the seats background work runs
+    in are an interactive prompt's to take (the scheduler preempts for it), and the
+    background unstarted in the engine's queue is not ahead of it. Off, the turn
+    waits in the backlog for a seat to free."""
+    co = co_(EngineCapacity(max_seqs=8, step_tokens=10_000), interactive_first=first)
+    for i in range(12):
+        co.add(dataclasses.replace(req(f"b{i}", 10, caller="batch"), priority=1 << 20), 0.0)
+    assert len(ids(co.due(0.0))) == 8
+    for i in range(8):
+        co.started(f"b{i}", 0.1)
+    full = step(decode=8, requests=8, running=8)
+    assert ids(co.due(0.2, steps=[full])) == []
+    co.add(req("chat", 10, caller="chat", now=0.25, new=64), 0.25)
+    got = ids(co.due(0.3, steps=[full]))
+    assert got == (["chat"] if first else [])
+    # Background work keeps rule 2: nothing more of it goes.
+    assert ids(co.due(0.4, steps=[full])) == []

@@ -1,0 +1,204 @@
+"""Interactive first inside the engine's step: how much background work a step takes.
+
+Why this module exists: the backlog keeps a chat turn out of the *queue* behind
+background work (classes.py), but once released the turn shares the engine's *step*
+with whatever runs there: on the 2-core demo a step of 128 batch lines lasts five
+times a chat turn's own, and the turn waits for the step under way and then shares
+the next (issue 49). vLLM's scheduler has no notion of the two classes; Sluice's
+scheduler (server/engines/vllm_scheduler.py, behind the one adapter module for that
+vLLM surface) asks this module, once per step of one engine rank, what to do with the
+background work, and applies the answer. No constant here is tuned to a machine: the
+budget is the measured step of the interactive work alone.
+
+Rules (each step; `Sight` is what the scheduler sees of its own queues, plus the
+board's word about the server's other engines):
+
+1. Idle: with no interactive work present (none waiting, prefilling or running
+   here, none pending on another engine, none ended here within `linger` seconds),
+   background work takes the step as vLLM schedules it: no hold, no cap.
+2. Hold: while interactive work waits here with a seat for it or is in prefill
+   here, or is pending (waiting or in prefill) on another engine of this server,
+   background work sits the step out: its running requests skip the step and keep
+   their KV, its waiting requests are not admitted. The step is the interactive
+   work's own (or, for another engine's, the cores are).
+3. Seats: interactive work waiting here while every seat is taken and background
+   work runs: the newest background requests are preempted, one per waiting
+   interactive request, at most `MAX_PREEMPT` a step (llm-d's flow control takes two
+   victims a decision, newest first). vLLM's preemption frees their seats and
+   blocks; the blocks stay in its prefix cache, so their recompute is a cache hit.
+4. Budget: while interactive work runs here (decoding) or lingers, the background
+   tokens of a step are capped so that the step lasts no longer than the budget:
+   the measured time of the steps rule 2 held while interactive prompts were in
+   them (the interactive work alone; an exponential average). A chat turn that
+   arrives then waits for at most one step as long as its own prefill. After each
+   capped step the cap is scaled by budget / measured (within [1/2, 2]), so it
+   follows the machine: on a GPU, where a step of 256 sequences costs a few times
+   one of 16, the cap rises to the engine's seats. With no budget measured yet, no
+   cap.
+5. Floor: background work is never starved. Rule 2 holds it at most `FLOOR - 1`
+   steps in a row (the next runs it, under rule 4's cap), and rule 4's cap is never
+   below 1/`FLOOR` of the engine's seats, in tokens (at least one).
+
+Pure: no clock, no I/O, no vLLM; `plan` has no side effects, `done` records a step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["FLOOR", "MAX_PREEMPT", "Plan", "Sight", "StepCounters", "StepShare"]
+
+# Rule 5: background runs in at least one step of FLOOR while held, and its cap is at
+# least 1/FLOOR of the seats.
+FLOOR = 8
+# Rule 3: background requests preempted for interactive seats, at most, per step.
+MAX_PREEMPT = 2
+# Rule 4: the weight of the newest held step in the budget's average, and the most a
+# capped step's measurement moves the cap.
+_BUDGET_WEIGHT = 0.2
+_CAP_STEP = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Sight:
+    """What one engine rank's scheduler sees before a step."""
+
+    interactive_waiting: int = 0  # interactive requests not yet admitted
+    interactive_prefill: bool = False  # an admitted interactive prompt still prefilling
+    interactive_running: int = 0  # admitted interactive requests (any phase)
+    elsewhere: bool = False  # another engine has interactive work pending (the board)
+    seats_free: int = 0  # running seats left (max_num_seqs - running)
+    background_running: int = 0
+    background_waiting: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What the step does with background work."""
+
+    hold: bool = False  # rule 2: background sits the step out
+    cap: int | None = None  # rule 4: background tokens the step may take (None: no cap)
+    preempt: int = 0  # rule 3: newest background requests to preempt first
+    present: bool = False  # interactive work present (the step's telemetry class)
+
+
+@dataclass(slots=True)
+class StepCounters:
+    """What the rules did, summed since start (the scheduler publishes them)."""
+
+    held: int = 0  # background requests left out of a step by rule 2 (request-steps)
+    capped: int = 0  # background requests left out of a step by rule 4 (request-steps)
+    preempted: int = 0  # background requests preempted by rule 3
+    floor_steps: int = 0  # held steps that rule 5 ran background in instead
+    steps_present: int = 0  # steps with interactive work present
+    seconds_present: float = 0.0
+    steps_alone: int = 0  # steps with none (rule 1)
+    seconds_alone: float = 0.0
+
+    def add(self, other: StepCounters) -> None:
+        """Add another rank's counters to these."""
+        self.held += other.held
+        self.capped += other.capped
+        self.preempted += other.preempted
+        self.floor_steps += other.floor_steps
+        self.steps_present += other.steps_present
+        self.seconds_present += other.seconds_present
+        self.steps_alone += other.steps_alone
+        self.seconds_alone += other.seconds_alone
+
+
+class StepShare:
+    """Rules 1-5 for one engine rank."""
+
+    __slots__ = (
+        "_held_run",
+        "_last_interactive",
+        "budget",
+        "cap",
+        "ceiling",
+        "counters",
+        "floor",
+        "linger",
+    )
+
+    def __init__(self, max_seqs: int, step_tokens: int, linger: float) -> None:
+        if max_seqs < 1 or step_tokens < 1 or linger < 0:
+            raise ValueError("max_seqs and step_tokens must be >= 1, linger >= 0")
+        self.floor = max(1, math.ceil(max_seqs / FLOOR))  # rule 5, in tokens
+        self.ceiling = max(self.floor, step_tokens)  # a step's whole token budget
+        self.linger = linger
+        self.budget: float | None = None  # rule 4: seconds, unknown until measured
+        self.cap = self.ceiling  # rule 4: background tokens a capped step may take
+        self.counters = StepCounters()
+        self._held_run = 0  # steps held in a row (rule 5)
+        self._last_interactive = -math.inf
+
+    def present(self, now: float, sight: Sight) -> bool:
+        """Rule 1's test: is interactive work present?"""
+        return bool(
+            sight.interactive_waiting
+            or sight.interactive_running
+            or sight.elsewhere
+            or now - self._last_interactive < self.linger
+        )
+
+    def plan(self, now: float, sight: Sight) -> Plan:
+        """What the next step does with background work (no side effects)."""
+        if not self.present(now, sight):
+            return Plan()  # rule 1
+        background = sight.background_running + sight.background_waiting
+        seatless = sight.interactive_waiting and sight.seats_free <= 0
+        preempt = 0
+        if seatless and sight.background_running:
+            preempt = min(sight.interactive_waiting, sight.background_running, MAX_PREEMPT)
+        pending = (sight.interactive_waiting and not seatless) or sight.interactive_prefill
+        hold = bool(
+            background and (pending or sight.elsewhere or preempt) and self._held_run < FLOOR - 1
+        )
+        cap = None if hold or self.budget is None else self.cap  # rule 4
+        return Plan(hold=hold, cap=cap, preempt=preempt, present=True)
+
+    def done(
+        self,
+        now: float,
+        plan: Plan,
+        seconds: float,
+        *,
+        interactive_prompt: bool,
+        background_run: int,
+        background_left: int,
+        interactive: bool,
+    ) -> None:
+        """Record a step run under `plan`: its measured `seconds`, whether interactive
+        prompt tokens were in it, the background tokens it ran and the background
+        requests it left out, and whether interactive requests were in the engine
+        after it (rule 1's linger starts when the last one leaves)."""
+        c = self.counters
+        if interactive:
+            self._last_interactive = now
+        if plan.present:
+            c.steps_present += 1
+            c.seconds_present += seconds
+        else:
+            c.steps_alone += 1
+            c.seconds_alone += seconds
+        c.preempted += plan.preempt
+        if plan.hold:
+            self._held_run += 1
+            c.held += background_left
+            if interactive_prompt and seconds > 0:  # rule 4's budget: interactive alone
+                b = self.budget
+                self.budget = seconds if b is None else b + _BUDGET_WEIGHT * (seconds - b)
+            return
+        if plan.present and self._held_run >= FLOOR - 1 and background_run:
+            c.floor_steps += 1
+        self._held_run = 0
+        if plan.cap is not None:
+            c.capped += background_left
+            if seconds > 0 and self.budget is not None:
+                scale = min(_CAP_STEP, max(1.0 / _CAP_STEP, self.budget / seconds))
+                # Only a cap the step used can be judged too large; one it did not
+                # fill may still grow (the step was short for want of work).
+                if scale < 1.0 or background_run >= plan.cap:
+                    self.cap = min(self.ceiling, max(self.floor, round(plan.cap * scale)))

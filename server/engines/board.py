@@ -1,0 +1,152 @@
+"""The board: what each engine's scheduler tells the others and the front, per step.
+
+Why this module exists: several models share one card and one CPU (issue 49 item
+3). While one model's interactive work waits or prefills, the others' background
+work must sit out their steps, and each engine's scheduler runs in a process of its
+own (vLLM's engine core), stepping many times a second. A shared memory page is the
+cheapest way they can tell each other: one slot per engine rank, written only by
+that rank's scheduler (server/engines/vllm_scheduler.py), read by every other
+scheduler before its step and by the front for metrics. No locks: one writer per
+slot, each field 8 bytes and aligned, a torn read of a counter is off by one step.
+
+The front creates the page at start (`Board.create`) and names it to the engine
+processes it starts through the environment (`SLUICE_BOARD`); each engine learns its
+slot from its configuration (`SEAT_KEY` in vLLM's `additional_config`, plus its
+data-parallel rank). A pending flag older than `STALE_S` is not believed: an engine
+that died mid-step does not hold the others' work.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import struct
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from batching.step_share import StepCounters
+
+__all__ = ["ENV", "SEAT_KEY", "SLOTS", "Board", "SlotView", "allocate"]
+
+ENV: Final = "SLUICE_BOARD"  # the page's path, for the engine processes
+SEAT_KEY: Final = "sluice_board_slot"  # additional_config key: an engine's first slot
+SLOTS: Final = 64  # engine ranks one server may run (models x data-parallel ranks)
+STALE_S: Final = 10.0  # a pending flag older than this is ignored
+# pending, stamp (ns), held, capped, preempted, floor steps, steps present,
+# seconds present, steps alone, seconds alone, budget (s; NaN unknown), cap.
+_SLOT: Final = struct.Struct("<QQQQQQQdQddQ")
+_PENDING: Final = struct.Struct("<QQ")
+_SIZE: Final = 128  # bytes per slot (>= _SLOT.size; aligned)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotView:
+    """One slot as the front reads it."""
+
+    counters: StepCounters
+    budget: float | None  # rule 4's budget, seconds (None until measured)
+    cap: int
+
+
+class Board:
+    """The page, mapped; `path` names it to other processes."""
+
+    __slots__ = ("_fd", "_map", "owner", "path")
+
+    def __init__(self, path: Path, *, owner: bool = False) -> None:
+        self.path = path
+        self.owner = owner
+        self._fd = os.open(path, os.O_RDWR)
+        self._map = mmap.mmap(self._fd, SLOTS * _SIZE)
+
+    @classmethod
+    def create(cls) -> Board:
+        """A new zeroed page, in /dev/shm where there is one (memory, not disk)."""
+        shm = Path("/dev/shm")
+        where = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+        fd, name = tempfile.mkstemp(prefix="sluice-board-", dir=where)
+        try:
+            os.ftruncate(fd, SLOTS * _SIZE)
+        finally:
+            os.close(fd)
+        return cls(Path(name), owner=True)
+
+    @classmethod
+    def from_env(cls) -> Board | None:
+        """The page the front named, in an engine process (None outside a server)."""
+        path = os.environ.get(ENV)
+        return cls(Path(path)) if path else None
+
+    def close(self) -> None:
+        self._map.close()
+        os.close(self._fd)
+        if self.owner:
+            self.path.unlink(missing_ok=True)
+
+    # -- the scheduler's side ---------------------------------------------------
+
+    def set_pending(self, slot: int, pending: bool) -> None:
+        """Does this rank have interactive work waiting or in prefill (rule 2)?"""
+        _PENDING.pack_into(self._map, slot * _SIZE, int(pending), time.monotonic_ns())
+
+    def elsewhere(self, slot: int, now_ns: int) -> bool:
+        """Does any other rank have interactive work pending (a recent flag)?"""
+        m = self._map
+        stale = int(STALE_S * 1e9)
+        for s in range(SLOTS):
+            if s == slot:
+                continue
+            pending, stamp = _PENDING.unpack_from(m, s * _SIZE)
+            if pending and now_ns - stamp < stale:
+                return True
+        return False
+
+    def publish(self, slot: int, counters: StepCounters, budget: float | None, cap: int) -> None:
+        """This rank's counters after a step (its pending flag is kept)."""
+        c = counters
+        off = slot * _SIZE + _PENDING.size
+        struct.pack_into(
+            "<QQQQQdQddQ",
+            self._map,
+            off,
+            c.held,
+            c.capped,
+            c.preempted,
+            c.floor_steps,
+            c.steps_present,
+            c.seconds_present,
+            c.steps_alone,
+            c.seconds_alone,
+            float("nan") if budget is None else budget,
+            cap,
+        )
+
+    # -- the front's side ------------------------------------------------------
+
+    def read(self, slot: int) -> SlotView:
+        (_, _, held, capped, pre, floor, sp, secp, sa, seca, budget, cap) = _SLOT.unpack_from(
+            self._map, slot * _SIZE
+        )
+        counters = StepCounters(held, capped, pre, floor, sp, secp, sa, seca)
+        return SlotView(counters, None if math.isnan(budget) else budget, cap)
+
+    def clear(self, slot: int) -> None:
+        """Zero a slot (an engine starting on it afresh)."""
+        self._map[slot * _SIZE : (slot + 1) * _SIZE] = bytes(_SIZE)
+
+
+_taken = 0  # slots handed out in this process (an engine keeps its own across restarts)
+
+
+def allocate(ranks: int) -> int | None:
+    """The first of `ranks` slots for a new engine; None when the page is full (that
+    engine then runs vLLM's own scheduler)."""
+    global _taken
+    if _taken + ranks > SLOTS:
+        return None
+    first, _taken = _taken, _taken + ranks
+    return first

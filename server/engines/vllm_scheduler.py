@@ -1,0 +1,285 @@
+"""Sluice's scheduler inside vLLM's engine core: interactive work first in each step.
+
+Why this module exists: vLLM's scheduler schedules its running requests before any
+waiting one and knows no request classes, so a chat turn shares its step with a
+batch's 128 running lines (issue 49). This is the one module that touches vLLM's
+scheduler surface (`--scheduler-cls`, vLLM 0.32's `Scheduler` and `AsyncScheduler`):
+it subclasses them, asks batching/step_share.py what the next step does with background
+work, and applies the answer with the scheduler's own levers:
+
+* a background request left out of a step gets `next_decode_eligible_step` past
+  the step (the lever vLLM's async and diffusion schedulers use): it stays running,
+  its KV kept;
+* background requests not admitted this step are taken out of the waiting queue
+  for the call and put back after it, in their order;
+* a step under rule 4's cap gets a token budget of what its admitted work needs
+  plus the cap's remainder, so new background prompts fill at most that;
+* rule 3's preemption is vLLM's own (`_preempt_request`, as its prefix-cache reset
+  calls it between steps): the blocks go back to the free list with their hashes,
+  so the request's recompute is a prefix-cache hit.
+
+A request is background when its parameters say so (`mark`, set by the adapter:
+SamplingParams.extra_args, PoolingParams.extra_kwargs). Step time is measured here,
+from the end of a step's scheduling (or the end of the previous step's output, with
+async scheduling) to its output. The board (server/engines/board.py) carries the
+pending flag to the other engines and the counters to the front.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Final
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.request_queue import FCFSRequestQueue
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+
+from batching.step_share import Plan, Sight, StepShare
+from server.engines.board import SEAT_KEY, Board
+
+__all__ = ["BACKGROUND_KEY", "InteractiveFirst", "InteractiveFirstAsync", "background", "mark"]
+
+# The parameter key that marks a background request (its class: batching/classes.py).
+BACKGROUND_KEY: Final = "sluice_background"
+# Rule 1's linger: a chat caller's next turn within this many seconds (an agent's
+# tool loop, a closed-loop caller) still finds capped steps.
+LINGER_S: Final = 1.0
+
+
+def mark(params: Any) -> Any:
+    """A copy of sampling or pooling parameters that marks their request background."""
+    field = "extra_args" if hasattr(params, "extra_args") else "extra_kwargs"
+    out = copy.copy(params)
+    setattr(out, field, {**(getattr(params, field, None) or {}), BACKGROUND_KEY: True})
+    return out
+
+
+def background(request: Request) -> bool:
+    """Is this engine request background work (`mark`)?"""
+    sp = request.sampling_params
+    if sp is not None:
+        return bool(sp.extra_args and sp.extra_args.get(BACKGROUND_KEY))
+    pp = request.pooling_params
+    return bool(pp is not None and pp.extra_kwargs and pp.extra_kwargs.get(BACKGROUND_KEY))
+
+
+def _need(r: Request) -> int:
+    """The most tokens a running request schedules next step."""
+    return max(1, int(r.num_tokens_with_spec + r.num_output_placeholders - r.num_computed_tokens))
+
+
+class _StepRecord:
+    __slots__ = ("at", "background", "left", "plan", "present", "prompt")
+
+    def __init__(self, plan: Plan, at: float, background: int, left: int, prompt: bool) -> None:
+        self.plan = plan
+        self.at = at  # when its scheduling ended
+        self.background = background  # background tokens scheduled
+        self.left = left  # background requests left out
+        self.prompt = prompt  # interactive prompt tokens scheduled
+        self.present = plan.present
+
+
+class _InteractiveFirstMixin:
+    """Rules of batching/step_share.py around vLLM's `schedule` and `update_from_output`."""
+
+    # Set by vLLM's Scheduler.__init__ (declared for the type checker).
+    running: list[Request]
+    waiting: Any
+    requests: dict[str, Request]
+    current_step: int
+    max_num_active_reqs: int
+    max_num_scheduled_tokens: int
+    vllm_config: Any
+    parallel_config: Any
+
+    def _sluice_init(self) -> None:
+        sched = self.vllm_config.scheduler_config
+        self._share = StepShare(
+            int(sched.max_num_seqs), int(sched.max_num_batched_tokens), LINGER_S
+        )
+        extra = self.vllm_config.additional_config
+        first = extra.get(SEAT_KEY) if isinstance(extra, dict) else None
+        self._board = Board.from_env() if first is not None else None
+        self._slot = int(first or 0) + int(self.parallel_config.data_parallel_rank or 0)
+        if self._board is not None:
+            self._board.clear(self._slot)
+        self._steps: dict[int, _StepRecord] = {}
+        self._last_end = 0.0
+        self._prefilling: list[Request] = []
+
+    def _sight(self, now_ns: int) -> tuple[Sight, list[Request], list[Request]]:
+        bg_run: list[Request] = []
+        ia_run = 0
+        prefilling: list[Request] = []
+        for r in self.running:
+            if background(r):
+                bg_run.append(r)
+            else:
+                ia_run += 1
+                if r.num_computed_tokens < r.num_prompt_tokens:
+                    prefilling.append(r)
+        bg_wait = [r for r in self.waiting if background(r)]
+        ia_wait = len(self.waiting) - len(bg_wait)
+        board = self._board
+        sight = Sight(
+            interactive_waiting=ia_wait,
+            interactive_prefill=bool(prefilling),
+            interactive_running=ia_run,
+            elsewhere=board is not None and board.elsewhere(self._slot, now_ns),
+            seats_free=self.max_num_active_reqs - len(self.running),
+            background_running=len(bg_run),
+            background_waiting=len(bg_wait),
+        )
+        return sight, bg_run, bg_wait
+
+    def _sluice_schedule(self, schedule: Any, throttle_prefills: bool) -> SchedulerOutput:
+        now_ns = time.monotonic_ns()
+        now = now_ns / 1e9
+        sight, bg_run, bg_wait = self._sight(now_ns)
+        plan = self._share.plan(now, sight)
+        if self._board is not None:
+            self._board.set_pending(
+                self._slot, bool(sight.interactive_waiting or sight.interactive_prefill)
+            )
+        if plan.preempt:  # rule 3: the newest background requests
+            for r in sorted(bg_run, key=lambda q: q.arrival_time)[-plan.preempt :]:
+                self.running.remove(r)
+                self._preempt_request(r, now)  # type: ignore[attr-defined]
+                bg_run.remove(r)
+                bg_wait.append(r)
+        skip = self.current_step + 2  # schedule() counts this step as current + 1
+        budget = self.max_num_scheduled_tokens
+        kept_out = False
+        if plan.hold:
+            for r in bg_run:
+                r.next_decode_eligible_step = max(r.next_decode_eligible_step, skip)
+            kept_out = True
+        elif plan.cap is not None:
+            room = plan.cap
+            need = 0
+            for r in self.running:
+                n = _need(r)
+                if not background(r):
+                    need += n
+                elif n <= room:
+                    room -= n
+                    need += n
+                else:
+                    r.next_decode_eligible_step = max(r.next_decode_eligible_step, skip)
+            self.max_num_scheduled_tokens = min(budget, need + room)
+            kept_out = not room
+        if kept_out and bg_wait:
+            self.waiting.remove_requests(bg_wait)
+        try:
+            out: SchedulerOutput = schedule(throttle_prefills)
+        finally:
+            self.max_num_scheduled_tokens = budget
+            if kept_out and bg_wait:
+                if isinstance(self.waiting, FCFSRequestQueue):
+                    self.waiting.prepend_requests(bg_wait)
+                else:
+                    for r in bg_wait:
+                        self.waiting.add_request(r)
+        self._record(out, plan, bg_run)
+        return out
+
+    def _record(self, out: SchedulerOutput, plan: Plan, bg_run: list[Request]) -> None:
+        """Keep what the step will be judged by: the background tokens it took, the
+        running background requests it left out, and whether interactive prompt
+        tokens were in it."""
+        bg_tokens = 0
+        prompt = False
+        requests = self.requests
+        scheduled = out.num_scheduled_tokens
+        prefilling = self._prefilling = []
+        for rid, n in scheduled.items():
+            r = requests.get(rid)
+            if r is None:
+                continue
+            if background(r):
+                bg_tokens += n
+            elif r.num_computed_tokens - n < r.num_prompt_tokens:
+                prompt = True
+                prefilling.append(r)
+        left = sum(1 for r in bg_run if r.request_id not in scheduled)
+        self._steps[id(out)] = _StepRecord(plan, time.monotonic(), bg_tokens, left, prompt)
+
+    def _sluice_update(
+        self, update: Any, out: SchedulerOutput, model_out: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        now = time.monotonic()
+        rec = self._steps.pop(id(out), None)
+        result: dict[int, EngineCoreOutputs] = update(out, model_out)
+        if rec is not None:
+            seconds = now - max(rec.at, self._last_end)
+            share = self._share
+            share.done(
+                now,
+                rec.plan,
+                seconds,
+                interactive_prompt=rec.prompt,
+                background_run=rec.background,
+                background_left=rec.left,
+                interactive=rec.present and self._has_interactive(),
+            )
+            board = self._board
+            if board is not None:
+                board.set_pending(self._slot, self._pending())
+                board.publish(self._slot, share.counters, share.budget, share.cap)
+        self._last_end = time.monotonic()
+        return result
+
+    def _has_interactive(self) -> bool:
+        return any(not background(r) for r in self.running) or any(
+            not background(r) for r in self.waiting
+        )
+
+    def _pending(self) -> bool:
+        """Interactive work still waiting or in prefill after a step (of those that
+        the step prefilled, and the waiting queue)."""
+        return any(
+            r.num_computed_tokens < r.num_prompt_tokens and not r.is_finished()
+            for r in self._prefilling
+        ) or any(not background(r) for r in self.waiting)
+
+
+class InteractiveFirst(_InteractiveFirstMixin, Scheduler):  # type: ignore[misc]
+    """vLLM's synchronous scheduler with Sluice's rules (the CPU backend's)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._sluice_init()
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        return self._sluice_schedule(super().schedule, throttle_prefills)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        return self._sluice_update(
+            super().update_from_output, scheduler_output, model_runner_output
+        )
+
+
+class InteractiveFirstAsync(_InteractiveFirstMixin, AsyncScheduler):  # type: ignore[misc]
+    """vLLM's async scheduler with Sluice's rules (a GPU's default)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._sluice_init()
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        return self._sluice_schedule(super().schedule, throttle_prefills)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        return self._sluice_update(
+            super().update_from_output, scheduler_output, model_runner_output
+        )

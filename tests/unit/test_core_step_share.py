@@ -1,0 +1,205 @@
+"""batching/step_share.py: how much background work an engine step takes (issue 49)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from batching.step_share import FLOOR, MAX_PREEMPT, Plan, Sight, StepShare
+
+BUSY = Sight(background_running=100, background_waiting=20, seats_free=10)
+CHAT_WAITING = Sight(
+    interactive_waiting=1, seats_free=10, background_running=100, background_waiting=20
+)
+
+
+def share(max_seqs: int = 128, step_tokens: int = 2048) -> StepShare:
+    return StepShare(max_seqs, step_tokens, linger=1.0)
+
+
+def test_rule_1_no_interactive_work_no_hold_no_cap() -> None:
+    s = share()
+    s.budget = 0.01  # even with a budget measured
+    assert s.plan(100.0, BUSY) == Plan()
+
+
+def test_rule_2_interactive_waiting_or_prefilling_holds_background() -> None:
+    s = share()
+    assert s.plan(0.0, CHAT_WAITING) == Plan(hold=True, present=True)
+    prefill = Sight(interactive_prefill=True, interactive_running=1, background_running=5)
+    assert s.plan(0.0, prefill).hold
+    elsewhere = Sight(elsewhere=True, background_running=5)
+    assert s.plan(0.0, elsewhere).hold
+    # Nothing to hold: no background work.
+    assert not s.plan(0.0, Sight(interactive_waiting=1, seats_free=3)).hold
+
+
+def test_rule_3_a_seatless_interactive_request_preempts_the_newest_background() -> None:
+    s = share()
+    seatless = Sight(interactive_waiting=5, seats_free=0, background_running=128)
+    plan = s.plan(0.0, seatless)
+    assert plan.preempt == MAX_PREEMPT and plan.hold
+    one = Sight(interactive_waiting=1, seats_free=0, background_running=128)
+    assert s.plan(0.0, one).preempt == 1
+    # Seats taken by interactive work only: nothing to preempt, nothing held for it.
+    full = Sight(interactive_waiting=1, interactive_running=128, seats_free=0)
+    assert s.plan(0.0, full) == Plan(present=True)
+
+
+def test_rule_4_the_budget_is_the_measured_held_step_and_steers_the_cap() -> None:
+    s = share()
+    hold = s.plan(0.0, CHAT_WAITING)
+    s.done(
+        0.0,
+        hold,
+        0.010,
+        interactive_prompt=True,
+        background_run=0,
+        background_left=100,
+        interactive=True,
+    )
+    assert s.budget == pytest.approx(0.010)
+    assert s.counters.held == 100
+    decoding = Sight(interactive_running=1, background_running=100)
+    plan = s.plan(0.1, decoding)
+    assert plan.cap == 2048 and not plan.hold
+    # The capped step took four times the budget: the cap halves (at most).
+    s.done(
+        0.1,
+        plan,
+        0.040,
+        interactive_prompt=False,
+        background_run=2048,
+        background_left=0,
+        interactive=True,
+    )
+    assert s.cap == 1024
+    # Within budget and the cap filled: it grows again (at most doubles).
+    plan = s.plan(0.2, decoding)
+    s.done(
+        0.2,
+        plan,
+        0.008,
+        interactive_prompt=False,
+        background_run=1024,
+        background_left=0,
+        interactive=True,
+    )
+    assert s.cap == 1280
+    # A step short for want of background work does not grow the cap.
+    plan = s.plan(0.3, decoding)
+    s.done(
+        0.3,
+        plan,
+        0.002,
+        interactive_prompt=False,
+        background_run=10,
+        background_left=0,
+        interactive=True,
+    )
+    assert s.cap == 1280
+    assert s.counters.steps_present == 4
+
+
+def test_rule_4_no_cap_before_a_budget_and_the_linger() -> None:
+    s = share()
+    decoding = Sight(interactive_running=1, background_running=100)
+    assert s.plan(0.0, decoding).cap is None  # no budget yet
+    s.budget = 0.01
+    s.done(
+        5.0,
+        s.plan(5.0, decoding),
+        0.01,
+        interactive_prompt=False,
+        background_run=1,
+        background_left=0,
+        interactive=True,
+    )
+    assert s.plan(5.5, BUSY).cap is not None  # within the linger of the last turn
+    assert s.plan(6.5, BUSY) == Plan()  # past it: rule 1
+
+
+def test_rule_5_floor_runs_background_after_a_run_of_holds() -> None:
+    s = share()
+    for i in range(FLOOR - 1):
+        plan = s.plan(float(i), CHAT_WAITING)
+        assert plan.hold
+        s.done(
+            float(i),
+            plan,
+            0.01,
+            interactive_prompt=True,
+            background_run=0,
+            background_left=100,
+            interactive=True,
+        )
+    plan = s.plan(10.0, CHAT_WAITING)
+    assert not plan.hold
+    s.done(
+        10.0,
+        plan,
+        0.02,
+        interactive_prompt=True,
+        background_run=50,
+        background_left=50,
+        interactive=True,
+    )
+    assert s.counters.floor_steps == 1
+    assert s.plan(11.0, CHAT_WAITING).hold  # the count starts again
+
+
+sights = st.builds(
+    Sight,
+    interactive_waiting=st.integers(0, 4),
+    interactive_prefill=st.booleans(),
+    interactive_running=st.integers(0, 4),
+    elsewhere=st.booleans(),
+    seats_free=st.integers(0, 8),
+    background_running=st.integers(0, 8),
+    background_waiting=st.integers(0, 8),
+)
+
+
+@given(
+    st.lists(
+        st.tuples(sights, st.floats(0.0, 0.5), st.booleans(), st.integers(0, 4096)),
+        max_size=60,
+    ),
+    st.integers(1, 1024),
+)
+def test_invariants(steps: list[tuple[Sight, float, bool, int]], max_seqs: int) -> None:
+    """Background is never held FLOOR steps in a row; the cap stays within [floor, the
+    step's tokens]; no interactive work present means no hold and no cap; at most
+    MAX_PREEMPT preemptions, and only of background work that runs."""
+    s = StepShare(max_seqs, 2048, linger=0.0)
+    held_run = 0
+    now = 0.0
+    for sight, seconds, prompt, ran in steps:
+        now += 0.01
+        plan = s.plan(now, sight)
+        assert plan == s.plan(now, sight)  # a query: no side effects
+        if not s.present(now, sight):
+            assert plan == Plan()
+        assert plan.preempt <= min(MAX_PREEMPT, sight.background_running)
+        held_run = held_run + 1 if plan.hold else 0
+        assert held_run < FLOOR
+        if plan.cap is not None:
+            assert s.floor <= plan.cap <= s.ceiling
+        s.done(
+            now,
+            plan,
+            seconds,
+            interactive_prompt=prompt,
+            background_run=ran,
+            background_left=sight.background_running,
+            interactive=bool(sight.interactive_running or sight.interactive_waiting),
+        )
+        assert s.floor == max(1, math.ceil(max_seqs / FLOOR)) <= s.cap <= s.ceiling
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="max_seqs"):
+        StepShare(0, 2048, 1.0)

@@ -1,0 +1,221 @@
+"""server/engines/vllm_scheduler.py: Sluice's subclass of vLLM's own scheduler, stepped
+by hand (issue 49).
+
+The scheduler is vLLM 0.32's, built from the demo model's configuration with a KV
+cache of a given size; no model runs: each step's output gives every request that
+finished its prompt one token, as a model runner would. So what is checked is what
+vLLM's scheduler does with Sluice's levers, request by request.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from batching.step_share import FLOOR
+from server.engines import board as board_mod
+from server.engines.board import ENV, SEAT_KEY, Board
+from server.engines.vllm_adapter import engine_config
+from server.engines.vllm_scheduler import InteractiveFirst, background, mark
+
+BLOCK = 16
+_ids = itertools.count()
+init_none_hash(sha256)
+_hasher = get_request_block_hasher(BLOCK, sha256)
+
+
+@pytest.fixture
+def board(monkeypatch: pytest.MonkeyPatch) -> Iterator[Board]:
+    b = Board.create()
+    monkeypatch.setenv(ENV, str(b.path))
+    yield b
+    b.close()
+
+
+def make(
+    model: Path,
+    cls: type[Any] = InteractiveFirst,
+    *,
+    max_seqs: int = 8,
+    step_tokens: int = 256,
+    blocks: int = 400,
+    slot: int | None = 0,
+) -> Any:
+    args = AsyncEngineArgs(
+        model=str(model),
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=step_tokens,
+        enable_prefix_caching=True,
+        max_model_len=1024,
+    )
+    config = engine_config(args)
+    if slot is not None:
+        config.additional_config = {SEAT_KEY: slot}
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=16, dtype=torch.float32)
+    kv = KVCacheConfig(
+        num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)]
+    )
+    config.cache_config.num_gpu_blocks = blocks
+    return cls(
+        vllm_config=config,
+        kv_cache_config=kv,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK,
+        log_stats=True,
+    )
+
+
+def request(prompt: int, max_tokens: int, *, bg: bool = False, seed: int = 0) -> Request:
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    if bg:
+        sp = mark(sp)
+    n = next(_ids)
+    tokens = [(seed or n) * 97 % 5000 + i % 50 + 1 for i in range(prompt)]
+    return Request(f"r{n}", tokens, sp, None, block_hasher=_hasher)
+
+
+def step(s: Any) -> SchedulerOutput:
+    """One step: schedule, then a token for each request past its prompt."""
+    out: SchedulerOutput = s.schedule()
+    ids = list(out.num_scheduled_tokens)
+    sampled = [
+        [7] if s.requests[r].num_computed_tokens >= s.requests[r].num_prompt_tokens else []
+        for r in ids
+    ]
+    mro = ModelRunnerOutput(
+        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
+    )
+    s.update_from_output(out, mro)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(demo_model_dir: Path) -> Path:
+    return demo_model_dir
+
+
+def test_mark_and_background() -> None:
+    plain = SamplingParams(max_tokens=3)
+    marked = mark(plain)
+    assert plain.extra_args is None and marked.max_tokens == 3
+    assert background(Request("a", [1, 2], marked, None))
+    assert not background(Request("b", [1, 2], plain, None))
+
+
+def _busy(s: Any, n: int = 12) -> list[Request]:
+    """n background requests (more than the 8 seats), running after a few steps."""
+    bg = [request(20, 40, bg=True) for _ in range(n)]
+    for r in bg:
+        s.add_request(r)
+    for _ in range(3):
+        step(s)
+    return bg
+
+
+def test_a_chat_turn_gets_a_seat_and_a_step_of_its_own(model: Path) -> None:
+    """Beside background work that fills every seat, a chat turn is scheduled in the
+    next step, alone."""
+    s = make(model)
+    _busy(s)
+    assert len(s.running) == 8
+    chat = request(10, 4)
+    s.add_request(chat)
+    out = step(s)
+    assert list(out.num_scheduled_tokens) == [chat.request_id]  # its prompt alone
+
+
+def test_vllms_own_scheduler_makes_the_chat_turn_wait(model: Path) -> None:
+    """The contrast (and a canary for a vLLM upgrade): vLLM's scheduler, marks or
+    not, leaves the turn waiting for a seat behind the background's decodes."""
+    s = make(model, Scheduler, slot=None)
+    _busy(s)
+    chat = request(10, 4)
+    s.add_request(chat)
+    out = step(s)
+    assert chat.request_id not in out.num_scheduled_tokens
+    assert len(out.num_scheduled_tokens) == 8
+
+
+def test_a_preempted_background_request_resumes_on_a_prefix_cache_hit(model: Path) -> None:
+    s = make(model)
+    bg = _busy(s)
+    newest = max((r for r in bg if r in s.running), key=lambda r: r.arrival_time)
+    chat = request(10, 2)
+    s.add_request(chat)
+    step(s)
+    assert newest.num_preemptions == 1 and newest not in s.running
+    assert s._share.counters.preempted == 1
+    while not chat.is_finished():
+        step(s)
+    for _ in range(FLOOR):
+        out = step(s)
+        if newest.request_id in out.num_scheduled_tokens:
+            break
+    # Its prompt and what it had generated (20 + 3 tokens) came back, less the
+    # prefix cache's hit: its one full block of prompt.
+    assert newest in s.running
+    assert out.num_scheduled_tokens[newest.request_id] <= newest.num_tokens - BLOCK
+
+
+def test_background_is_capped_to_the_measured_budget(model: Path) -> None:
+    """While a chat turn decodes, background tokens per step stay within the cap
+    that the held steps' time set; with no interactive work, no cap."""
+    s = make(model, max_seqs=64, step_tokens=512)
+    _busy(s, 40)
+    chat = request(10, 30)
+    s.add_request(chat)
+    step(s)  # held: the chat's prefill alone
+    assert s._share.budget is not None
+    s._share.budget = 1e-9  # a budget no step meets: the cap falls to its floor
+    counts = []
+    while not chat.is_finished():
+        out = step(s)
+        counts.append(sum(n for r, n in out.num_scheduled_tokens.items() if r != chat.request_id))
+    floor = s._share.floor
+    assert max(counts[-10:]) <= floor < 40
+    assert s._share.counters.capped > 0
+
+
+def test_a_model_holds_its_background_while_another_prefills(model: Path, board: Board) -> None:
+    """Two engines on one board: while the first has a chat turn waiting or in
+    prefill, the second's background sits its steps out; after, it runs again."""
+    first = make(model, slot=0, step_tokens=64)
+    second = make(model, slot=1)
+    _busy(second, 6)
+    chat = request(300, 2)  # 300 tokens at 64 a step: five steps of prefill
+    first.add_request(chat)
+    step(first)
+    assert board.read(1).counters.held == 0
+    assert step(second).num_scheduled_tokens == {}  # held: the first is prefilling
+    while chat.num_computed_tokens < chat.num_prompt_tokens:
+        step(first)
+    assert len(step(second).num_scheduled_tokens) == 6
+    assert board.read(1).counters.held == 6
+
+
+def test_board_slots(board: Board, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(board_mod, "_taken", 0)
+    assert board_mod.allocate(2) == 0
+    assert board_mod.allocate(1) == 2
+    assert board_mod.allocate(board_mod.SLOTS) is None
+    board.set_pending(3, True)
+    import time
+
+    assert board.elsewhere(0, time.monotonic_ns())
+    assert not board.elsewhere(3, time.monotonic_ns())  # its own slot
+    assert not board.elsewhere(0, time.monotonic_ns() + int(20e9))  # stale
