@@ -74,15 +74,17 @@ def _need(r: Request) -> int:
 
 
 class _StepRecord:
-    __slots__ = ("at", "background", "left", "plan", "present", "prompt")
+    __slots__ = ("at", "background", "interactive", "left", "plan", "prompt")
 
-    def __init__(self, plan: Plan, at: float, background: int, left: int, prompt: bool) -> None:
+    def __init__(
+        self, plan: Plan, at: float, background: int, left: int, prompt: bool, interactive: bool
+    ) -> None:
         self.plan = plan
         self.at = at  # when its scheduling ended
         self.background = background  # background tokens scheduled
-        self.left = left  # background requests left out
+        self.left = left  # running background requests left out
         self.prompt = prompt  # interactive prompt tokens scheduled
-        self.present = plan.present
+        self.interactive = interactive  # interactive requests in the engine at the step
 
 
 class _InteractiveFirstMixin:
@@ -186,10 +188,19 @@ class _InteractiveFirstMixin:
                 else:
                     for r in bg_wait:
                         self.waiting.add_request(r)
-        self._record(out, plan, bg_run)
+        self._record(
+            out, plan, bg_run, bg_wait, bool(sight.interactive_running or sight.interactive_waiting)
+        )
         return out
 
-    def _record(self, out: SchedulerOutput, plan: Plan, bg_run: list[Request]) -> None:
+    def _record(
+        self,
+        out: SchedulerOutput,
+        plan: Plan,
+        bg_run: list[Request],
+        bg_wait: list[Request],
+        interactive: bool,
+    ) -> None:
         """Keep what the step will be judged by: the background tokens it took, the
         running background requests it left out, and whether interactive prompt
         tokens were in it."""
@@ -198,17 +209,20 @@ class _InteractiveFirstMixin:
         requests = self.requests
         scheduled = out.num_scheduled_tokens
         prefilling = self._prefilling = []
+        bg = {r.request_id for r in bg_run}
+        bg.update(r.request_id for r in bg_wait)
         for rid, n in scheduled.items():
-            r = requests.get(rid)
-            if r is None:
-                continue
-            if background(r):
+            if rid in bg:
                 bg_tokens += n
-            elif r.num_computed_tokens - n < r.num_prompt_tokens:
+                continue
+            r = requests.get(rid)
+            if r is not None and r.num_computed_tokens - n < r.num_prompt_tokens:
                 prompt = True
                 prefilling.append(r)
         left = sum(1 for r in bg_run if r.request_id not in scheduled)
-        self._steps[id(out)] = _StepRecord(plan, time.monotonic(), bg_tokens, left, prompt)
+        self._steps[id(out)] = _StepRecord(
+            plan, time.monotonic(), bg_tokens, left, prompt, interactive
+        )
 
     def _sluice_update(
         self, update: Any, out: SchedulerOutput, model_out: ModelRunnerOutput
@@ -226,7 +240,7 @@ class _InteractiveFirstMixin:
                 interactive_prompt=rec.prompt,
                 background_run=rec.background,
                 background_left=rec.left,
-                interactive=rec.present and self._has_interactive(),
+                interactive=rec.interactive,
             )
             board = self._board
             if board is not None:
@@ -234,11 +248,6 @@ class _InteractiveFirstMixin:
                 board.publish(self._slot, share.counters, share.budget, share.cap)
         self._last_end = time.monotonic()
         return result
-
-    def _has_interactive(self) -> bool:
-        return any(not background(r) for r in self.running) or any(
-            not background(r) for r in self.waiting
-        )
 
     def _pending(self) -> bool:
         """Interactive work still waiting or in prefill after a step (of those that

@@ -17,6 +17,7 @@ so does everyone when no keys are configured.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,9 @@ from prometheus_client import Counter
 
 from batching import AdmissionState
 from batching.pressure import HostMemory
+from batching.step_share import StepCounters
 from server import __version__
+from server.engines.registry import ModelEntry
 from server.engines.registry import State as ModelState
 from server.operations.status_samples import ModelRow, Snapshot, StatusSampler, View
 from server.settings import Settings
@@ -217,7 +220,19 @@ def snapshot(app: web.Application) -> Snapshot:
         ),
         caller_engine_seconds=dict(app[USAGE].engine_seconds),
         usage=app[USAGE].recent,
+        step_share=_step_share(entries),
     )
+
+
+def _step_share(entries: Sequence[ModelEntry]) -> StepCounters | None:
+    """The engines' schedulers' counters added up (None where none has Sluice's)."""
+    total: StepCounters | None = None
+    for e in entries:
+        c = e.engine.step_share()
+        if c is not None:
+            total = total or StepCounters()
+            total.add(c)
+    return total
 
 
 def make_sampler(app: web.Application) -> StatusSampler:

@@ -596,10 +596,10 @@ class Metrics:
 
 
 def _step_share(c: StepCounters | None) -> Iterable[Metric]:
-    """What Sluice's scheduler did with background work (batching/step_share.py); nothing
-    without it (--no-interactive-first, or an engine of another kind)."""
+    """What Sluice's scheduler did with background work (batching/step_share.py); zeros
+    without it (--no-interactive-first)."""
     if c is None:
-        return
+        c = StepCounters()
     yield CounterMetricFamily(
         "sluice_background_held",
         "Background requests left out of an engine step because interactive work waited "

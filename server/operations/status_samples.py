@@ -53,6 +53,7 @@ from typing import Any
 import orjson
 
 from batching.pressure import RankStats
+from batching.step_share import StepCounters
 from server.operations.usage import CallerUsage
 
 log = logging.getLogger("sluice.status")
@@ -132,6 +133,9 @@ class Snapshot:
     # since start (cumulative), and its last hour and last day as last read.
     caller_engine_seconds: Mapping[str, float] = field(default_factory=dict)
     usage: Mapping[str, CallerUsage] = field(default_factory=dict)
+    # What Sluice's scheduler did with background work, summed over the engines
+    # (batching/step_share.py), cumulative; None without it.
+    step_share: StepCounters | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +183,14 @@ class Sample:
     batches_running: float | None = None  # None: none (the plot hides)
     # Engine seconds a second by caller: its share of the engine's time.
     caller_engine_s: Mapping[str, float] = field(default_factory=dict)
+    # Interactive first (batching/step_share.py): background requests left out of a
+    # step a second (held for interactive work, capped by the step budget), and the
+    # mean engine step in the second with interactive work present and without
+    # (None where the second had no such step, or without Sluice's scheduler).
+    background_held_s: float | None = None
+    background_capped_s: float | None = None
+    step_present_ms: float | None = None
+    step_absent_ms: float | None = None
 
 
 # The keyed columns that total what a caller's view may not show by name.
@@ -237,6 +249,25 @@ def quantile(sorted_values: Sequence[float], q: float) -> float:
 
 def _rate(new: float, old: float, dt: float) -> float:
     return max(0.0, new - old) / dt
+
+
+def _share(
+    new: StepCounters | None, old: StepCounters | None, dt: float
+) -> tuple[float | None, ...]:
+    """Held and capped background requests a second, and the mean step (ms) with
+    interactive work present and without, over the second (None where none)."""
+    if new is None or old is None:
+        return (None, None, None, None)
+
+    def mean(seconds: float, steps: int) -> float | None:
+        return 1000.0 * seconds / steps if steps > 0 else None
+
+    return (
+        _rate(new.held, old.held, dt),
+        _rate(new.capped, old.capped, dt),
+        mean(new.seconds_present - old.seconds_present, new.steps_present - old.steps_present),
+        mean(new.seconds_alone - old.seconds_alone, new.steps_alone - old.steps_alone),
+    )
 
 
 def _rates(new: Mapping[str, float], old: Mapping[str, float], dt: float) -> dict[str, float]:
@@ -365,6 +396,7 @@ class StatusSampler:
         placed: dict[str, float] = {}
         hit: dict[str, float] = {}
         engine_s: dict[str, float] = {}
+        bg: tuple[float | None, ...] = (None, None, None, None)
         if self._prev is not None and now > self._prev[0]:
             old, dt = self._prev[1], now - self._prev[0]
             req = _rate(snap.requests, old.requests, dt)
@@ -388,6 +420,7 @@ class StatusSampler:
                 if v
             }
             placed = {k: v for k, v in _rates(snap.placements, old.placements, dt).items() if v}
+            bg = _share(snap.step_share, old.step_share, dt)
             hit = _hit_pct(snap.ranks, old.ranks)
             model_req = _rates(
                 {k: m.requests for k, m in snap.models.items()},
@@ -438,6 +471,10 @@ class StatusSampler:
             batch_share_pct=share,
             batches_running=snap.batches_running or None,
             caller_engine_s=engine_s,
+            background_held_s=bg[0],
+            background_capped_s=bg[1],
+            step_present_ms=bg[2],
+            step_absent_ms=bg[3],
         )
 
     def _append(self, s: Sample) -> None:

@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from batching.pressure import RankStats
+from batching.step_share import StepCounters
 from server.operations.status_samples import Snapshot, StatusSampler, quantile
 from tests.support import until
 
@@ -78,6 +79,28 @@ def test_batch_lines_and_their_share_of_the_tokens() -> None:
     idle = s.sample()
     assert idle is not None and idle.batch_lines_s is None and idle.batch_share_pct is None
     assert idle.batches_running is None  # the plot hides
+
+
+def test_background_held_and_the_step_with_and_without_interactive_work() -> None:
+    """Interactive first's plots: held and capped background requests a second, and
+    the mean step with interactive work present and without (None in a second with
+    no such step, and without Sluice's scheduler)."""
+    clock = Clock()
+    snaps = [Snapshot("ok", step_share=StepCounters(held=10, steps_present=4, seconds_present=0.1))]
+    s = sampler(snaps, clock)
+    s.sample()
+    clock.tick(2.0)
+    later = StepCounters(held=50, capped=8, steps_present=14, seconds_present=0.3)
+    snaps.append(Snapshot("ok", step_share=later))
+    got = s.sample()
+    assert got is not None
+    assert (got.background_held_s, got.background_capped_s) == (20.0, 4.0)
+    assert got.step_present_ms == pytest.approx(20.0)
+    assert got.step_absent_ms is None  # no step without interactive work this second
+    clock.tick(1.0)
+    snaps.append(Snapshot("ok"))  # --no-interactive-first
+    off = s.sample()
+    assert off is not None and off.background_held_s is None and off.step_present_ms is None
 
 
 def test_ttft_quantiles_are_exact_over_the_second_and_absent_without_requests() -> None:

@@ -73,6 +73,14 @@
       keyed: "caller_engine_s", onlyWithData: true },
     { id: "adapters", title: "Requests per adapter", unit: "req/s", series: [],
       keyed: "adapters", onlyWithData: true },
+    // Interactive first (docs/queue.md): background work left out of the engine's
+    // steps for interactive work, and the step an interactive turn shares.
+    { id: "background", title: "Background work held back", unit: "requests/s",
+      series: [["background_held_s", "held (interactive waiting or prefilling)"],
+               ["background_capped_s", "capped (step budget)"]], onlyWithData: true },
+    { id: "step-class", title: "Engine step", unit: "ms",
+      series: [["step_present_ms", "interactive work present"],
+               ["step_absent_ms", "background only"]], onlyWithData: true },
   ];
 
   const $ = (id) => document.getElementById(id);
