@@ -63,13 +63,29 @@ CHAT_BODY = {
 }
 
 
-async def _turn(session: aiohttp.ClientSession, url: str, i: int) -> float:
+# With --background-flood: the callers file's keys (the flood's caller is background).
+CALLERS = """[callers.chat]
+key = "sk-chat"
+
+[callers.flood]
+key = "sk-flood"
+background = true
+"""
+
+
+def _headers(args: argparse.Namespace, caller: str) -> dict[str, str]:
+    if not args.background_flood:
+        return JSON
+    return {**JSON, "authorization": f"Bearer sk-{caller}"}
+
+
+async def _turn(session: aiohttp.ClientSession, url: str, i: int, headers: dict[str, str]) -> float:
     """One streamed chat turn; seconds to its first token."""
     question = {"role": "user", "content": f"Question {i}: why is the sky blue?"}
     data = orjson.dumps({**CHAT_BODY, "messages": [question]})
     t0 = time.perf_counter()
     first = 0.0
-    async with session.post(url, data=data, headers=JSON) as r:
+    async with session.post(url, data=data, headers=headers) as r:
         r.raise_for_status()
         async for line in r.content:
             if first or not line.startswith(b"data: {"):
@@ -81,12 +97,14 @@ async def _turn(session: aiohttp.ClientSession, url: str, i: int) -> float:
     return first
 
 
-async def _chat(base: str, turns: int) -> list[float]:
+async def _chat(base: str, turns: int, headers: dict[str, str]) -> list[float]:
     async with aiohttp.ClientSession() as s:
-        return [await _turn(s, base + "/v1/chat/completions", i) for i in range(turns)]
+        return [await _turn(s, base + "/v1/chat/completions", i, headers) for i in range(turns)]
 
 
-async def _flood(base: str, concurrency: int, stop: threading.Event, done: list[int]) -> None:
+async def _flood(
+    base: str, concurrency: int, stop: threading.Event, done: list[int], headers: dict[str, str]
+) -> None:
     url = base + "/v1/embeddings"
     conn = aiohttp.TCPConnector(limit=concurrency)
 
@@ -94,7 +112,7 @@ async def _flood(base: str, concurrency: int, stop: threading.Event, done: list[
         i = 0
         while not stop.is_set():
             body = orjson.dumps({"model": "embed", "input": f"document {w}-{i} about rivers"})
-            async with s.post(url, data=body, headers=JSON) as r:
+            async with s.post(url, data=body, headers=headers) as r:
                 await r.read()
                 if r.status == 200:
                     done[0] += 1
@@ -106,11 +124,11 @@ async def _flood(base: str, concurrency: int, stop: threading.Event, done: list[
 
 
 @contextlib.contextmanager
-def flood(base: str, concurrency: int) -> Iterator[list[int]]:
+def flood(base: str, concurrency: int, headers: dict[str, str]) -> Iterator[list[int]]:
     """A closed-loop embedding flood on a thread of its own while the block runs;
     yields [requests completed], final once the block has left."""
     stop, done = threading.Event(), [0]
-    t = threading.Thread(target=asyncio.run, args=(_flood(base, concurrency, stop, done),))
+    t = threading.Thread(target=asyncio.run, args=(_flood(base, concurrency, stop, done, headers),))
     t.start()
     try:
         while done[0] < concurrency:  # the flood is running before the chat starts
@@ -140,24 +158,31 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, list[dict[str, Any
     models = workdir / "models.toml"
     models.write_text(MODELS)
     port = free_port()
-    cmd = server_command(SLUICE, port, [], ["--models", str(models), *args.sluice_flags.split()])
+    flags = ["--models", str(models), *args.sluice_flags.split()]
+    if args.background_flood:
+        callers = workdir / "callers.toml"
+        callers.write_text(CALLERS)
+        callers.chmod(0o600)
+        flags += ["--callers", str(callers)]
+    chat_h, flood_h = _headers(args, "chat"), _headers(args, "flood")
+    cmd = server_command(SLUICE, port, [], flags)
     results: dict[str, list[dict[str, Any]]] = {"alone": [], "beside": []}
     with Server(SLUICE, port, cmd, workdir / "sluice.log") as server:
         server.start(dict(os.environ))
         assert server.proc is not None
         base = server.base_url
-        asyncio.run(_chat(base, 4))  # warm both paths once
-        with flood(base, args.concurrency):
+        asyncio.run(_chat(base, 4, chat_h))  # warm both paths once
+        with flood(base, args.concurrency, flood_h):
             pass
         for _ in range(args.repeat):
             for phase in ("alone", "beside"):
                 cpu0, t0 = _cpu(server.proc.pid), time.monotonic()
                 if phase == "alone":
-                    ttft, flooded = asyncio.run(_chat(base, args.turns)), 0
+                    ttft, flooded = asyncio.run(_chat(base, args.turns, chat_h)), 0
                 else:
-                    with flood(base, args.concurrency) as done:
+                    with flood(base, args.concurrency, flood_h) as done:
                         start = done[0]
-                        ttft = asyncio.run(_chat(base, args.turns))
+                        ttft = asyncio.run(_chat(base, args.turns, chat_h))
                         flooded = done[0] - start
                 dt = time.monotonic() - t0
                 cpu1 = _cpu(server.proc.pid)
@@ -183,6 +208,7 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
         f"`python -m bench.points.two_models_point --repeat {args.repeat} --turns {args.turns} "
         f"--concurrency {args.concurrency}"
         + (f" --sluice-flags '{args.sluice_flags}'" if args.sluice_flags else "")
+        + (" --background-flood" if args.background_flood else "")
         + "`: one Sluice, the demo chat model and the demo model under the pooling "
         "runner from one models file (both eager), on this machine's CPU. Per "
         "repetition the chat caller runs alone, then beside a closed-loop flood of "
@@ -219,6 +245,11 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=40)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--sluice-flags", default="", help="Sluice's own flags (one string)")
+    ap.add_argument(
+        "--background-flood",
+        action="store_true",
+        help="the flood's caller is background work (a callers file; issue 49)",
+    )
     ap.add_argument("--out", type=Path, default=Path("bench/results/two-models-cpu.md"))
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="sluice-two-models-") as tmp:

@@ -115,35 +115,36 @@ class _InteractiveFirstMixin:
         self._last_end = 0.0
         self._prefilling: list[Request] = []
 
-    def _sight(self, now_ns: int) -> tuple[Sight, list[Request], list[Request]]:
+    def _sight(self, now_ns: int) -> tuple[Sight, list[Request], list[Request], list[Request]]:
+        """What the step's plan is made from, and the running interactive, running
+        background and waiting background requests (in their queues' order)."""
         bg_run: list[Request] = []
-        ia_run = 0
-        prefilling: list[Request] = []
+        ia_run: list[Request] = []
+        prefilling = False
         for r in self.running:
             if background(r):
                 bg_run.append(r)
             else:
-                ia_run += 1
-                if r.num_computed_tokens < r.num_prompt_tokens:
-                    prefilling.append(r)
+                ia_run.append(r)
+                prefilling = prefilling or r.num_computed_tokens < r.num_prompt_tokens
         bg_wait = [r for r in self.waiting if background(r)]
         ia_wait = len(self.waiting) - len(bg_wait)
         board = self._board
         sight = Sight(
             interactive_waiting=ia_wait,
-            interactive_prefill=bool(prefilling),
-            interactive_running=ia_run,
+            interactive_prefill=prefilling,
+            interactive_running=len(ia_run),
             elsewhere=board is not None and board.elsewhere(self._slot, now_ns),
             seats_free=self.max_num_active_reqs - len(self.running),
             background_running=len(bg_run),
             background_waiting=len(bg_wait),
         )
-        return sight, bg_run, bg_wait
+        return sight, ia_run, bg_run, bg_wait
 
     def _sluice_schedule(self, schedule: Any, throttle_prefills: bool) -> SchedulerOutput:
         now_ns = time.monotonic_ns()
         now = now_ns / 1e9
-        sight, bg_run, bg_wait = self._sight(now_ns)
+        sight, ia_run, bg_run, bg_wait = self._sight(now_ns)
         plan = self._share.plan(now, sight)
         if self._board is not None:
             self._board.set_pending(
@@ -163,19 +164,20 @@ class _InteractiveFirstMixin:
                 r.next_decode_eligible_step = max(r.next_decode_eligible_step, skip)
             kept_out = True
         elif plan.cap is not None:
+            # Interactive requests first in the running order, which vLLM schedules
+            # in: a background prompt cut to the cap's remainder (vLLM chunks the last
+            # one to the step's budget) cannot take an interactive request's tokens.
+            # Its preemption agrees: the last of the list goes first.
+            self.running[:] = [*ia_run, *bg_run]
             room = plan.cap
-            need = 0
-            for r in self.running:
-                n = _need(r)
-                if not background(r):
-                    need += n
-                elif n <= room:
-                    room -= n
-                    need += n
+            for r in bg_run:
+                if room > 0:
+                    room -= min(_need(r), room)
                 else:
                     r.next_decode_eligible_step = max(r.next_decode_eligible_step, skip)
-            self.max_num_scheduled_tokens = min(budget, need + room)
-            kept_out = not room
+            need = sum(_need(r) for r in ia_run)
+            self.max_num_scheduled_tokens = min(budget, need + plan.cap)
+            kept_out = room <= 0
         if kept_out and bg_wait:
             self.waiting.remove_requests(bg_wait)
         try:

@@ -219,3 +219,28 @@ def test_board_slots(board: Board, monkeypatch: pytest.MonkeyPatch) -> None:
     assert board.elsewhere(0, time.monotonic_ns())
     assert not board.elsewhere(3, time.monotonic_ns())  # its own slot
     assert not board.elsewhere(0, time.monotonic_ns() + int(20e9))  # stale
+
+
+def test_a_capped_step_cuts_background_prompts_to_the_cap(model: Path) -> None:
+    """Background prompts longer than the cap still advance (vLLM chunks them to
+    the cap's remainder), the interactive turn is in every step, and no step takes
+    more background tokens than the cap. (The first cap skipped a prompt that did
+    not fit whole: under a closed-loop chat caller a batch stalled for good.)"""
+    s = make(model, max_seqs=64, step_tokens=512)
+    chat = request(10, 80)
+    s.add_request(chat)
+    step(s)
+    s._share.budget = 1e-9  # the cap falls to its floor: 8 tokens
+    for _ in range(8):
+        step(s)
+    assert s._share.cap == 8
+    bg = [request(30, 4, bg=True) for _ in range(6)]
+    for r in bg:
+        s.add_request(r)
+    for _ in range(60):
+        out = step(s)
+        assert chat.request_id in out.num_scheduled_tokens
+        taken = sum(n for r, n in out.num_scheduled_tokens.items() if r != chat.request_id)
+        assert taken <= 8
+    assert s._share.floor == 8
+    assert all(r.is_finished() for r in bg)
