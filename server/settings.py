@@ -258,7 +258,7 @@ class Settings:
                 self.max_batch_tokens or info.max_num_batched_tokens or self.core.max_batch_tokens
             ),
             engine=engine if self.hold_backlog else EngineCapacity(),
-            interactive_first=self.interactive_first,
+            interactive_first=info.interactive_first,
         )
 
 

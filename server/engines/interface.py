@@ -115,6 +115,9 @@ class ModelInfo:
     # vLLM's per-prompt prefill chunk per step (long_prefill_token_threshold,
     # server/engines/step_flags.py); 0: no cap.
     prefill_chunk: int = 0
+    # The engine runs Sluice's scheduler (server/engines/vllm_scheduler.py): it puts
+    # interactive work first in its steps (batching/room.py rule 8 relies on it).
+    interactive_first: bool = False
     # True: the reasoning parser is qwen3 (or there are no parsers), so
     # requests without tools take server/engines/reasoning_split.py's copy of its split;
     # False: vLLM's parsers (chat_parser) read every chat request.

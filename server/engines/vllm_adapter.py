@@ -588,6 +588,7 @@ class EngineAdapter:
             dp_ranks=dp_ranks(llm.vllm_config),
             max_loras=max_loras(llm.vllm_config),
             prefill_chunk=int(sched.long_prefill_token_threshold or 0),
+            interactive_first=self._slot is not None,
             kind=kind,
         )
         log.info(

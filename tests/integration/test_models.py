@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import re
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -198,3 +200,47 @@ def test_a_load_that_fails_is_a_clear_503_and_the_others_keep_serving(
     assert _cards(models_server)["spare"]["state"] == "unloaded"
     _ask(client, "chat")
     assert httpx.get(models_server.base + "/health", timeout=30).status_code == 200
+
+
+def _held(server: SluiceProcess) -> dict[str, float]:
+    """sluice_background_held_total by model."""
+    text = httpx.get(server.base + "/metrics", timeout=10).text
+    found = re.findall(r'sluice_background_held_total\{model="(\w+)"\} (\S+)', text)
+    return {m: float(v) for m, v in found}
+
+
+def test_a_chat_turn_holds_another_models_background_flood(
+    models_server: SluiceProcess, client: openai.OpenAI
+) -> None:
+    """Issue 49 item 3: a background flood (service_tier flex) on one model and chat
+    turns on another. While a turn waits or prefills on `chat`, `spare`'s scheduler
+    keeps its flood out of its steps (the board: server/engines/board.py)."""
+    stop = threading.Event()
+    answered = [0]
+
+    def flood() -> None:
+        while not stop.is_set():
+            out = client.chat.completions.create(
+                model="spare",
+                messages=[{"role": "user", "content": "Write a story."}],
+                max_tokens=48,
+                service_tier="flex",
+                extra_body={"ignore_eos": True},
+            )
+            assert out.service_tier == "flex"
+            answered[0] += 1
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        running = [pool.submit(flood) for _ in range(8)]
+        try:
+            _until(lambda: answered[0] >= 8, 240, "the flood on spare running")
+            before = _held(models_server).get("spare", 0.0)
+            for _ in range(6):
+                assert _ask(client, "chat")
+            after = _held(models_server)
+        finally:
+            stop.set()
+        for f in running:
+            f.result()
+    assert after.get("spare", 0.0) > before
+    assert after.get("chat", 0.0) == 0.0  # chat's engine ran no background work
