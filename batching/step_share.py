@@ -14,8 +14,9 @@ Rules (each step; `Sight` is what the scheduler sees of its own queues, plus the
 board's word about the server's other engines):
 
 1. Idle: with no interactive work present (none waiting, prefilling or running
-   here, none pending on another engine, none ended here within `linger` seconds),
-   background work takes the step as vLLM schedules it: no hold, no cap.
+   here, none pending or running on another engine, none ended here within
+   `linger` seconds), background work takes the step as vLLM schedules it: no
+   hold, no cap.
 2. Hold: while interactive work waits here with a seat for it or is in prefill
    here, or is pending (waiting or in prefill) on another engine of this server,
    background work sits the step out: its running requests skip the step and keep
@@ -34,7 +35,9 @@ board's word about the server's other engines):
    capped step the cap is scaled by budget / measured (within [1/2, 2]), so it
    follows the machine: on a GPU, where a step of 256 sequences costs a few times
    one of 16, the cap rises to the engine's seats. With no budget measured yet, no
-   cap.
+   cap. While another engine of this server has interactive work present and this
+   one has none, the budget is that engine's (the board publishes it): the cores
+   or the card the two share are busy no longer than the other's own step.
 5. Floor: background work is never starved. Rule 2 holds it at most `FLOOR - 1`
    steps in a row (the next runs it, under rule 4's cap), and rule 4's cap is never
    below 1/`FLOOR` of the engine's seats, in tokens (at least one).
@@ -68,6 +71,9 @@ class Sight:
     interactive_prefill: bool = False  # an admitted interactive prompt still prefilling
     interactive_running: int = 0  # admitted interactive requests (any phase)
     elsewhere: bool = False  # another engine has interactive work pending (the board)
+    # The least budget of the other engines with interactive work present (rule 4),
+    # None where none has.
+    elsewhere_budget: float | None = None
     seats_free: int = 0  # running seats left (max_num_seqs - running)
     background_running: int = 0
     background_waiting: int = 0
@@ -79,6 +85,7 @@ class Plan:
 
     hold: bool = False  # rule 2: background sits the step out
     cap: int | None = None  # rule 4: background tokens the step may take (None: no cap)
+    budget: float | None = None  # rule 4: the seconds the capped step aims at
     preempt: int = 0  # rule 3: newest background requests to preempt first
     present: bool = False  # interactive work present (the step's telemetry class)
 
@@ -140,6 +147,7 @@ class StepShare:
             sight.interactive_waiting
             or sight.interactive_running
             or sight.elsewhere
+            or sight.elsewhere_budget is not None
             or now - self._last_interactive < self.linger
         )
 
@@ -156,8 +164,23 @@ class StepShare:
         hold = bool(
             background and (pending or sight.elsewhere or preempt) and self._held_run < FLOOR - 1
         )
-        cap = None if hold or self.budget is None else self.cap  # rule 4
-        return Plan(hold=hold, cap=cap, preempt=preempt, present=True)
+        budget = self.budget if self.here(now, sight) and self.budget else sight.elsewhere_budget
+        cap = None if hold or budget is None else self.cap  # rule 4
+        return Plan(
+            hold=hold,
+            cap=cap,
+            budget=None if cap is None else budget,
+            preempt=preempt,
+            present=True,
+        )
+
+    def here(self, now: float, sight: Sight) -> bool:
+        """Is interactive work present on this engine (rule 1, the board's word)?"""
+        return bool(
+            sight.interactive_waiting
+            or sight.interactive_running
+            or now - self._last_interactive < self.linger
+        )
 
     def done(
         self,
@@ -196,8 +219,8 @@ class StepShare:
         self._held_run = 0
         if plan.cap is not None:
             c.capped += background_left
-            if seconds > 0 and self.budget is not None:
-                scale = min(_CAP_STEP, max(1.0 / _CAP_STEP, self.budget / seconds))
+            if seconds > 0 and plan.budget is not None:
+                scale = min(_CAP_STEP, max(1.0 / _CAP_STEP, plan.budget / seconds))
                 # Only a cap the step used can be judged too large; one it did not
                 # fill may still grow (the step was short for want of work).
                 if scale < 1.0 or background_run >= plan.cap:

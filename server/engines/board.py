@@ -13,7 +13,8 @@ The front creates the page at start (`Board.create`) and names it to the engine
 processes it starts through the environment (`SLUICE_BOARD`); each engine learns its
 slot from its configuration (`SEAT_KEY` in vLLM's `additional_config`, plus its
 data-parallel rank). A pending flag older than `STALE_S` is not believed: an engine
-that died mid-step does not hold the others' work.
+that died mid-step does not hold the others' work; nor a present flag older than
+`PRESENT_S` (rule 4's linger: an engine that went idle writes nothing more).
 """
 
 from __future__ import annotations
@@ -36,11 +37,14 @@ ENV: Final = "SLUICE_BOARD"  # the page's path, for the engine processes
 SEAT_KEY: Final = "sluice_board_slot"  # additional_config key: an engine's first slot
 SLOTS: Final = 64  # engine ranks one server may run (models x data-parallel ranks)
 STALE_S: Final = 10.0  # a pending flag older than this is ignored
+PRESENT_S: Final = 1.0  # a present flag older than this too (an idle engine writes none)
 # pending, stamp (ns), held, capped, preempted, floor steps, steps present,
 # seconds present, steps alone, seconds alone, budget (s; NaN unknown), cap.
 _SLOT: Final = struct.Struct("<QQQQQQQdQddQ")
 _PENDING: Final = struct.Struct("<QQ")
 _SIZE: Final = 128  # bytes per slot (>= _SLOT.size; aligned)
+_BUDGET: Final = struct.Struct("<d")
+_BUDGET_AT: Final = 80  # the budget's offset in a slot (_SLOT's 11th field)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,21 +93,31 @@ class Board:
 
     # -- the scheduler's side ---------------------------------------------------
 
-    def set_pending(self, slot: int, pending: bool) -> None:
-        """Does this rank have interactive work waiting or in prefill (rule 2)?"""
-        _PENDING.pack_into(self._map, slot * _SIZE, int(pending), time.monotonic_ns())
+    def set_pending(self, slot: int, pending: bool, present: bool = False) -> None:
+        """Does this rank have interactive work waiting or in prefill (rule 2), and
+        present at all with a budget measured (rule 4)?"""
+        flags = int(pending) | (int(present) << 1)
+        _PENDING.pack_into(self._map, slot * _SIZE, flags, time.monotonic_ns())
 
-    def elsewhere(self, slot: int, now_ns: int) -> bool:
-        """Does any other rank have interactive work pending (a recent flag)?"""
+    def elsewhere(self, slot: int, now_ns: int) -> tuple[bool, float | None]:
+        """Has any other rank interactive work pending, and the least budget of those
+        with interactive work present (recent flags only)?"""
         m = self._map
         stale = int(STALE_S * 1e9)
+        pending = False
+        budget: float | None = None
         for s in range(SLOTS):
             if s == slot:
                 continue
-            pending, stamp = _PENDING.unpack_from(m, s * _SIZE)
-            if pending and now_ns - stamp < stale:
-                return True
-        return False
+            flags, stamp = _PENDING.unpack_from(m, s * _SIZE)
+            if not flags or now_ns - stamp >= stale:
+                continue
+            pending = pending or bool(flags & 1)
+            if flags & 2 and now_ns - stamp < PRESENT_S * 1e9:
+                (b,) = _BUDGET.unpack_from(m, s * _SIZE + _BUDGET_AT)
+                if not math.isnan(b) and (budget is None or b < budget):
+                    budget = b
+        return pending, budget
 
     def publish(self, slot: int, counters: StepCounters, budget: float | None, cap: int) -> None:
         """This rank's counters after a step (its pending flag is kept)."""

@@ -51,6 +51,9 @@ BACKGROUND_KEY: Final = "sluice_background"
 LINGER_S: Final = 1.0
 
 
+_NOTHING = Sight()  # rule 1's linger alone
+
+
 def mark(params: Any) -> Any:
     """A copy of sampling or pooling parameters that marks their request background."""
     field = "extra_args" if hasattr(params, "extra_args") else "extra_kwargs"
@@ -130,11 +133,13 @@ class _InteractiveFirstMixin:
         bg_wait = [r for r in self.waiting if background(r)]
         ia_wait = len(self.waiting) - len(bg_wait)
         board = self._board
+        pending, budget = board.elsewhere(self._slot, now_ns) if board else (False, None)
         sight = Sight(
             interactive_waiting=ia_wait,
             interactive_prefill=prefilling,
             interactive_running=len(ia_run),
-            elsewhere=board is not None and board.elsewhere(self._slot, now_ns),
+            elsewhere=pending,
+            elsewhere_budget=budget,
             seats_free=self.max_num_active_reqs - len(self.running),
             background_running=len(bg_run),
             background_waiting=len(bg_wait),
@@ -148,7 +153,9 @@ class _InteractiveFirstMixin:
         plan = self._share.plan(now, sight)
         if self._board is not None:
             self._board.set_pending(
-                self._slot, bool(sight.interactive_waiting or sight.interactive_prefill)
+                self._slot,
+                bool(sight.interactive_waiting or sight.interactive_prefill),
+                self._share.budget is not None and self._share.here(now, sight),
             )
         if plan.preempt:  # rule 3: the newest background requests
             for r in sorted(bg_run, key=lambda q: q.arrival_time)[-plan.preempt :]:
@@ -246,7 +253,8 @@ class _InteractiveFirstMixin:
             )
             board = self._board
             if board is not None:
-                board.set_pending(self._slot, self._pending())
+                present = share.budget is not None and share.here(now, _NOTHING)
+                board.set_pending(self._slot, self._pending(), present)
                 board.publish(self._slot, share.counters, share.budget, share.cap)
         self._last_end = time.monotonic()
         return result

@@ -203,3 +203,24 @@ def test_invariants(steps: list[tuple[Sight, float, bool, int]], max_seqs: int) 
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="max_seqs"):
         StepShare(0, 2048, 1.0)
+
+
+def test_rule_4_another_engines_budget_caps_background_here() -> None:
+    s = share()
+    other = Sight(elsewhere_budget=0.005, background_running=100)
+    plan = s.plan(0.0, other)
+    assert plan == Plan(cap=2048, budget=0.005, present=True)
+    s.done(
+        0.0,
+        plan,
+        0.02,
+        interactive_prompt=False,
+        background_run=2048,
+        background_left=0,
+        interactive=False,
+    )
+    assert s.cap == 1024  # scaled by the other engine's budget
+    # Its own interactive work with its own budget measured: its own budget.
+    s.budget = 0.05
+    mine = Sight(interactive_running=1, elsewhere_budget=0.005, background_running=100)
+    assert s.plan(1.0, mine).budget == 0.05

@@ -216,9 +216,19 @@ def test_board_slots(board: Board, monkeypatch: pytest.MonkeyPatch) -> None:
     board.set_pending(3, True)
     import time
 
-    assert board.elsewhere(0, time.monotonic_ns())
-    assert not board.elsewhere(3, time.monotonic_ns())  # its own slot
-    assert not board.elsewhere(0, time.monotonic_ns() + int(20e9))  # stale
+    assert board.elsewhere(0, time.monotonic_ns()) == (True, None)
+    assert board.elsewhere(3, time.monotonic_ns()) == (False, None)  # its own slot
+    assert board.elsewhere(0, time.monotonic_ns() + int(20e9)) == (False, None)  # stale
+    # Present with a budget: the least of those present, for a second.
+    from batching.step_share import StepCounters
+
+    board.publish(4, StepCounters(), 0.02, 16)
+    board.publish(5, StepCounters(), 0.01, 16)
+    board.set_pending(4, False, True)
+    board.set_pending(5, False, True)
+    assert board.elsewhere(0, time.monotonic_ns()) == (True, 0.01)
+    assert board.elsewhere(5, time.monotonic_ns()) == (True, 0.02)
+    assert board.elsewhere(0, time.monotonic_ns() + int(2e9)) == (True, None)
 
 
 def test_a_capped_step_cuts_background_prompts_to_the_cap(model: Path) -> None:
@@ -244,3 +254,26 @@ def test_a_capped_step_cuts_background_prompts_to_the_cap(model: Path) -> None:
         assert taken <= 8
     assert s._share.floor == 8
     assert all(r.is_finished() for r in bg)
+
+
+def test_a_model_caps_its_background_while_another_serves_a_turn(model: Path, board: Board) -> None:
+    """While the first engine's chat turn decodes, the second's background work is
+    capped to the first's budget (the board carries it), and runs uncapped once
+    the first has been idle for the linger."""
+    first = make(model, slot=0)
+    second = make(model, slot=1, max_seqs=64, step_tokens=512)
+    chat = request(10, 200)
+    first.add_request(chat)
+    step(first)  # its prefill alone: the budget
+    first._share.budget = 1e-9  # a budget no step meets
+    step(first)
+    bg = [request(20, 100, bg=True) for _ in range(40)]
+    for r in bg:
+        second.add_request(r)
+    taken = []
+    for _ in range(12):
+        step(first)
+        out = step(second)
+        taken.append(sum(out.num_scheduled_tokens.values()))
+    assert max(taken[-4:]) <= second._share.floor == 8
+    assert second._share.counters.capped > 0 and second._share.counters.held == 0
