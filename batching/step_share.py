@@ -164,6 +164,7 @@ class StepShare:
         hold = bool(
             background and (pending or sight.elsewhere or preempt) and self._held_run < FLOOR - 1
         )
+        preempt = preempt if hold else 0  # a floor step would take the seat back
         budget = self.budget if self.here(now, sight) and self.budget else sight.elsewhere_budget
         cap = None if hold or budget is None else self.cap  # rule 4
         return Plan(

@@ -52,6 +52,8 @@ LINGER_S: Final = 1.0
 
 
 _NOTHING = Sight()  # rule 1's linger alone
+# Steps scheduled and not yet reported (async scheduling has one or two in flight).
+_KEPT_STEPS = 16
 
 
 def mark(params: Any) -> Any:
@@ -229,6 +231,8 @@ class _InteractiveFirstMixin:
                 prompt = True
                 prefilling.append(r)
         left = sum(1 for r in bg_run if r.request_id not in scheduled)
+        if len(self._steps) > _KEPT_STEPS:  # outputs vLLM never reported back
+            self._steps.clear()
         self._steps[id(out)] = _StepRecord(
             plan, time.monotonic(), bg_tokens, left, prompt, interactive
         )

@@ -184,6 +184,7 @@ def test_invariants(steps: list[tuple[Sight, float, bool, int]], max_seqs: int) 
         if not s.present(now, sight):
             assert plan == Plan()
         assert plan.preempt <= min(MAX_PREEMPT, sight.background_running)
+        assert plan.hold or not plan.preempt  # a preempted seat is the turn's
         held_run = held_run + 1 if plan.hold else 0
         assert held_run < FLOOR
         if plan.cap is not None:
