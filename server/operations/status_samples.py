@@ -262,9 +262,9 @@ def _share(
     def mean(seconds: float, steps: int) -> float | None:
         return 1000.0 * seconds / steps if steps > 0 else None
 
-    return (
-        _rate(new.held, old.held, dt),
-        _rate(new.capped, old.capped, dt),
+    return (  # none held or capped: None, so the plot hides while there is no background
+        _rate(new.held, old.held, dt) or None,
+        _rate(new.capped, old.capped, dt) or None,
         mean(new.seconds_present - old.seconds_present, new.steps_present - old.steps_present),
         mean(new.seconds_alone - old.seconds_alone, new.steps_alone - old.steps_alone),
     )

@@ -380,8 +380,9 @@ async def test_the_demo_server_status_page(
             browser_page,
             base + "/",
             # The backlog holds work only when the engine's next steps are fed.
-            # Each caller's engine time (the usage ledger) draws from real traffic.
-            charts=(*(c for c in ALL_CHARTS if c != "held"), "caller-engine"),
+            # Each caller's engine time (the usage ledger) and the engine's step with
+            # interactive work present (Sluice's scheduler) draw from real traffic.
+            charts=(*(c for c in ALL_CHARTS if c != "held"), "caller-engine", "step-class"),
             optional=("held",),
             screenshot="status-page.png",
             before=lambda page: give_key(page, CALLER_KEYS["chat"]),

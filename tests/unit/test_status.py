@@ -101,6 +101,12 @@ def test_background_held_and_the_step_with_and_without_interactive_work() -> Non
     snaps.append(Snapshot("ok"))  # --no-interactive-first
     off = s.sample()
     assert off is not None and off.background_held_s is None and off.step_present_ms is None
+    clock.tick(1.0)
+    snaps.append(Snapshot("ok", step_share=later))  # nothing held this second: hidden
+    s.sample()
+    clock.tick(1.0)
+    idle = s.sample()
+    assert idle is not None and idle.background_held_s is None
 
 
 def test_ttft_quantiles_are_exact_over_the_second_and_absent_without_requests() -> None:
