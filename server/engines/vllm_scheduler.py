@@ -105,6 +105,24 @@ class _InteractiveFirstMixin:
     vllm_config: Any
     parallel_config: Any
 
+    # vLLM's scheduler methods, wrapped (the class after this mixin is vLLM's).
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._sluice_init()
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        return self._sluice_schedule(super().schedule, throttle_prefills)  # type: ignore[misc]
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        return self._sluice_update(
+            super().update_from_output,  # type: ignore[misc]
+            scheduler_output,
+            model_runner_output,
+        )
+
     def _sluice_init(self) -> None:
         sched = self.vllm_config.scheduler_config
         self._share = StepShare(
@@ -275,34 +293,6 @@ class _InteractiveFirstMixin:
 class InteractiveFirst(_InteractiveFirstMixin, Scheduler):  # type: ignore[misc]
     """vLLM's synchronous scheduler with Sluice's rules (the CPU backend's)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._sluice_init()
-
-    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
-        return self._sluice_schedule(super().schedule, throttle_prefills)
-
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> dict[int, EngineCoreOutputs]:
-        return self._sluice_update(
-            super().update_from_output, scheduler_output, model_runner_output
-        )
-
 
 class InteractiveFirstAsync(_InteractiveFirstMixin, AsyncScheduler):  # type: ignore[misc]
     """vLLM's async scheduler with Sluice's rules (a GPU's default)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._sluice_init()
-
-    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
-        return self._sluice_schedule(super().schedule, throttle_prefills)
-
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> dict[int, EngineCoreOutputs]:
-        return self._sluice_update(
-            super().update_from_output, scheduler_output, model_runner_output
-        )

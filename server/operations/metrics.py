@@ -624,21 +624,23 @@ def _step_share(c: StepCounters | None) -> Iterable[Metric]:
         "limit of steps in a row (batching/step_share.py rule 5)",
         value=c.floor_steps,
     )
-    steps = CounterMetricFamily(
-        "sluice_engine_class_steps",
-        "Engine steps by whether interactive work was present (waiting, running, or "
-        "within a second of its last request)",
-        labels=["interactive"],
-    )
-    steps.add_metric(["present"], c.steps_present)
-    steps.add_metric(["absent"], c.steps_alone)
-    yield steps
-    seconds = CounterMetricFamily(
-        "sluice_engine_class_step_seconds",
-        "Seconds of engine steps by whether interactive work was present; divided by "
-        "sluice_engine_class_steps_total, the mean step an interactive turn shares",
-        labels=["interactive"],
-    )
-    seconds.add_metric(["present"], c.seconds_present)
-    seconds.add_metric(["absent"], c.seconds_alone)
-    yield seconds
+    for name, help_text, present, absent in (
+        (
+            "sluice_engine_class_steps",
+            "Engine steps by whether interactive work was present (waiting, running, or "
+            "within a second of its last request)",
+            c.steps_present,
+            c.steps_alone,
+        ),
+        (
+            "sluice_engine_class_step_seconds",
+            "Seconds of engine steps by whether interactive work was present; divided by "
+            "sluice_engine_class_steps_total, the mean step an interactive turn shares",
+            c.seconds_present,
+            c.seconds_alone,
+        ),
+    ):
+        family = CounterMetricFamily(name, help_text, labels=["interactive"])
+        family.add_metric(["present"], present)
+        family.add_metric(["absent"], absent)
+        yield family
