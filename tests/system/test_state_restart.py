@@ -50,6 +50,15 @@ def _written(state: Path, caller: str) -> int:
     return int(row[0])
 
 
+def _lines_written(state: Path, batch_id: str) -> int:
+    """A batch's lines with their results on disk."""
+    with contextlib.closing(sqlite3.connect(f"file:{state / 'state.db'}?mode=ro", uri=True)) as db:
+        row = db.execute(
+            "SELECT COUNT(*) FROM batch_lines WHERE batch_id = ?", (batch_id,)
+        ).fetchone()
+    return int(row[0])
+
+
 def _metered_chat(client: openai.OpenAI) -> Any:
     return client.chat.completions.create(
         model=MODEL,
@@ -133,9 +142,7 @@ def test_stored_responses_and_a_batch_survive_a_sigkill(
             assert time.monotonic() < deadline, "the usage was not written"
             time.sleep(0.1)
         # Killed with some lines done and others running.
-        done_at_kill = _until(
-            client, batch.id, lambda b: b.request_counts.completed >= 4, 120
-        ).request_counts.completed
+        _until(client, batch.id, lambda b: b.request_counts.completed >= 4, 120)
         cores = first.engine_core_pids()
         assert cores, first.tail()
         os.kill(first.proc.pid, signal.SIGKILL)  # no drain, no close of the database
@@ -149,6 +156,11 @@ def test_stored_responses_and_a_batch_survive_a_sigkill(
     finally:
         first.stop()
     assert (state / "state.db").exists()
+    # The lines whose results the first life wrote (more may have ended between the
+    # last look and the kill): they are not run again, so their usage is the first
+    # life's, written or not.
+    done_at_kill = _lines_written(state, batch.id)
+    assert done_at_kill >= 4
 
     second = SluiceProcess(args, cache_dir=demo_cache_root, log_path=tmp_path / "second.log")
     with second.running():
