@@ -1189,12 +1189,13 @@ class Coalescer:
             nsubs += len(subs)
             tokens += g.tokens
             ptok += g.ptok
-            feed += size(g.ptok, steps)
+            fed = size(g.ptok, steps)
+            feed += fed
             longs += multi(g.ptok, short)
             if not g.interactive:  # room.py rule 8
                 self._bg_flying += 1
                 self._bg_unstarted += 1
-                self._bg_feed += size(g.ptok, steps)
+                self._bg_feed += fed
             rank = None
             if ranks > 1:
                 rank = place(cfg.engine, self._last_steps, ending, unstarted, g.ptok)
@@ -1257,14 +1258,15 @@ class Coalescer:
         """A released generation is no longer unstarted (room.py rules 2-3), after the
         engine prefilled `prefilled` of its prompt tokens."""
         cfg = self._config
+        fed = cfg.engine.feed_size(gen.ptok, cfg.feed_steps)
         self._unstarted_n -= 1
         if not gen.interactive:
             self._bg_unstarted -= 1
-            self._bg_feed -= cfg.engine.feed_size(gen.ptok, cfg.feed_steps)
+            self._bg_feed -= fed
         if gen.rank < len(self._unstarted_rank):
             self._unstarted_rank[gen.rank] -= 1
         self._unstarted_tokens -= gen.ptok
-        self._unstarted_feed -= cfg.engine.feed_size(gen.ptok, cfg.feed_steps)
+        self._unstarted_feed -= fed
         self._unstarted_long -= cfg.engine.multi_step(gen.ptok, cfg.short_prompt_tokens)
         self._prefilled = max(0, self._prefilled - prefilled) if self._unstarted_n else 0
 

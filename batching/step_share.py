@@ -48,6 +48,7 @@ Pure: no clock, no I/O, no vLLM; `plan` has no side effects, `done` records a st
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = ["FLOOR", "MAX_PREEMPT", "Plan", "Sight", "StepCounters", "StepShare"]
@@ -103,16 +104,20 @@ class StepCounters:
     steps_alone: int = 0  # steps with none (rule 1)
     seconds_alone: float = 0.0
 
-    def add(self, other: StepCounters) -> None:
-        """Add another rank's counters to these."""
-        self.held += other.held
-        self.capped += other.capped
-        self.preempted += other.preempted
-        self.floor_steps += other.floor_steps
-        self.steps_present += other.steps_present
-        self.seconds_present += other.seconds_present
-        self.steps_alone += other.steps_alone
-        self.seconds_alone += other.seconds_alone
+    @classmethod
+    def total(cls, each: Iterable[StepCounters]) -> StepCounters:
+        """Several ranks' or engines' counters added up."""
+        out = cls()
+        for c in each:
+            out.held += c.held
+            out.capped += c.capped
+            out.preempted += c.preempted
+            out.floor_steps += c.floor_steps
+            out.steps_present += c.steps_present
+            out.seconds_present += c.seconds_present
+            out.steps_alone += c.steps_alone
+            out.seconds_alone += c.seconds_alone
+        return out
 
 
 class StepShare:
@@ -142,14 +147,8 @@ class StepShare:
         self._last_interactive = -math.inf
 
     def present(self, now: float, sight: Sight) -> bool:
-        """Rule 1's test: is interactive work present?"""
-        return bool(
-            sight.interactive_waiting
-            or sight.interactive_running
-            or sight.elsewhere
-            or sight.elsewhere_budget is not None
-            or now - self._last_interactive < self.linger
-        )
+        """Rule 1's test: is interactive work present, here or on another engine?"""
+        return self.here(now, sight) or sight.elsewhere or sight.elsewhere_budget is not None
 
     def plan(self, now: float, sight: Sight) -> Plan:
         """What the next step does with background work (no side effects)."""
@@ -165,7 +164,8 @@ class StepShare:
             background and (pending or sight.elsewhere or preempt) and self._held_run < FLOOR - 1
         )
         preempt = preempt if hold else 0  # a floor step would take the seat back
-        budget = self.budget if self.here(now, sight) and self.budget else sight.elsewhere_budget
+        own = self.budget is not None and self.here(now, sight)
+        budget = self.budget if own else sight.elsewhere_budget
         cap = None if hold or budget is None else self.cap  # rule 4
         return Plan(
             hold=hold,

@@ -38,13 +38,16 @@ SEAT_KEY: Final = "sluice_board_slot"  # additional_config key: an engine's firs
 SLOTS: Final = 64  # engine ranks one server may run (models x data-parallel ranks)
 STALE_S: Final = 10.0  # a pending flag older than this is ignored
 PRESENT_S: Final = 1.0  # a present flag older than this too (an idle engine writes none)
-# pending, stamp (ns), held, capped, preempted, floor steps, steps present,
-# seconds present, steps alone, seconds alone, budget (s; NaN unknown), cap.
-_SLOT: Final = struct.Struct("<QQQQQQQdQddQ")
+# A slot: the flags and their stamp (ns), then what `publish` writes: held, capped,
+# preempted, floor steps, steps present, seconds present, steps alone, seconds
+# alone (StepCounters, in order), then the budget (s; NaN unknown) and the cap.
 _PENDING: Final = struct.Struct("<QQ")
-_SIZE: Final = 128  # bytes per slot (>= _SLOT.size; aligned)
+_COUNTERS = "QQQQQdQd"
+_PUBLISHED: Final = struct.Struct("<" + _COUNTERS + "dQ")
+_SLOT: Final = struct.Struct("<QQ" + _COUNTERS + "dQ")
 _BUDGET: Final = struct.Struct("<d")
-_BUDGET_AT: Final = 80  # the budget's offset in a slot (_SLOT's 11th field)
+_BUDGET_AT: Final = _PENDING.size + struct.calcsize("<" + _COUNTERS)
+_SIZE: Final = 128  # bytes per slot (>= _SLOT.size; aligned)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,11 +125,9 @@ class Board:
     def publish(self, slot: int, counters: StepCounters, budget: float | None, cap: int) -> None:
         """This rank's counters after a step (its pending flag is kept)."""
         c = counters
-        off = slot * _SIZE + _PENDING.size
-        struct.pack_into(
-            "<QQQQQdQddQ",
+        _PUBLISHED.pack_into(
             self._map,
-            off,
+            slot * _SIZE + _PENDING.size,
             c.held,
             c.capped,
             c.preempted,

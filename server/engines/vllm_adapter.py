@@ -706,10 +706,8 @@ class EngineAdapter:
         board, slot = self._board, self._slot
         if board is None or slot is None or self._llm is None:
             return None
-        total = StepCounters()
-        for rank in range(dp_ranks(self._llm.vllm_config)):
-            total.add(board.read(slot + rank).counters)
-        return total
+        ranks = range(dp_ranks(self._llm.vllm_config))
+        return StepCounters.total(board.read(slot + rank).counters for rank in ranks)
 
     def charge(self, request_id: str) -> Charge:
         return self._ledger.close(request_id)

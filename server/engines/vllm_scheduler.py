@@ -109,21 +109,6 @@ class _InteractiveFirstMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._sluice_init()
-
-    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
-        return self._sluice_schedule(super().schedule, throttle_prefills)  # type: ignore[misc]
-
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> dict[int, EngineCoreOutputs]:
-        return self._sluice_update(
-            super().update_from_output,  # type: ignore[misc]
-            scheduler_output,
-            model_runner_output,
-        )
-
-    def _sluice_init(self) -> None:
         sched = self.vllm_config.scheduler_config
         self._share = StepShare(
             int(sched.max_num_seqs), int(sched.max_num_batched_tokens), LINGER_S
@@ -166,7 +151,7 @@ class _InteractiveFirstMixin:
         )
         return sight, ia_run, bg_run, bg_wait
 
-    def _sluice_schedule(self, schedule: Any, throttle_prefills: bool) -> SchedulerOutput:
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         now_ns = time.monotonic_ns()
         now = now_ns / 1e9
         sight, ia_run, bg_run, bg_wait = self._sight(now_ns)
@@ -208,7 +193,7 @@ class _InteractiveFirstMixin:
         if kept_out and bg_wait:
             self.waiting.remove_requests(bg_wait)
         try:
-            out: SchedulerOutput = schedule(throttle_prefills)
+            out: SchedulerOutput = super().schedule(throttle_prefills)  # type: ignore[misc]
         finally:
             self.max_num_scheduled_tokens = budget
             if kept_out and bg_wait:
@@ -255,12 +240,14 @@ class _InteractiveFirstMixin:
             plan, time.monotonic(), bg_tokens, left, prompt, interactive
         )
 
-    def _sluice_update(
-        self, update: Any, out: SchedulerOutput, model_out: ModelRunnerOutput
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
         now = time.monotonic()
-        rec = self._steps.pop(id(out), None)
-        result: dict[int, EngineCoreOutputs] = update(out, model_out)
+        rec = self._steps.pop(id(scheduler_output), None)
+        result: dict[int, EngineCoreOutputs] = super().update_from_output(  # type: ignore[misc]
+            scheduler_output, model_runner_output
+        )
         if rec is not None:
             seconds = now - max(rec.at, self._last_end)
             share = self._share

@@ -226,13 +226,8 @@ def snapshot(app: web.Application) -> Snapshot:
 
 def _step_share(entries: Sequence[ModelEntry]) -> StepCounters | None:
     """The engines' schedulers' counters added up (None where none has Sluice's)."""
-    total: StepCounters | None = None
-    for e in entries:
-        c = e.engine.step_share()
-        if c is not None:
-            total = total or StepCounters()
-            total.add(c)
-    return total
+    each = [c for e in entries if (c := e.engine.step_share()) is not None]
+    return StepCounters.total(each) if each else None
 
 
 def make_sampler(app: web.Application) -> StatusSampler:
