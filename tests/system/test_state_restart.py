@@ -41,22 +41,21 @@ def _client(proc: SluiceProcess, key: str = "sk-main") -> openai.OpenAI:
     return openai.OpenAI(base_url=proc.base + "/v1", api_key=key, admin_api_key=key, max_retries=0)
 
 
-def _written(state: Path, caller: str) -> int:
-    """Requests of `caller` in the usage table on disk (what a kill keeps)."""
+def _count(state: Path, sql: str, key: str) -> int:
+    """One number from the state database on disk (what a kill keeps), read only."""
     with contextlib.closing(sqlite3.connect(f"file:{state / 'state.db'}?mode=ro", uri=True)) as db:
-        row = db.execute(
-            "SELECT COALESCE(SUM(requests), 0) FROM usage_hours WHERE caller = ?", (caller,)
-        ).fetchone()
-    return int(row[0])
+        return int(db.execute(sql, (key,)).fetchone()[0])
+
+
+def _written(state: Path, caller: str) -> int:
+    """Requests of `caller` in the usage table."""
+    sql = "SELECT COALESCE(SUM(requests), 0) FROM usage_hours WHERE caller = ?"
+    return _count(state, sql, caller)
 
 
 def _lines_written(state: Path, batch_id: str) -> int:
-    """A batch's lines with their results on disk."""
-    with contextlib.closing(sqlite3.connect(f"file:{state / 'state.db'}?mode=ro", uri=True)) as db:
-        row = db.execute(
-            "SELECT COUNT(*) FROM batch_lines WHERE batch_id = ?", (batch_id,)
-        ).fetchone()
-    return int(row[0])
+    """A batch's lines with their results."""
+    return _count(state, "SELECT COUNT(*) FROM batch_lines WHERE batch_id = ?", batch_id)
 
 
 def _metered_chat(client: openai.OpenAI) -> Any:
