@@ -141,6 +141,10 @@ class EngineStats:
     # batch to its model output), summed over ranks: against the wall clock, how
     # much of it the engine spent in steps rather than between them (issue 27).
     step_seconds_total: float = 0.0
+    # The longest step of the last minute (of the latest steps, once the engine has
+    # idled since): how long a health check may wait for the step in progress
+    # (server/engines/restarts.py, rule 1).
+    longest_step_s: float = 0.0
 
     @property
     def kv_usage_least(self) -> float | None:

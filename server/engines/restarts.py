@@ -9,9 +9,12 @@ the rules, as plain functions of a model's restart history and the time
 Rules:
 
 1. A death is an engine core process that exited (its exit code, or the
-   signal that ended it) or an engine that failed its health check (no answer
-   within --engine-health-timeout: a hung core is a dead one). `Death` names
-   it for the log line and the `cause` label of the metrics.
+   signal that ended it) or an engine that failed its health check: a hung
+   core is a dead one. A core answers between its steps, so the check waits
+   --engine-health-timeout beyond a few of the engine's own longest recent step
+   (`answer_within`): a long prompt's chunks on a CPU beside another engine take
+   seconds each and grow with the context, a GPU's take milliseconds. `Death`
+   names it for the log line and the `cause` label of the metrics.
 2. A dead engine is started again after a back-off: `base` seconds after the
    first death in the window, doubled for each restart already in it, never
    more than `cap` (`backoff`: 1 s, 2 s, 4 s, ... 30 s by default).
@@ -33,7 +36,21 @@ import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Death", "RestartPolicy", "Verdict", "backoff", "decide", "exits", "recent"]
+__all__ = [
+    "Death",
+    "RestartPolicy",
+    "Verdict",
+    "answer_within",
+    "backoff",
+    "decide",
+    "exits",
+    "recent",
+]
+
+# Rule 1: the steps a health check may wait for, counted in the engine's longest
+# recent step: the one in progress can be longer than any before it (a prompt's
+# later chunks attend over more context; another process took the cores).
+STEPS_WAITED = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +65,12 @@ class RestartPolicy:
     def __post_init__(self) -> None:
         if self.restarts < 0 or self.window <= 0 or self.base <= 0 or self.cap < self.base:
             raise ValueError(f"bad restart policy {self}")
+
+
+def answer_within(timeout: float, longest_step: float) -> float:
+    """Rule 1: the seconds a health check waits for its answer before the engine is
+    hung: `timeout` beyond STEPS_WAITED of its longest recent step (seconds)."""
+    return timeout + STEPS_WAITED * max(0.0, longest_step)
 
 
 @dataclass(frozen=True, slots=True)

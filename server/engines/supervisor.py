@@ -13,7 +13,8 @@ rules; this is their I/O):
   for the restart instead of meeting the dead engine), and every `probe_every` it
   sends each one a health check through its cores (`Engine.check_health`),
   each in a task of its own, so that one hung engine does not delay the look
-  at another. No answer within `health_timeout`: hung, a death (rule 1).
+  at another. No answer within `health_timeout` beyond the engine's longest
+  recent steps (`answer_within`): hung, a death (rule 1).
 * A death fails that model's queued and running requests with a 503 (the
   error middleware gives each API its own shape: Anthropic's overloaded 529,
   a stream's error event), ends the engine's processes by their pids (vLLM's
@@ -39,7 +40,7 @@ from server.engines.interface import Engine
 from server.engines.loader import ModelLoader
 from server.engines.procs import alive, process_tree
 from server.engines.registry import ModelEntry, ModelRegistry, State
-from server.engines.restarts import Death, RestartPolicy, decide, exits, recent
+from server.engines.restarts import Death, RestartPolicy, answer_within, decide, exits, recent
 from server.errors import SluiceError
 
 __all__ = ["Supervisor", "process_tree"]
@@ -107,7 +108,8 @@ class Supervisor:
 
     async def _probe(self, entry: ModelEntry, engine: Engine) -> None:
         try:
-            await asyncio.wait_for(engine.check_health(), self.health_timeout)
+            within = answer_within(self.health_timeout, engine.stats().longest_step_s)
+            await asyncio.wait_for(engine.check_health(), within)
         except TimeoutError:
             if entry.state is State.LOADED and entry.engine is engine:
                 self.died(entry, _unanswered(engine))

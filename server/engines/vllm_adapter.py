@@ -114,6 +114,8 @@ _FROM_START = "sluice_constraint_from_start"
 # each step while the backlog holds work; otherwise at the next request or
 # finish). An idle engine runs no steps; the bound only matters if nobody looks.
 _STEPS_KEPT = 4096
+# The window of EngineStats.longest_step_s, in seconds.
+_LONGEST_STEP_WINDOW_S = 60.0
 
 
 class _StatsBox:
@@ -141,6 +143,7 @@ class _StatsBox:
         self._preempted: dict[int, int] = {}
         # Each rank's prefix-cache (queries, hits) in tokens, cumulative.
         self._prefix: dict[int, tuple[int, int]] = {}
+        self._longest = _LongestStep(_LONGEST_STEP_WINDOW_S)
 
     def get(self) -> EngineStats:
         with self._lock:
@@ -183,6 +186,7 @@ class _StatsBox:
             step = engine_step(scheduler_stats, rank_stats, rank)
             if step is not None:
                 self._steps.append(step)
+            seconds = step_seconds(scheduler_stats)
             ranks = tuple(self._ranks[i] for i in sorted(self._ranks))
             waited = s.adapter_wait_steps_total + adapter_waited(scheduler_stats)
             self._stats = EngineStats(
@@ -197,9 +201,29 @@ class _StatsBox:
                 steps_total=s.steps_total + 1,
                 prefill_tokens_total=s.prefill_tokens_total + (step.prefill_tokens if step else 0),
                 decode_tokens_total=s.decode_tokens_total + (step.decode_tokens if step else 0),
-                step_seconds_total=s.step_seconds_total + step_seconds(scheduler_stats),
+                step_seconds_total=s.step_seconds_total + seconds,
+                longest_step_s=self._longest.add(time.monotonic(), seconds),
             )
             return step is not None
+
+
+class _LongestStep:
+    """The longest step of a sliding window: (time, seconds) pairs kept in falling
+    order of seconds, so the first one is the window's longest."""
+
+    def __init__(self, window: float) -> None:
+        self._window = window
+        self._kept: deque[tuple[float, float]] = deque()
+
+    def add(self, now: float, seconds: float) -> float:
+        """Count one step that ended `now`; the window's longest step after it."""
+        kept = self._kept
+        while kept and kept[-1][1] <= seconds:
+            kept.pop()
+        kept.append((now, seconds))
+        while kept[0][0] < now - self._window:
+            kept.popleft()
+        return kept[0][1]
 
 
 def engine_step(scheduler_stats: Any, rank_stats: RankStats, rank: int) -> EngineStep | None:

@@ -15,6 +15,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerIterationDetails, S
 from batching import EngineStep, RoomCounters
 from server.cli import parse_serve_args
 from server.engines.vllm_adapter import (
+    _LongestStep,
     _NoIterationLines,
     _stat_logger_factory,
     _StatsBox,
@@ -34,6 +35,7 @@ def _sched(
     skipped: int = 0,
     kv: float = 0.25,
     dummy: bool = False,
+    elapsed_ms: float = 12.5,
 ) -> SchedulerStats:
     details = None
     if ctx is not None:
@@ -43,7 +45,7 @@ def _sched(
             num_ctx_tokens=ctx[1],
             num_generation_requests=gen[0],
             num_generation_tokens=gen[1],
-            elapsed_ms=12.5,
+            elapsed_ms=elapsed_ms,
             is_dummy=dummy,
         )
     return SchedulerStats(
@@ -81,6 +83,22 @@ def test_steps_without_details_or_dummy_ones_are_no_engine_steps() -> None:
     s = box.get()
     assert (s.steps_total, s.prefill_tokens_total) == (2, 0)  # stats still arrived
     assert s.step_seconds_total == 0.0  # a dummy step's time is not a step's
+
+
+def test_the_longest_step_of_the_last_minute_is_kept() -> None:
+    """What a health check waits for (server/engines/restarts.py, rule 1)."""
+    box = _StatsBox()
+    log = _stat_logger_factory(box)(None, 0)
+    for ms in (12.5, 2000.0, 500.0):
+        log.record(_sched(elapsed_ms=ms), None)
+    assert box.get().longest_step_s == 2.0
+    window = _LongestStep(60.0)
+    assert [window.add(t, s) for t, s in ((0, 2.0), (30, 0.5), (61, 0.1), (95, 0.2))] == [
+        2.0,
+        2.0,
+        0.5,  # the 2 s step left the window
+        0.2,
+    ]
 
 
 def test_each_rank_reports_its_own_steps() -> None:

@@ -7,6 +7,7 @@ their pids are tests/integration/test_faults.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,38 @@ async def test_a_hung_engine_is_dead_and_restarts(serve_models: Make) -> None:
     assert s.engine("b") is not hung and hung.shut_down
     assert 'cause="health_check"' in await _metrics(s)
     assert (await s.client.post(CHAT, json=ask("a"))).status == 200
+
+
+class _LongSteps(FakeEngine):
+    """A fake whose steps take `step_s` each: a health check is answered after the
+    step in progress, as an engine core answers between its steps."""
+
+    step_s = 0.6
+    checks = 0
+
+    async def check_health(self) -> None:
+        await asyncio.sleep(self.step_s)
+        await super().check_health()
+        self.checks += 1
+
+
+async def test_an_engine_whose_steps_are_long_is_not_hung(serve_models: Make) -> None:
+    """A CI run: a coding agent's 22,661-token prompt, prefilled in chunks on 2
+    cores beside another test's engine, took steps past the 10 s timeout; the
+    check waits for a few of the engine's own longest recent step."""
+    s = await serve_models(
+        (spec("a"), spec("b")),
+        engine=lambda _: _LongSteps(step=0.01),
+        restarts=FAST,
+        health_timeout=0.2,
+    )
+    slow = s.engine("b")
+    assert isinstance(slow, _LongSteps)
+    slow.stats_value = dataclasses.replace(slow.stats_value, longest_step_s=slow.step_s)
+    await until(lambda: slow.checks >= 2, timeout=10, what="two checks answered")
+    assert s.app[MODELS].get("b").deaths == 0 and s.engine("b") is slow
+    # a is as slow and says nothing of its steps: its check is one past the timeout.
+    assert s.app[MODELS].get("a").deaths >= 1
 
 
 class _KilledUnnoticed(_Hanging):
