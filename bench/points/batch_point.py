@@ -179,27 +179,51 @@ def one_repetition(base: str, args: argparse.Namespace, data: bytes, bodies: lis
     }
 
 
-def report(runs: list[dict[str, Any]], raw: list[float], args: argparse.Namespace) -> list[str]:
-    def col(key: str) -> list[float]:
-        return [float(r[key]) for r in runs]
-
-    beside_ratio = [r["chat_beside_p95"] / r["chat_alone_p95"] for r in runs]
-    vs_closed = [r["batch_alone"] / r["closed_loop"] for r in runs]
-    vs_raw = statistics.median(col("batch_alone")) / statistics.median(raw)
-    return [
+def report(
+    runs: list[dict[str, Any]],
+    raw: list[float],
+    args: argparse.Namespace,
+    against: list[dict[str, Any]] | None = None,
+) -> list[str]:
+    against_note = (
+        f" Each repetition also ran a second Sluice with `{args.against_args}` in place of "
+        "the first's own flags, right after the first (the same machine, the same minutes): "
+        "its table follows."
+        if against is not None
+        else ""
+    )
+    lines_ = [
         "# A chat batch through /v1/batches, beside a chat caller (issue 42)",
         "",
         f"`./scripts/bench batches --repeat {args.repeat} --lines {args.lines} --max-tokens "
         f"{args.max_tokens} --concurrency {args.concurrency}"
         + (f" --in-flight {args.in_flight}" if args.in_flight else "")
         + (f" --sluice-args '{args.sluice_args}'" if args.sluice_args else "")
+        + (f" --against-args '{args.against_args}'" if args.against_args else "")
         + "`: one Sluice on the demo model "
         "(eager) on this machine's CPU; each line a chat request of "
         f"{args.max_tokens} tokens (`ignore_eos`). Per repetition: the chat caller alone, "
         "the batch alone, the batch beside the chat caller, the same lines sent closed "
         f"loop at c={args.concurrency}; then `vllm run-batch` on the same file and engine "
-        "flags (its engine start not counted). Medians [min-max] over the repetitions.",
+        "flags (its engine start not counted). Medians [min-max] over the repetitions."
+        + against_note,
         "",
+        *table(runs, raw, args),
+    ]
+    if against is not None:
+        lines_ += ["", f"## With `{args.against_args}`", "", *table(against, raw, args)]
+    return lines_
+
+
+def table(runs: list[dict[str, Any]], raw: list[float], args: argparse.Namespace) -> list[str]:
+    def col(key: str) -> list[float]:
+        return [float(r[key]) for r in runs]
+
+    beside_ratio = [r["chat_beside_p95"] / r["chat_alone_p95"] for r in runs]
+    vs_closed = [r["batch_alone"] / r["closed_loop"] for r in runs]
+    vs_alone = [r["batch_beside"] / r["batch_alone"] for r in runs]
+    vs_raw = statistics.median(col("batch_alone")) / statistics.median(raw)
+    return [
         "| | lines/s | chat TTFT p95 ms |",
         "|---|---|---|",
         f"| chat caller alone | | {runs_cell(runs, 'chat_alone_p95', '.0f')} |",
@@ -213,6 +237,8 @@ def report(runs: list[dict[str, Any]], raw: list[float], args: argparse.Namespac
         f"* chat TTFT p95 beside the batch: {spread_cell(beside_ratio, '.2f')}x alone "
         "(target <= 1.5x); "
         f"{sum(int(r['chat_failed']) for r in runs)} failed chat turns.",
+        f"* the batch's lines/s beside the chat caller: {spread_cell(vs_alone, '.2f')}x alone "
+        "(target >= 0.85x).",
         f"* the batch's lines/s: {spread_cell(vs_closed, '.2f')}x the same lines closed loop "
         f"(target >= 0.95x), {vs_raw:.2f}x `vllm run-batch` (target >= 0.9x).",
     ]
@@ -235,6 +261,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="",
         help="more `sluice serve` flags (one string), e.g. '--scheduling-policy priority'",
     )
+    ap.add_argument(
+        "--against-args",
+        help="a second Sluice's flags in place of --sluice-args, run after the first in "
+        "each repetition (an A/B in one run), e.g. '--no-interactive-first'",
+    )
     args = ap.parse_args(argv)
     batch = lines(args.lines, args.max_tokens)
     data = b"".join(orjson.dumps(x) + b"\n" for x in batch)
@@ -244,29 +275,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "in.jsonl").write_bytes(data)
         port = free_port()
-        cmd = server_command(
-            SLUICE,
-            port,
-            ["--enforce-eager"],
-            [
-                "--state-dir",
-                str(workdir / "state"),
-                "--batch-lines-in-flight",
-                str(args.in_flight or args.concurrency),
-                *args.sluice_args.split(),
-            ],
-        )
-        runs: list[dict[str, Any]] = []
+
+        def command(flags: str) -> list[str]:
+            return server_command(
+                SLUICE,
+                port,
+                ["--enforce-eager"],
+                [
+                    "--state-dir",
+                    str(workdir / "state"),
+                    "--batch-lines-in-flight",
+                    str(args.in_flight or args.concurrency),
+                    *flags.split(),
+                ],
+            )
+
+        configs: list[tuple[str, str, list[dict[str, Any]]]] = [("sluice", args.sluice_args, [])]
+        against: list[dict[str, Any]] = []
+        if args.against_args is not None:
+            configs.append(("against", args.against_args, against))
+        runs: list[dict[str, Any]] = configs[0][2]
         raw: list[float] = []
         for _ in range(args.repeat):
-            with Server(SLUICE, port, cmd, workdir / "sluice.log") as server:
-                server.start(dict(os.environ))
-                run_closed_loop(server.base_url, bodies[:64], 64)  # warm
-                runs.append(one_repetition(server.base_url, args, data, bodies))
-                print(f"sluice repetition: {runs[-1]}", flush=True)
+            for name, flags, kept in configs:
+                with Server(SLUICE, port, command(flags), workdir / f"{name}.log") as server:
+                    server.start(dict(os.environ))
+                    run_closed_loop(server.base_url, bodies[:64], 64)  # warm
+                    kept.append(one_repetition(server.base_url, args, data, bodies))
+                    print(f"{name} repetition: {kept[-1]}", flush=True)
             raw.append(run_vllm_batch(workdir / "in.jsonl", workdir, args.lines))
             print(f"vllm run-batch: {raw[-1]:.1f} lines/s", flush=True)
-    write_lines(args.out, report(runs, raw, args))
+    write_lines(args.out, report(runs, raw, args, against if args.against_args else None))
     return 0
 
 
