@@ -27,8 +27,10 @@ board's word about the server's other engines):
    interactive request, at most `MAX_PREEMPT` a step (llm-d's flow control takes two
    victims a decision, newest first). vLLM's preemption frees their seats and
    blocks; the blocks stay in its prefix cache, so their recompute is a cache hit.
-4. Budget: while interactive work runs here (decoding) or lingers, the background
-   tokens of a step are capped so that the step lasts no longer than the budget:
+4. Budget: while interactive work runs here (decoding) or lingers and background
+   work is here, the background tokens of a step are capped so that the step lasts
+   no longer than the budget (with no background work, nothing is capped: the
+   interactive work's own prompts are never cut to the background's cap):
    the measured time of the steps rule 2 held while interactive prompts were in
    them (the interactive work alone; an exponential average). A chat turn that
    arrives then waits for at most one step as long as its own prefill. After each
@@ -166,7 +168,7 @@ class StepShare:
         preempt = preempt if hold else 0  # a floor step would take the seat back
         own = self.budget is not None and self.here(now, sight)
         budget = self.budget if own else sight.elsewhere_budget
-        cap = None if hold or budget is None else self.cap  # rule 4
+        cap = None if hold or budget is None or not background else self.cap  # rule 4
         return Plan(
             hold=hold,
             cap=cap,

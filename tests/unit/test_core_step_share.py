@@ -122,6 +122,17 @@ def test_rule_4_no_cap_before_a_budget_and_the_linger() -> None:
     assert s.plan(6.5, BUSY) == Plan()  # past it: rule 1
 
 
+def test_rule_4_no_background_no_cap() -> None:
+    """Interactive work alone after a budget was measured: no cap (the cap cut the
+    waiting interactive prompts of a closed loop to the background's floor: 0.81x
+    its throughput without the scheduler)."""
+    s = share()
+    s.budget, s.cap = 0.01, s.floor
+    alone = Sight(interactive_running=128, interactive_waiting=128)
+    assert s.plan(0.0, alone) == Plan(present=True)
+    assert s.plan(0.0, Sight(interactive_running=128, background_waiting=1)).cap == s.floor
+
+
 def test_rule_5_floor_runs_background_after_a_run_of_holds() -> None:
     s = share()
     for i in range(FLOOR - 1):
@@ -189,6 +200,8 @@ def test_invariants(steps: list[tuple[Sight, float, bool, int]], max_seqs: int) 
         assert held_run < FLOOR
         if plan.cap is not None:
             assert s.floor <= plan.cap <= s.ceiling
+            # Only background tokens are capped: with none, interactive prompts run free.
+            assert sight.background_running or sight.background_waiting
         s.done(
             now,
             plan,
