@@ -127,6 +127,12 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         default="",
         help="extra `sluice serve` flags for Sluice only (quoted string)",
     )
+    ap.add_argument(
+        "--background-callers",
+        default="",
+        help="callers that Sluice's callers file marks background, comma-separated "
+        "(e.g. `batch`: the noisy point's flood; issue 49)",
+    )
     ap.add_argument("--results-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     ap.add_argument(
         "--server-timeout",
@@ -235,6 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         repeat=repeat,
         quick=ns.quick,
         sluice_flags=shlex.split(ns.sluice_args),
+        background_callers=tuple(c for c in ns.background_callers.split(",") if c),
         systems=systems,
         env=env,
         server_timeout=ns.server_timeout,

@@ -112,6 +112,8 @@ class RunConfig:
     repeat: int
     quick: bool
     sluice_flags: list[str] = field(default_factory=list)
+    # Callers whose requests Sluice's callers file marks background (issue 49).
+    background_callers: tuple[str, ...] = ()
     systems: tuple[str, ...] = (SLUICE, VLLM)  # servers compared (an A/B: Sluice only)
     env: dict[str, str] = field(default_factory=dict)
     server_timeout: float = 600.0
@@ -437,7 +439,8 @@ class Runner:
         path.unlink(missing_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(callers_toml({c: self.keys[c] for c in callers}, CALLER_WEIGHTS))
+            keys = {c: self.keys[c] for c in callers}
+            f.write(callers_toml(keys, CALLER_WEIGHTS, self.cfg.background_callers))
         self.commands.setdefault("Sluice callers file", self._redact(path.read_text()))
         return ["--callers", str(path)]
 

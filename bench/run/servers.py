@@ -26,7 +26,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -79,16 +79,23 @@ def server_command(
     raise ValueError(f"unknown server {system!r}")
 
 
-def callers_toml(keys: Mapping[str, str], weights: Mapping[str, float] | None = None) -> str:
+def callers_toml(
+    keys: Mapping[str, str],
+    weights: Mapping[str, float] | None = None,
+    background: Collection[str] = (),
+) -> str:
     """A Sluice callers file (`--callers`, issue 11): one table per caller, its
-    bearer key and weight (1 unless `weights` names it), no limits (the
-    benchmark measures sharing, not caps)."""
+    bearer key and weight (1 unless `weights` names it), `background = true` for
+    the callers in `background` (issue 49), no limits (the benchmark measures
+    sharing, not caps)."""
     out = ["# Written by the benchmark (bench/run/runner.py): one caller per client job."]
     for name, key in keys.items():
         if not name.replace("_", "").replace("-", "").isalnum():
             raise ValueError(f"caller name {name!r} is not a bare TOML key")
         weight = (weights or {}).get(name, 1)
         out += ["", f"[callers.{name}]", f"key = {json.dumps(key)}", f"weight = {weight:g}"]
+        if name in background:
+            out.append("background = true")
     return "\n".join(out) + "\n"
 
 

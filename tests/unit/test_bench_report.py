@@ -721,6 +721,9 @@ def test_callers_file_is_valid_toml() -> None:
     }
     with pytest.raises(ValueError):
         callers_toml({"a b": "k"})
+    marked = tomllib.loads(callers_toml({"chat": "k1", "batch": "k2"}, background=("batch",)))
+    assert marked["callers"]["batch"]["background"] is True  # issue 49's flood
+    assert "background" not in marked["callers"]["chat"]
 
 
 def test_has_flag_reads_whole_options() -> None:
