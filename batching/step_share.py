@@ -22,11 +22,14 @@ board's word about the server's other engines):
    background work sits the step out: its running requests skip the step and keep
    their KV, its waiting requests are not admitted. The step is the interactive
    work's own (or, for another engine's, the cores are).
-3. Seats: interactive work waiting here while every seat is taken and background
+3. Seats and KV: interactive work waiting here while every seat is taken, or while
+   the KV cache has too few free blocks for its prompt's next chunk, and background
    work runs: the newest background requests are preempted, one per waiting
    interactive request, at most `MAX_PREEMPT` a step (llm-d's flow control takes two
    victims a decision, newest first). vLLM's preemption frees their seats and
    blocks; the blocks stay in its prefix cache, so their recompute is a cache hit.
+   (Without it a turn on a KV-bound engine waited, held steps and all, until rule 5's
+   floor step let a background request end or vLLM preempt one.)
 4. Budget: while interactive work runs here (decoding) or lingers and background
    work is here, the background tokens of a step are capped so that the step lasts
    no longer than the budget (with no background work, nothing is capped: the
@@ -78,6 +81,9 @@ class Sight:
     # None where none has.
     elsewhere_budget: float | None = None
     seats_free: int = 0  # running seats left (max_num_seqs - running)
+    # The first waiting interactive request's next chunk needs more KV blocks than
+    # are free (rule 3).
+    kv_short: bool = False
     background_running: int = 0
     background_waiting: int = 0
 
@@ -157,11 +163,11 @@ class StepShare:
         if not self.present(now, sight):
             return Plan()  # rule 1
         background = sight.background_running + sight.background_waiting
-        seatless = sight.interactive_waiting and sight.seats_free <= 0
+        blocked = sight.interactive_waiting and (sight.seats_free <= 0 or sight.kv_short)
         preempt = 0
-        if seatless and sight.background_running:
+        if blocked and sight.background_running:
             preempt = min(sight.interactive_waiting, sight.background_running, MAX_PREEMPT)
-        pending = (sight.interactive_waiting and not seatless) or sight.interactive_prefill
+        pending = (sight.interactive_waiting and not blocked) or sight.interactive_prefill
         hold = bool(
             background and (pending or sight.elsewhere or preempt) and self._held_run < FLOOR - 1
         )

@@ -14,9 +14,10 @@ work, and applies the answer with the scheduler's own levers:
   for the call and put back after it, in their order;
 * a step under rule 4's cap gets a token budget of what its admitted work needs
   plus the cap's remainder, so new background prompts fill at most that;
-* rule 3's preemption is vLLM's own (`_preempt_request`, as its prefix-cache reset
-  calls it between steps): the blocks go back to the free list with their hashes,
-  so the request's recompute is a prefix-cache hit.
+* rule 3's preemption (no seat, or too few free KV blocks, for a waiting turn) is
+  vLLM's own (`_preempt_request`, as its prefix-cache reset calls it between
+  steps): the blocks go back to the free list with their hashes, so the
+  request's recompute is a prefix-cache hit.
 
 A request is background when its parameters say so (`mark`, set by the adapter:
 SamplingParams.extra_args, PoolingParams.extra_kwargs). Step time is measured here,
@@ -102,6 +103,8 @@ class _InteractiveFirstMixin:
     current_step: int
     max_num_active_reqs: int
     max_num_scheduled_tokens: int
+    block_size: int
+    kv_cache_manager: Any
     vllm_config: Any
     parallel_config: Any
 
@@ -135,7 +138,13 @@ class _InteractiveFirstMixin:
             else:
                 ia_run.append(r)
                 prefilling = prefilling or r.num_computed_tokens < r.num_prompt_tokens
-        bg_wait = [r for r in self.waiting if background(r)]
+        bg_wait: list[Request] = []
+        first: Request | None = None  # the first waiting interactive request
+        for r in self.waiting:
+            if background(r):
+                bg_wait.append(r)
+            elif first is None:
+                first = r
         ia_wait = len(self.waiting) - len(bg_wait)
         board = self._board
         pending, budget = board.elsewhere(self._slot, now_ns) if board else (False, None)
@@ -146,10 +155,21 @@ class _InteractiveFirstMixin:
             elsewhere=pending,
             elsewhere_budget=budget,
             seats_free=self.max_num_active_reqs - len(self.running),
+            kv_short=first is not None and self._kv_short(first),
             background_running=len(bg_run),
             background_waiting=len(bg_wait),
         )
         return sight, ia_run, bg_run, bg_wait
+
+    def _kv_short(self, r: Request) -> bool:
+        """Too few free KV blocks for a waiting request's next chunk (rule 3): its
+        tokens to compute, up to a step's, in blocks, plus vLLM's admission watermark.
+        An estimate: a prefix-cache hit needs fewer, and vLLM's reserve-the-whole-prompt
+        mode more."""
+        kv = self.kv_cache_manager
+        tokens = min(max(1, r.num_tokens - r.num_computed_tokens), self.max_num_scheduled_tokens)
+        need = -(-tokens // self.block_size) + int(getattr(kv, "watermark_blocks", 0))
+        return bool(kv.block_pool.get_num_free_blocks() < need)
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         now_ns = time.monotonic_ns()

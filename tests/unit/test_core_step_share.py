@@ -47,6 +47,9 @@ def test_rule_3_a_seatless_interactive_request_preempts_the_newest_background() 
     # Seats taken by interactive work only: nothing to preempt, nothing held for it.
     full = Sight(interactive_waiting=1, interactive_running=128, seats_free=0)
     assert s.plan(0.0, full) == Plan(present=True)
+    # Seats free but too few KV blocks for the turn's prompt: the same.
+    kv = Sight(interactive_waiting=1, seats_free=60, kv_short=True, background_running=68)
+    assert s.plan(0.0, kv) == Plan(hold=True, preempt=1, present=True)
 
 
 def test_rule_4_the_budget_is_the_measured_held_step_and_steers_the_cap() -> None:

@@ -172,6 +172,25 @@ def test_a_preempted_background_request_resumes_on_a_prefix_cache_hit(model: Pat
     assert out.num_scheduled_tokens[newest.request_id] <= newest.num_tokens - BLOCK
 
 
+def test_a_chat_turn_gets_kv_blocks_from_the_newest_background(model: Path) -> None:
+    """A KV-bound engine: background requests hold every block but one, with seats
+    free. The turn is scheduled in the next step: the newest background request is
+    preempted for its blocks. (It waited 8 steps, held and all, for rule 5's floor
+    step; vLLM's own scheduler left it waiting past 40.)"""
+    s = make(model, max_seqs=16, step_tokens=256, blocks=40)
+    bg = [request(100, 400, bg=True) for _ in range(8)]
+    for r in bg:
+        s.add_request(r)
+    while s.kv_cache_manager.block_pool.get_num_free_blocks() > 1:
+        step(s)
+    assert len(s.running) < 16  # seats free: the blocks are what is short
+    chat = request(40, 4)
+    s.add_request(chat)
+    out = step(s)
+    assert chat.request_id in out.num_scheduled_tokens
+    assert s._share.counters.preempted == 1
+
+
 def test_background_is_capped_to_the_measured_budget(model: Path) -> None:
     """While a chat turn decodes, background tokens per step stay within the cap
     that the held steps' time set; with no interactive work, no cap."""
