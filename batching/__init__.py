@@ -20,6 +20,7 @@ from .classes import (
     RequestClass,
     class_priority,
     is_background,
+    queue_timeout,
     request_class,
 )
 from .coalescer import Coalescer
@@ -89,6 +90,7 @@ __all__ = [
     "engine_priority",
     "group_key",
     "is_background",
+    "queue_timeout",
     "request_class",
     "underfed",
 ]

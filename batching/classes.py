@@ -23,6 +23,11 @@ Rules:
 3. The tier a response names is OpenAI's: `flex` for background, `default`
    for interactive (the `service_tier` of a chat completion, a completion and
    a response, whatever the request asked for).
+4. A background request may wait in Sluice's queue `--background-queue-timeout`
+   seconds (15 minutes by default: the client timeout OpenAI advises for flex
+   work) where an interactive one waits `--queue-timeout` (60 s): interactive
+   work goes first by design, so on a busy engine background work waits longer,
+   and no one reads it turn by turn (`queue_timeout`).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ __all__ = [
     "RequestClass",
     "class_priority",
     "is_background",
+    "queue_timeout",
     "request_class",
 ]
 
@@ -77,3 +83,9 @@ def is_background(priority: int) -> bool:
     """Was a request of this (rule 2) priority background work? A client's own
     priorities are small integers, far from `BACKGROUND_PRIORITY` either way."""
     return priority >= BACKGROUND_PRIORITY // 2
+
+
+def queue_timeout(cls: RequestClass, interactive: float, background: float) -> float:
+    """The seconds a request of class `cls` may wait in the queue (rule 4), of
+    --queue-timeout and --background-queue-timeout."""
+    return background if cls is RequestClass.BACKGROUND else interactive

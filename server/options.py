@@ -230,6 +230,11 @@ OPTIONS: tuple[Option, ...] = (
         help="seconds a request may wait in Sluice's queue (default: %(default)s)",
     ),
     Option(
+        "--background-queue-timeout", type=float, fills="background_queue_timeout", gt=0,
+        help="seconds a background request (a batch line, service_tier flex, a background "
+        "caller's) may wait in Sluice's queue (default: %(default)s)",
+    ),
+    Option(
         "--dedupe", action=SWITCH, fills="core.dedupe",
         help="share one generation among identical deterministic requests (default: %(default)s)",
     ),

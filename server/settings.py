@@ -145,6 +145,8 @@ class Settings:
     # "order" (the release key, batching/order.py: server/engines/driver.py order_priority).
     engine_priority: str = "request"
     queue_timeout: float = 60.0
+    # A background request's (batching/classes.py rule 4).
+    background_queue_timeout: float = 900.0
     result_cache_ttl: float = 0.0
 
     # The HTTP front.

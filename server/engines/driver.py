@@ -468,7 +468,8 @@ class Driver:
                     pending.ticket.future.set_exception(
                         SluiceError(
                             f"request waited {e.queue_wait:.1f}s in the queue, past "
-                            "--queue-timeout",
+                            "--queue-timeout (--background-queue-timeout for background "
+                            "work)",
                             status=503,
                             code="queue_timeout",
                             retry_after=1.0,

@@ -55,6 +55,7 @@ from batching import (
     RequestClass,
     class_priority,
     group_key,
+    queue_timeout,
     request_class,
 )
 from batching import Request as CoreRequest
@@ -546,6 +547,9 @@ def _submit(request: web.Request, tr: Trace, job: Job, salt: str | None) -> list
     fp = (sampling.fingerprint(), job.variant, salt) if sampling.deterministic else None
     base = f"{tr.rid}-{next(_seq)}"
     single = len(job.prompts) == 1
+    waits = queue_timeout(
+        job.request_class, settings.queue_timeout, settings.background_queue_timeout
+    )
     return _admit(
         driver,
         (
@@ -557,7 +561,7 @@ def _submit(request: web.Request, tr: Trace, job: Job, salt: str | None) -> list
                     max_new_tokens=job.max_tokens[i] * sampling.n,
                     arrival=now,
                     priority=class_priority(job.priority, job.request_class),
-                    deadline=now + settings.queue_timeout,
+                    deadline=now + waits,
                     fingerprint=fp,
                     caller=tr.caller or DEFAULT_CALLER,
                     # No max_tokens: admission charges an estimate, not the context's room.
@@ -627,6 +631,8 @@ def _submit_pooled(request: web.Request, tr: Trace, job: PoolJob, salt: str | No
     # Pooling is deterministic: identical inputs of one salt may share an engine request.
     fp = (job.variant, salt)
     base = f"{tr.rid}-{next(_seq)}"
+    cls = tr.request_class or classify(request, None)
+    waits = queue_timeout(cls, settings.queue_timeout, settings.background_queue_timeout)
     return _admit(
         driver,
         (
@@ -637,10 +643,8 @@ def _submit_pooled(request: web.Request, tr: Trace, job: PoolJob, salt: str | No
                     prompt_tokens=ids,
                     max_new_tokens=0,
                     arrival=now,
-                    priority=class_priority(
-                        job.priority, tr.request_class or classify(request, None)
-                    ),
-                    deadline=now + settings.queue_timeout,
+                    priority=class_priority(job.priority, cls),
+                    deadline=now + waits,
                     fingerprint=fp,
                     caller=tr.caller or DEFAULT_CALLER,
                 ),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
+import time
 from typing import Any
 
 import orjson
@@ -637,6 +638,24 @@ async def test_queued_request_expires_with_503(make_client: Any) -> None:
     await assert_error(resp, 503)
     assert real(engine.added) == []
     assert app[MODELS].default.driver.idle.is_set()
+
+
+async def test_background_work_waits_its_own_queue_timeout(make_client: Any) -> None:
+    """A flex request waits --background-queue-timeout, not --queue-timeout
+    (batching/classes.py rule 4): the noisy point's background flood lost 3 of 48
+    prompts to the 60 s meant for a chat turn."""
+    client, _, engine = await make_client(
+        window=5.0,
+        adaptive=False,
+        release_lone=False,
+        queue_timeout=0.2,
+        background_queue_timeout=1.0,
+        warmup=False,
+    )
+    t0 = time.monotonic()
+    resp = await asyncio.wait_for(client.post(CHAT, json=chat(service_tier="flex")), 5.0)
+    await assert_error(resp, 503)
+    assert time.monotonic() - t0 >= 1.0 and real(engine.added) == []
 
 
 # ---------------------------------------------------------------------------
