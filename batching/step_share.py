@@ -37,8 +37,10 @@ board's word about the server's other engines):
    the measured time of the steps rule 2 held while interactive prompts were in
    them (the interactive work alone; an exponential average). A chat turn that
    arrives then waits for at most one step as long as its own prefill. After each
-   capped step the cap is scaled by budget / measured (within [1/2, 2]), so it
-   follows the machine: on a GPU, where a step of 256 sequences costs a few times
+   capped step the cap is scaled by budget / measured: down in proportion at
+   once (a step past the budget is a chat turn's wait), up at most 2x a step
+   (a step short for want of tokens costs only throughput), so it follows the
+   machine: on a GPU, where a step of 256 sequences costs a few times
    one of 16, the cap rises to the engine's seats. With no budget measured yet, no
    cap. While another engine of this server has interactive work present and this
    one has none, the budget is that engine's (the board publishes it): the cores
@@ -64,7 +66,7 @@ FLOOR = 8
 # Rule 3: background requests preempted for interactive seats, at most, per step.
 MAX_PREEMPT = 2
 # Rule 4: the weight of the newest held step in the budget's average, and the most a
-# capped step's measurement moves the cap.
+# capped step's measurement raises the cap.
 _BUDGET_WEIGHT = 0.2
 _CAP_STEP = 2.0
 
@@ -229,7 +231,7 @@ class StepShare:
         if plan.cap is not None:
             c.capped += background_left
             if seconds > 0 and plan.budget is not None:
-                scale = min(_CAP_STEP, max(1.0 / _CAP_STEP, plan.budget / seconds))
+                scale = min(_CAP_STEP, plan.budget / seconds)
                 # Only a cap the step used can be judged too large; one it did not
                 # fill may still grow (the step was short for want of work).
                 if scale < 1.0 or background_run >= plan.cap:

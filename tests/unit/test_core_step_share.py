@@ -69,7 +69,9 @@ def test_rule_4_the_budget_is_the_measured_held_step_and_steers_the_cap() -> Non
     decoding = Sight(interactive_running=1, background_running=100)
     plan = s.plan(0.1, decoding)
     assert plan.cap == 2048 and not plan.hold
-    # The capped step took four times the budget: the cap halves (at most).
+    # The capped step took four times the budget: the cap falls to a quarter at once
+    # (it fell by half a step: a 2,048-token cap took five long steps to reach the
+    # chat's own, the noisy point's first chat turns beside its flood waited 250-420 ms).
     s.done(
         0.1,
         plan,
@@ -79,7 +81,7 @@ def test_rule_4_the_budget_is_the_measured_held_step_and_steers_the_cap() -> Non
         background_left=0,
         interactive=True,
     )
-    assert s.cap == 1024
+    assert s.cap == 512
     # Within budget and the cap filled: it grows again (at most doubles).
     plan = s.plan(0.2, decoding)
     s.done(
@@ -87,11 +89,11 @@ def test_rule_4_the_budget_is_the_measured_held_step_and_steers_the_cap() -> Non
         plan,
         0.008,
         interactive_prompt=False,
-        background_run=1024,
+        background_run=512,
         background_left=0,
         interactive=True,
     )
-    assert s.cap == 1280
+    assert s.cap == 640
     # A step short for want of background work does not grow the cap.
     plan = s.plan(0.3, decoding)
     s.done(
@@ -103,7 +105,7 @@ def test_rule_4_the_budget_is_the_measured_held_step_and_steers_the_cap() -> Non
         background_left=0,
         interactive=True,
     )
-    assert s.cap == 1280
+    assert s.cap == 640
     assert s.counters.steps_present == 4
 
 
@@ -236,7 +238,7 @@ def test_rule_4_another_engines_budget_caps_background_here() -> None:
         background_left=0,
         interactive=False,
     )
-    assert s.cap == 1024  # scaled by the other engine's budget
+    assert s.cap == 512  # scaled by the other engine's budget
     # Its own interactive work with its own budget measured: its own budget.
     s.budget = 0.05
     mine = Sight(interactive_running=1, elsewhere_budget=0.005, background_running=100)
