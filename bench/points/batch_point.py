@@ -157,11 +157,11 @@ def run_vllm_batch(path: Path, workdir: Path, n: int) -> float:
 
 def one_repetition(base: str, args: argparse.Namespace, data: bytes, bodies: list[bytes]) -> Any:
     n = args.lines
-    with Caller(base, DEMO_NAME, args.think) as alone:
+    with Caller(base, DEMO_NAME) as alone:
         while len(alone.turns) < args.turns:
             time.sleep(0.05)
     batch_alone = run_batch_api(base, data, n)
-    with Caller(base, DEMO_NAME, args.think) as beside:
+    with Caller(base, DEMO_NAME) as beside:
         batch_beside = run_batch_api(base, data, n)
     closed = run_closed_loop(base, bodies, args.concurrency)
     ttft = {
@@ -198,7 +198,6 @@ def report(
         f"`./scripts/bench batches --repeat {args.repeat} --lines {args.lines} --max-tokens "
         f"{args.max_tokens} --concurrency {args.concurrency}"
         + (f" --in-flight {args.in_flight}" if args.in_flight else "")
-        + (f" --think {args.think:g}" if args.think else "")
         + (f" --sluice-args '{args.sluice_args}'" if args.sluice_args else "")
         + (f" --against-args '{args.against_args}'" if args.against_args else "")
         + "`: one Sluice on the demo model "
@@ -255,12 +254,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--in-flight", type=int, help="the batch's --batch-lines-in-flight (default: --concurrency)"
     )
     ap.add_argument("--turns", type=int, default=40, help="the chat caller's turns alone")
-    ap.add_argument(
-        "--think",
-        type=float,
-        default=0.0,
-        help="seconds between the chat caller's turns (default 0: the next turn at once)",
-    )
     ap.add_argument("--out", type=Path, default=Path("bench/results/batches-cpu.md"))
     ap.add_argument("--raw", type=Path, help="keep the servers' logs here")
     ap.add_argument(

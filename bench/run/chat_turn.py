@@ -71,12 +71,10 @@ async def first_token(session: aiohttp.ClientSession, base: str, model: str, i: 
 @dataclass
 class Caller:
     """A closed-loop chat caller on a thread of its own: (start, TTFT) of each
-    turn, and the turns that failed; `pause` seconds between turns (a person
-    reading the answer; 0: the next turn at once)."""
+    turn, and the turns that failed."""
 
     base: str
     model: str
-    pause: float = 0.0
     turns: list[tuple[float, float]] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -92,8 +90,6 @@ class Caller:
                 except (aiohttp.ClientError, RuntimeError) as exc:
                     self.failed.append(f"{t:.1f}: {exc}")
                 i += 1
-                if self.pause:
-                    await asyncio.sleep(self.pause)
 
     def __enter__(self) -> Caller:
         self._thread = threading.Thread(target=asyncio.run, args=(self._loop(),))
