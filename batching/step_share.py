@@ -34,8 +34,10 @@ board's word about the server's other engines):
    work is here, the background tokens of a step are capped so that the step lasts
    no longer than the budget (with no background work, nothing is capped: the
    interactive work's own prompts are never cut to the background's cap):
-   the measured time of the steps rule 2 held while interactive prompts were in
-   them (the interactive work alone; an exponential average). A chat turn that
+   the measured time of the steps in which interactive prompts ran and no
+   background tokens did (the interactive work alone: rule 2's held steps, and
+   any step with no background work; an exponential average). So a budget is
+   known before background work arrives, wherever a chat turn ran before it. A chat turn that
    arrives then waits for at most one step as long as its own prefill. After each
    capped step the cap is scaled by budget / measured: down in proportion at
    once (a step past the budget is a chat turn's wait), up at most 2x a step
@@ -218,12 +220,12 @@ class StepShare:
             c.steps_alone += 1
             c.seconds_alone += seconds
         c.preempted += plan.preempt
+        if interactive_prompt and not background_run and seconds > 0:
+            b = self.budget  # rule 4's budget: the interactive work alone
+            self.budget = seconds if b is None else b + _BUDGET_WEIGHT * (seconds - b)
         if plan.hold:
             self._held_run += 1
             c.held += background_left
-            if interactive_prompt and seconds > 0:  # rule 4's budget: interactive alone
-                b = self.budget
-                self.budget = seconds if b is None else b + _BUDGET_WEIGHT * (seconds - b)
             return
         if plan.present and self._held_run >= FLOOR - 1 and background_run:
             c.floor_steps += 1

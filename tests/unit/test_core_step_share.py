@@ -127,6 +127,27 @@ def test_rule_4_no_cap_before_a_budget_and_the_linger() -> None:
     assert s.plan(6.5, BUSY) == Plan()  # past it: rule 1
 
 
+def test_rule_4_a_chat_turn_before_any_background_work_sets_the_budget() -> None:
+    """A step of interactive prompts with no background work measures the budget,
+    so the first steps of a flood that arrives later are capped. (Only held steps
+    measured it: the noisy point's flood, arriving after a chat-only phase, ran
+    uncapped steps beside decoding chat turns until a held prefill was measured.)"""
+    s = share()
+    chat = Sight(interactive_waiting=1, seats_free=100)
+    s.done(
+        0.0,
+        s.plan(0.0, chat),
+        0.01,
+        interactive_prompt=True,
+        background_run=0,
+        background_left=0,
+        interactive=True,
+    )
+    assert s.budget == pytest.approx(0.01)
+    flood = Sight(interactive_running=1, background_waiting=32)
+    assert s.plan(0.1, flood).cap == s.ceiling  # capped from the flood's first step
+
+
 def test_rule_4_no_background_no_cap() -> None:
     """Interactive work alone after a budget was measured: no cap (the cap cut the
     waiting interactive prompts of a closed loop to the background's floor: 0.81x
