@@ -188,6 +188,13 @@ class _InteractiveFirstMixin:
                 self._preempt_request(r, now)  # type: ignore[attr-defined]
                 bg_run.remove(r)
                 bg_wait.append(r)
+        if plan.present and bg_run:
+            # Interactive requests first in the running order, which vLLM schedules
+            # in and preempts from the end of under KV pressure: a background request
+            # goes before a chat turn (held, capped or floor step alike), and under
+            # rule 4's cap a background prompt cut to the cap's remainder (vLLM chunks
+            # the last one to the step's budget) cannot take a turn's tokens.
+            self.running[:] = [*ia_run, *bg_run]
         skip = self.current_step + 2  # schedule() counts this step as current + 1
         budget = self.max_num_scheduled_tokens
         kept_out = False
@@ -196,11 +203,6 @@ class _InteractiveFirstMixin:
                 r.next_decode_eligible_step = max(r.next_decode_eligible_step, skip)
             kept_out = True
         elif plan.cap is not None:
-            # Interactive requests first in the running order, which vLLM schedules
-            # in: a background prompt cut to the cap's remainder (vLLM chunks the last
-            # one to the step's budget) cannot take an interactive request's tokens.
-            # Its preemption agrees: the last of the list goes first.
-            self.running[:] = [*ia_run, *bg_run]
             room = plan.cap
             for r in bg_run:
                 if room > 0:

@@ -191,6 +191,31 @@ def test_a_chat_turn_gets_kv_blocks_from_the_newest_background(model: Path) -> N
     assert s._share.counters.preempted == 1
 
 
+def test_under_kv_pressure_vllm_preempts_background_before_a_chat_turn(model: Path) -> None:
+    """Background decodes fill the KV cache while a chat turn decodes, in steps no
+    cap shapes (here: no budget yet): vLLM preempts from the end of its running list,
+    and the turn is never the one it takes. (The running order was set interactive
+    first only in capped steps; the turn, admitted last, was preempted first.)"""
+    s = make(model, max_seqs=16, step_tokens=256, blocks=40)
+    bg = [request(60, 400, bg=True) for _ in range(4)]
+    for r in bg:
+        s.add_request(r)
+    step(s)
+    chat = request(20, 300)
+    s.add_request(chat)
+    step(s)  # held: the turn's prompt alone
+    assert chat in s.running
+    preempted = 0
+    for _ in range(200):
+        s._share.budget = None  # no cap: the order is the only lever
+        step(s)
+        preempted = sum(r.num_preemptions for r in bg)
+        if preempted >= 2 or chat.is_finished():
+            break
+    assert preempted >= 2  # vLLM preempted for KV
+    assert chat.num_preemptions == 0
+
+
 def test_background_is_capped_to_the_measured_budget(model: Path) -> None:
     """While a chat turn decodes, background tokens per step stay within the cap
     that the held steps' time set; with no interactive work, no cap."""
