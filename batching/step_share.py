@@ -36,15 +36,15 @@ board's word about the server's other engines):
    interactive work's own prompts are never cut to the background's cap):
    the measured time of the steps in which interactive prompts ran and no
    background tokens did (the interactive work alone: rule 2's held steps, and
-   any step with no background work; an exponential average). So a budget is
-   known before background work arrives, wherever a chat turn ran before it. A chat turn that
-   arrives then waits for at most one step as long as its own prefill. After each
-   capped step the cap is scaled by budget / measured: down in proportion at
-   once (a step past the budget is a chat turn's wait), up at most 2x a step
-   (a step short for want of tokens costs only throughput), so it follows the
-   machine: on a GPU, where a step of 256 sequences costs a few times
-   one of 16, the cap rises to the engine's seats. With no budget measured yet, no
-   cap. While another engine of this server has interactive work present and this
+   any step with no background work; an exponential average), so a budget is
+   known before background work arrives wherever a chat turn ran before it. A
+   chat turn that arrives then waits for at most one step as long as its own
+   prefill. After each capped step the cap is scaled by budget / measured: down
+   in proportion at once (a step past the budget is a chat turn's wait), up at
+   most 2x a step (a step short for want of tokens costs only throughput), so it
+   follows the machine: on a GPU, where a step of 256 sequences costs a few
+   times one of 16, the cap rises to the engine's seats. With no budget measured
+   yet, no cap. While another engine of this server has interactive work present and this
    one has none, the budget is that engine's (the board publishes it): the cores
    or the card the two share are busy no longer than the other's own step.
 5. Floor: background work is never starved. Rule 2 holds it at most `FLOOR - 1`
@@ -65,10 +65,11 @@ __all__ = ["FLOOR", "MAX_PREEMPT", "Plan", "Sight", "StepCounters", "StepShare"]
 # Rule 5: background runs in at least one step of FLOOR while held, and its cap is at
 # least 1/FLOOR of the seats.
 FLOOR = 8
-# Rule 3: background requests preempted for interactive seats, at most, per step.
+# Rule 3: background requests preempted for interactive seats or KV blocks, at most,
+# per step.
 MAX_PREEMPT = 2
-# Rule 4: the weight of the newest held step in the budget's average, and the most a
-# capped step's measurement raises the cap.
+# Rule 4: the weight of the newest interactive-alone step in the budget's average, and
+# the most a capped step's measurement raises the cap.
 _BUDGET_WEIGHT = 0.2
 _CAP_STEP = 2.0
 

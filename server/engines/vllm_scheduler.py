@@ -162,12 +162,14 @@ class _InteractiveFirstMixin:
         return sight, ia_run, bg_run, bg_wait
 
     def _kv_short(self, r: Request) -> bool:
-        """Too few free KV blocks for a waiting request's next chunk (rule 3): its
-        tokens to compute, up to a step's, in blocks, plus vLLM's admission watermark.
-        An estimate: a prefix-cache hit needs fewer, and vLLM's reserve-the-whole-prompt
-        mode more."""
+        """Too few free KV blocks to admit a waiting request (rule 3): its tokens to
+        compute in blocks (with vLLM's `scheduler_reserve_full_isl`, on by default,
+        the whole prompt must fit; without it, the step's chunk), plus vLLM's admission
+        watermark. An estimate: a prefix-cache hit needs fewer."""
         kv = self.kv_cache_manager
-        tokens = min(max(1, r.num_tokens - r.num_computed_tokens), self.max_num_scheduled_tokens)
+        tokens = max(1, r.num_tokens - r.num_computed_tokens)
+        if not getattr(self, "scheduler_reserve_full_isl", False):
+            tokens = min(tokens, self.max_num_scheduled_tokens)
         need = -(-tokens // self.block_size) + int(getattr(kv, "watermark_blocks", 0))
         return bool(kv.block_pool.get_num_free_blocks() < need)
 
