@@ -23,7 +23,7 @@ board's word about the server's other engines):
    their KV, its waiting requests are not admitted. The step is the interactive
    work's own (or, for another engine's, the cores are).
 3. Seats and KV: interactive work waiting here while every seat is taken, or while
-   the KV cache has too few free blocks for its prompt's next chunk, and background
+   the KV cache has too few free blocks to admit its prompt, and background
    work runs: the newest background requests are preempted, one per waiting
    interactive request, at most `MAX_PREEMPT` a step (llm-d's flow control takes two
    victims a decision, newest first). vLLM's preemption frees their seats and
@@ -44,9 +44,10 @@ board's word about the server's other engines):
    most 2x a step (a step short for want of tokens costs only throughput), so it
    follows the machine: on a GPU, where a step of 256 sequences costs a few
    times one of 16, the cap rises to the engine's seats. With no budget measured
-   yet, no cap. While another engine of this server has interactive work present and this
-   one has none, the budget is that engine's (the board publishes it): the cores
-   or the card the two share are busy no longer than the other's own step.
+   yet, no cap. While another engine of this server has interactive work present
+   and this one has none, the budget is that engine's (the board publishes it):
+   the cores or the card the two share are busy no longer than the other's own
+   step.
 5. Floor: background work is never starved. Rule 2 holds it at most `FLOOR - 1`
    steps in a row (the next runs it, under rule 4's cap), and rule 4's cap is never
    below 1/`FLOOR` of the engine's seats, in tokens (at least one).
@@ -86,7 +87,7 @@ class Sight:
     # None where none has.
     elsewhere_budget: float | None = None
     seats_free: int = 0  # running seats left (max_num_seqs - running)
-    # The first waiting interactive request's next chunk needs more KV blocks than
+    # The first waiting interactive request needs more KV blocks to be admitted than
     # are free (rule 3).
     kv_short: bool = False
     background_running: int = 0

@@ -105,6 +105,7 @@ class _InteractiveFirstMixin:
     max_num_scheduled_tokens: int
     block_size: int
     kv_cache_manager: Any
+    scheduler_reserve_full_isl: bool
     vllm_config: Any
     parallel_config: Any
 
@@ -168,9 +169,9 @@ class _InteractiveFirstMixin:
         watermark. An estimate: a prefix-cache hit needs fewer."""
         kv = self.kv_cache_manager
         tokens = max(1, r.num_tokens - r.num_computed_tokens)
-        if not getattr(self, "scheduler_reserve_full_isl", False):
+        if not self.scheduler_reserve_full_isl:
             tokens = min(tokens, self.max_num_scheduled_tokens)
-        need = -(-tokens // self.block_size) + int(getattr(kv, "watermark_blocks", 0))
+        need = -(-tokens // self.block_size) + int(kv.watermark_blocks)
         return bool(kv.block_pool.get_num_free_blocks() < need)
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
