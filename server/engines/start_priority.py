@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 T = TypeVar("T")
 
@@ -107,21 +107,41 @@ async def build_lowered(priority: StartPriority, build: Callable[[], T]) -> T:
         pool.shutdown(wait=False)  # its one thread ends with the build
 
 
-def threads(pid: int | str = "self") -> set[int]:
-    """The thread ids of a process (this one by default); empty if it has gone."""
+class Thread(NamedTuple):
+    """A thread as rule 2 tells it from others: its id and its start time (in
+    clock ticks since boot). An id alone is reused once the kernel's counter
+    wraps, so a thread that ended during the build could hide a new one."""
+
+    tid: int
+    started: int
+
+
+def threads(pid: int | str = "self") -> set[Thread]:
+    """The threads of a process (this one by default); empty if it has gone, and
+    without one that ends while they are read."""
+    found: set[Thread] = set()
     try:
-        return {int(t) for t in os.listdir(f"/proc/{pid}/task")}
+        tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return set()
+        return found
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        # Field 22, counted after the command's closing parenthesis (a command
+        # may hold spaces and parentheses).
+        found.add(Thread(int(tid), int(stat[stat.rindex(")") + 2 :].split()[19])))
+    return found
 
 
-def restore(priority: StartPriority, pids: Iterable[int], tids: Iterable[int] = ()) -> int:
-    """Rule 2: every thread of ``pids``, and the threads ``tids``, back at the
+def restore(priority: StartPriority, pids: Iterable[int], these: Iterable[Thread] = ()) -> int:
+    """Rule 2: every thread of ``pids``, and the threads ``these``, back at the
     serving nice value. Returns how many were set; one that has gone is skipped."""
     if priority.start is None:
         return 0
     count = 0
-    for tid in [t for pid in pids for t in threads(pid)] + list(tids):
+    for tid in [t.tid for pid in pids for t in threads(pid)] + [t.tid for t in these]:
         try:
             os.setpriority(os.PRIO_PROCESS, tid, priority.serve)
         except (ProcessLookupError, PermissionError):

@@ -8,6 +8,7 @@ import os
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -76,9 +77,27 @@ async def test_rule_2_the_threads_a_build_starts_in_this_process() -> None:
     try:
         await build_lowered(prio, build)
         new = start_priority.threads() - before
-        assert set(started) <= new and _nice(started[0]) == prio.start
+        assert set(started) <= {t.tid for t in new} and _nice(started[0]) == prio.start
         # The build's own executor thread may have ended by now: not counted.
         assert restore(prio, [], new) >= len(started) and _nice(started[0]) == prio.serve
+    finally:
+        stop.set()
+
+
+def test_a_thread_is_its_id_and_its_start_time() -> None:
+    """Rule 2 tells threads apart by id and start time (an id is reused once the
+    kernel's counter wraps), read past a name that holds spaces and parentheses."""
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait, daemon=True)
+    t.start()
+    try:
+        assert t.native_id is not None
+        Path(f"/proc/self/task/{t.native_id}/comm").write_text("a) 1 2 (b")
+        stat = Path("/proc/self/stat").read_text()
+        process_start = int(stat[stat.rindex(")") + 2 :].split()[19])
+        now = time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK")
+        (mine,) = [s for s in start_priority.threads() if s.tid == t.native_id]
+        assert process_start <= mine.started <= now
     finally:
         stop.set()
 
