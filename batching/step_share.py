@@ -44,7 +44,10 @@ board's word about the server's other engines):
    most 2x a step (a step short for want of tokens costs only throughput), so it
    follows the machine: on a GPU, where a step of 256 sequences costs a few
    times one of 16, the cap rises to the engine's seats. With no budget measured
-   yet, no cap. While another engine of this server has interactive work present
+   yet, no cap. Until a capped step has been measured, the cap is the token count
+   of the step that measured the budget (that many tokens lasted the budget), not
+   the step's whole token budget: the first capped step is already about a chat
+   prefill long. While another engine of this server has interactive work present
    and this one has none, the budget is that engine's (the board publishes it):
    the cores or the card the two share are busy no longer than the other's own
    step.
@@ -139,6 +142,7 @@ class StepShare:
 
     __slots__ = (
         "_held_run",
+        "_judged",
         "_last_interactive",
         "budget",
         "cap",
@@ -158,6 +162,7 @@ class StepShare:
         self.cap = self.ceiling  # rule 4: background tokens a capped step may take
         self.counters = StepCounters()
         self._held_run = 0  # steps held in a row (rule 5)
+        self._judged = False  # a capped step has been measured (rule 4)
         self._last_interactive = -math.inf
 
     def present(self, now: float, sight: Sight) -> bool:
@@ -203,15 +208,17 @@ class StepShare:
         plan: Plan,
         seconds: float,
         *,
+        tokens: int,
         interactive_prompt: bool,
         background_run: int,
         background_left: int,
         interactive: bool,
     ) -> None:
-        """Record a step run under `plan`: its measured `seconds`, whether interactive
-        prompt tokens were in it, the background tokens it ran and the background
-        requests it left out, and whether interactive requests were in the engine
-        after it (rule 1's linger starts when the last one leaves)."""
+        """Record a step run under `plan`: its measured `seconds`, the `tokens` it ran
+        (all classes), whether interactive prompt tokens were in it, the background
+        tokens it ran and the background requests it left out, and whether
+        interactive requests were in the engine after it (rule 1's linger starts
+        when the last one leaves)."""
         c = self.counters
         if interactive:
             self._last_interactive = now
@@ -225,6 +232,8 @@ class StepShare:
         if interactive_prompt and not background_run and seconds > 0:
             b = self.budget  # rule 4's budget: the interactive work alone
             self.budget = seconds if b is None else b + _BUDGET_WEIGHT * (seconds - b)
+            if not self._judged:
+                self.cap = self._clamp(tokens)
         if plan.hold:
             self._held_run += 1
             c.held += background_left
@@ -239,4 +248,9 @@ class StepShare:
                 # Only a cap the step used can be judged too large; one it did not
                 # fill may still grow (the step was short for want of work).
                 if scale < 1.0 or background_run >= plan.cap:
-                    self.cap = min(self.ceiling, max(self.floor, round(plan.cap * scale)))
+                    self.cap = self._clamp(round(plan.cap * scale))
+                    self._judged = True
+
+    def _clamp(self, tokens: int) -> int:
+        """A cap within rule 5's floor and the step's whole token budget."""
+        return min(self.ceiling, max(self.floor, tokens))

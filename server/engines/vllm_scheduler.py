@@ -80,13 +80,21 @@ def _need(r: Request) -> int:
 
 
 class _StepRecord:
-    __slots__ = ("at", "background", "interactive", "left", "plan", "prompt")
+    __slots__ = ("at", "background", "interactive", "left", "plan", "prompt", "tokens")
 
     def __init__(
-        self, plan: Plan, at: float, background: int, left: int, prompt: bool, interactive: bool
+        self,
+        plan: Plan,
+        at: float,
+        tokens: int,
+        background: int,
+        left: int,
+        prompt: bool,
+        interactive: bool,
     ) -> None:
         self.plan = plan
         self.at = at  # when its scheduling ended
+        self.tokens = tokens  # all tokens scheduled
         self.background = background  # background tokens scheduled
         self.left = left  # running background requests left out
         self.prompt = prompt  # interactive prompt tokens scheduled
@@ -262,7 +270,13 @@ class _InteractiveFirstMixin:
         if len(self._steps) > _KEPT_STEPS:  # outputs vLLM never reported back
             self._steps.clear()
         self._steps[id(out)] = _StepRecord(
-            plan, time.monotonic(), bg_tokens, left, prompt, interactive
+            plan,
+            time.monotonic(),
+            out.total_num_scheduled_tokens,
+            bg_tokens,
+            left,
+            prompt,
+            interactive,
         )
 
     def update_from_output(
@@ -280,6 +294,7 @@ class _InteractiveFirstMixin:
                 now,
                 rec.plan,
                 seconds,
+                tokens=rec.tokens,
                 interactive_prompt=rec.prompt,
                 background_run=rec.background,
                 background_left=rec.left,

@@ -59,6 +59,7 @@ def test_rule_4_the_budget_is_the_measured_held_step_and_steers_the_cap() -> Non
         0.0,
         hold,
         0.010,
+        tokens=64,
         interactive_prompt=True,
         background_run=0,
         background_left=100,
@@ -68,7 +69,10 @@ def test_rule_4_the_budget_is_the_measured_held_step_and_steers_the_cap() -> Non
     assert s.counters.held == 100
     decoding = Sight(interactive_running=1, background_running=100)
     plan = s.plan(0.1, decoding)
-    assert plan.cap == 2048 and not plan.hold
+    # The first cap: the held step's tokens, which lasted the budget (it was the
+    # step's whole 2,048: the noisy point's worst chat turn, 612 ms, waited for that
+    # first capped step).
+    assert plan.cap == 64 and not plan.hold
     # The capped step took four times the budget: the cap falls to a quarter at once
     # (it fell by half a step: a 2,048-token cap took five long steps to reach the
     # chat's own, the noisy point's first chat turns beside its flood waited 250-420 ms).
@@ -76,37 +80,52 @@ def test_rule_4_the_budget_is_the_measured_held_step_and_steers_the_cap() -> Non
         0.1,
         plan,
         0.040,
+        tokens=65,
         interactive_prompt=False,
-        background_run=2048,
+        background_run=64,
         background_left=0,
         interactive=True,
     )
-    assert s.cap == 512
+    assert s.cap == 16
     # Within budget and the cap filled: it grows again (at most doubles).
     plan = s.plan(0.2, decoding)
     s.done(
         0.2,
         plan,
         0.008,
+        tokens=17,
         interactive_prompt=False,
-        background_run=512,
+        background_run=16,
         background_left=0,
         interactive=True,
     )
-    assert s.cap == 640
+    assert s.cap == 20
     # A step short for want of background work does not grow the cap.
     plan = s.plan(0.3, decoding)
     s.done(
         0.3,
         plan,
         0.002,
+        tokens=11,
         interactive_prompt=False,
         background_run=10,
         background_left=0,
         interactive=True,
     )
-    assert s.cap == 640
-    assert s.counters.steps_present == 4
+    assert s.cap == 20
+    # Measured capped steps steer it now, not the interactive-alone steps' tokens.
+    s.done(
+        0.4,
+        s.plan(0.4, CHAT_WAITING),
+        0.010,
+        tokens=300,
+        interactive_prompt=True,
+        background_run=0,
+        background_left=100,
+        interactive=True,
+    )
+    assert s.cap == 20
+    assert s.counters.steps_present == 5
 
 
 def test_rule_4_no_cap_before_a_budget_and_the_linger() -> None:
@@ -118,6 +137,7 @@ def test_rule_4_no_cap_before_a_budget_and_the_linger() -> None:
         5.0,
         s.plan(5.0, decoding),
         0.01,
+        tokens=2,
         interactive_prompt=False,
         background_run=1,
         background_left=0,
@@ -138,6 +158,7 @@ def test_rule_4_a_chat_turn_before_any_background_work_sets_the_budget() -> None
         0.0,
         s.plan(0.0, chat),
         0.01,
+        tokens=64,
         interactive_prompt=True,
         background_run=0,
         background_left=0,
@@ -145,7 +166,8 @@ def test_rule_4_a_chat_turn_before_any_background_work_sets_the_budget() -> None
     )
     assert s.budget == pytest.approx(0.01)
     flood = Sight(interactive_running=1, background_waiting=32)
-    assert s.plan(0.1, flood).cap == s.ceiling  # capped from the flood's first step
+    # Capped from the flood's first step, at the chat step's tokens.
+    assert s.plan(0.1, flood).cap == 64
 
 
 def test_rule_4_no_background_no_cap() -> None:
@@ -168,6 +190,7 @@ def test_rule_5_floor_runs_background_after_a_run_of_holds() -> None:
             float(i),
             plan,
             0.01,
+            tokens=64,
             interactive_prompt=True,
             background_run=0,
             background_left=100,
@@ -179,6 +202,7 @@ def test_rule_5_floor_runs_background_after_a_run_of_holds() -> None:
         10.0,
         plan,
         0.02,
+        tokens=114,
         interactive_prompt=True,
         background_run=50,
         background_left=50,
@@ -202,19 +226,21 @@ sights = st.builds(
 
 @given(
     st.lists(
-        st.tuples(sights, st.floats(0.0, 0.5), st.booleans(), st.integers(0, 4096)),
+        st.tuples(
+            sights, st.floats(0.0, 0.5), st.booleans(), st.integers(0, 4096), st.integers(0, 4096)
+        ),
         max_size=60,
     ),
     st.integers(1, 1024),
 )
-def test_invariants(steps: list[tuple[Sight, float, bool, int]], max_seqs: int) -> None:
+def test_invariants(steps: list[tuple[Sight, float, bool, int, int]], max_seqs: int) -> None:
     """Background is never held FLOOR steps in a row; the cap stays within [floor, the
     step's tokens]; no interactive work present means no hold and no cap; at most
     MAX_PREEMPT preemptions, and only of background work that runs."""
     s = StepShare(max_seqs, 2048, linger=0.0)
     held_run = 0
     now = 0.0
-    for sight, seconds, prompt, ran in steps:
+    for sight, seconds, prompt, ran, more in steps:
         now += 0.01
         plan = s.plan(now, sight)
         assert plan == s.plan(now, sight)  # a query: no side effects
@@ -232,6 +258,7 @@ def test_invariants(steps: list[tuple[Sight, float, bool, int]], max_seqs: int) 
             now,
             plan,
             seconds,
+            tokens=ran + more,
             interactive_prompt=prompt,
             background_run=ran,
             background_left=sight.background_running,
@@ -254,6 +281,7 @@ def test_rule_4_another_engines_budget_caps_background_here() -> None:
         0.0,
         plan,
         0.02,
+        tokens=2048,
         interactive_prompt=False,
         background_run=2048,
         background_left=0,

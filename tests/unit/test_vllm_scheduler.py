@@ -235,6 +235,25 @@ def test_background_is_capped_to_the_measured_budget(model: Path) -> None:
     assert s._share.counters.capped > 0
 
 
+def test_the_first_capped_step_takes_the_held_steps_tokens(model: Path) -> None:
+    """The step after a chat turn's held prefill takes as many background tokens as
+    that prefill had (that many lasted the budget), not the step's whole budget.
+    (It took the whole: the noisy point's worst turn, 612 ms, waited for a
+    2,048-token step.)"""
+    s = make(model, max_seqs=64, step_tokens=512)
+    _busy(s, 40)
+    chat = request(48, 30)
+    s.add_request(chat)
+    for _ in range(3):
+        s.add_request(request(300, 8, bg=True))
+    held = step(s)
+    assert list(held.num_scheduled_tokens) == [chat.request_id]
+    out = step(s)
+    background = sum(n for r, n in out.num_scheduled_tokens.items() if r != chat.request_id)
+    assert 40 <= background <= 48
+    assert out.num_scheduled_tokens[chat.request_id] == 1
+
+
 def test_interactive_work_alone_is_not_capped(model: Path) -> None:
     """Once background work has gone (its budget measured, the cap at its floor),
     interactive requests alone are scheduled as vLLM's own scheduler schedules
