@@ -39,18 +39,22 @@ board's word about the server's other engines):
    any step with no background work; an exponential average), so a budget is
    known before background work arrives wherever a chat turn ran before it. A
    chat turn that arrives then waits for at most one step as long as its own
-   prefill. After each capped step the cap is scaled by budget / measured: down
+   prefill: TTFT beside <= TTFT alone + the budget. `ratio` scales the budget
+   (`--background-step-ratio`, 1 by default): 0.5 halves that wait, and on a
+   machine whose step time grows with its tokens (a CPU) about halves the
+   background's tokens beside a turn; the operator's trade, not a constant tuned
+   here. After each capped step the cap is scaled by budget / measured: down
    in proportion at once (a step past the budget is a chat turn's wait), up at
    most 2x a step (a step short for want of tokens costs only throughput), so it
    follows the machine: on a GPU, where a step of 256 sequences costs a few
    times one of 16, the cap rises to the engine's seats. With no budget measured
    yet, no cap. Until a capped step has been measured, the cap is the token count
-   of the step that measured the budget (that many tokens lasted the budget), not
-   the step's whole token budget: the first capped step is already about a chat
-   prefill long. While another engine of this server has interactive work present
-   and this one has none, the budget is that engine's (the board publishes it):
-   the cores or the card the two share are busy no longer than the other's own
-   step.
+   of the step that measured the budget (that many tokens lasted it; times
+   `ratio`), not the step's whole token budget: the first capped step is already
+   about as long as the budget allows. While another engine of this server has
+   interactive work present and this one has none, the budget is that engine's
+   (the board publishes it): the cores or the card the two share are busy no
+   longer than the other's own step.
 5. Floor: background work is never starved. Rule 2 holds it at most `FLOOR - 1`
    steps in a row (the next runs it, under rule 4's cap), and rule 4's cap is never
    below 1/`FLOOR` of the engine's seats, in tokens (at least one).
@@ -150,14 +154,18 @@ class StepShare:
         "counters",
         "floor",
         "linger",
+        "ratio",
     )
 
-    def __init__(self, max_seqs: int, step_tokens: int, linger: float) -> None:
-        if max_seqs < 1 or step_tokens < 1 or linger < 0:
-            raise ValueError("max_seqs and step_tokens must be >= 1, linger >= 0")
+    def __init__(
+        self, max_seqs: int, step_tokens: int, linger: float, *, ratio: float = 1.0
+    ) -> None:
+        if max_seqs < 1 or step_tokens < 1 or linger < 0 or not ratio > 0:
+            raise ValueError("max_seqs and step_tokens must be >= 1, linger >= 0, ratio > 0")
         self.floor = max(1, math.ceil(max_seqs / FLOOR))  # rule 5, in tokens
         self.ceiling = max(self.floor, step_tokens)  # a step's whole token budget
         self.linger = linger
+        self.ratio = ratio  # rule 4: the budget's multiple
         self.budget: float | None = None  # rule 4: seconds, unknown until measured
         self.cap = self.ceiling  # rule 4: background tokens a capped step may take
         self.counters = StepCounters()
@@ -189,7 +197,7 @@ class StepShare:
         return Plan(
             hold=hold,
             cap=cap,
-            budget=None if cap is None else budget,
+            budget=None if cap is None or budget is None else budget * self.ratio,
             preempt=preempt,
             present=True,
         )
@@ -233,7 +241,7 @@ class StepShare:
             b = self.budget  # rule 4's budget: the interactive work alone
             self.budget = seconds if b is None else b + _BUDGET_WEIGHT * (seconds - b)
             if not self._judged:
-                self.cap = self._clamp(tokens)
+                self.cap = self._clamp(round(tokens * self.ratio))
         if plan.hold:
             self._held_run += 1
             c.held += background_left

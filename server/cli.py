@@ -310,7 +310,9 @@ class _Model:
     adapters: tuple[Adapter, ...] = ()
 
 
-def _model_args(m: _Model, *, cache_root: Path, engine_priority: str, several: bool) -> None:
+def _model_args(
+    m: _Model, *, cache_root: Path, engine_priority: str, step_ratio: float, several: bool
+) -> None:
     """A model's engine flags with Sluice's defaults (the demo model's when it has
     no --model, the platform's memory fraction, the reasoning parser), checked;
     ValueError with one line."""
@@ -319,6 +321,7 @@ def _model_args(m: _Model, *, cache_root: Path, engine_priority: str, several: b
     from vllm.platforms import current_platform
 
     from server.engines import vllm_parsers as parser_names
+    from server.engines.board import RATIO_KEY
     from server.engines.demo import model as demo_model
 
     ns = m.ns
@@ -379,6 +382,11 @@ def _model_args(m: _Model, *, cache_root: Path, engine_priority: str, several: b
             AsyncEngineArgs.long_prefill_token_threshold_adaptive
         )
     m.engine_args = AsyncEngineArgs.from_cli_args(ns)
+    # For Sluice's scheduler in the engine core (server/engines/vllm_scheduler.py).
+    m.engine_args.additional_config = {
+        **(m.engine_args.additional_config or {}),
+        RATIO_KEY: step_ratio,
+    }
     if not several:
         names = ns.served_model_name or [ns.model]
         m.name = names[0] if isinstance(names, list) else names
@@ -451,6 +459,7 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> Setting
                 m,
                 cache_root=ns.demo_cache_dir or env.cache_root,
                 engine_priority=ns.engine_priority,
+                step_ratio=ns.background_step_ratio,
                 several=several,
             )
         except ValueError as exc:

@@ -168,6 +168,13 @@ OPTIONS: tuple[Option, ...] = (
         "(default: %(default)s)",
     ),
     Option(
+        "--background-step-ratio", type=float, fills="background_step_ratio", gt=0,
+        help="with --interactive-first: while interactive work runs, a step that carries "
+        "background work lasts at most this many times the interactive work's own "
+        "measured step; lower shortens a chat turn's wait for the step under way, at "
+        "the background's throughput (default: %(default)s)",
+    ),
+    Option(
         "--prefix-placement", action=SWITCH, fills="core.prefix_placement",
         help="with data parallelism: send a request to the rank that was given its prompt's "
         "leading blocks (a conversation's earlier turns), unless that rank is busier than "

@@ -141,6 +141,10 @@ class Settings:
     # Sluice's scheduler in each engine puts interactive work first in its steps and
     # holds background work across models (server/engines/vllm_scheduler.py).
     interactive_first: bool = True
+    # Rule 4's budget, as a multiple of the interactive work's own step
+    # (batching/step_share.py; it reaches each engine's scheduler through vLLM's
+    # additional_config: server/engines/board.py RATIO_KEY).
+    background_step_ratio: float = 1.0
     # What the engine gets as a request's priority: "request" (its own field) or
     # "order" (the release key, batching/order.py: server/engines/driver.py order_priority).
     engine_priority: str = "request"

@@ -41,7 +41,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
 from batching.step_share import Plan, Sight, StepShare
-from server.engines.board import SEAT_KEY, Board
+from server.engines.board import RATIO_KEY, SEAT_KEY, Board
 
 __all__ = ["BACKGROUND_KEY", "InteractiveFirst", "InteractiveFirstAsync", "background", "mark"]
 
@@ -122,11 +122,16 @@ class _InteractiveFirstMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         sched = self.vllm_config.scheduler_config
-        self._share = StepShare(
-            int(sched.max_num_seqs), int(sched.max_num_batched_tokens), LINGER_S
-        )
         extra = self.vllm_config.additional_config
-        first = extra.get(SEAT_KEY) if isinstance(extra, dict) else None
+        if not isinstance(extra, dict):
+            extra = {}
+        self._share = StepShare(
+            int(sched.max_num_seqs),
+            int(sched.max_num_batched_tokens),
+            LINGER_S,
+            ratio=float(extra.get(RATIO_KEY, 1.0)),
+        )
+        first = extra.get(SEAT_KEY)
         self._board = Board.from_env() if first is not None else None
         self._slot = int(first or 0) + int(self.parallel_config.data_parallel_rank or 0)
         if self._board is not None:

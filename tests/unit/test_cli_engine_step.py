@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from server.cli import parse_serve_args
+from server.engines.board import RATIO_KEY
 from server.engines.step_flags import step_flags
 
 
@@ -54,3 +55,14 @@ def test_engine_priority_order_needs_the_priority_policy(
     assert "--scheduling-policy priority" in capsys.readouterr().err
     settings = parse_serve_args([*base, "--scheduling-policy", "priority"], {})
     assert settings.engine_priority == "order"
+
+
+@pytest.mark.parametrize(("flags", "ratio"), [([], 1.0), (["--background-step-ratio", "0.5"], 0.5)])
+def test_the_background_step_ratio_reaches_the_engines_scheduler(
+    demo_cache_root: Path, flags: list[str], ratio: float
+) -> None:
+    """Through vLLM's additional_config, which the engine core's scheduler reads
+    (server/engines/vllm_scheduler.py); a user's own keys stay."""
+    argv = ["--demo-cache-dir", str(demo_cache_root), "--additional-config", '{"mine": 1}']
+    args = parse_serve_args([*argv, *flags], {}).engine_args
+    assert args.additional_config == {"mine": 1, RATIO_KEY: ratio}

@@ -18,6 +18,7 @@ from server.cli import build_serve_parser, parse_serve_args
         (["--window-ms", "-1"], "window"),
         (["--port", "70000"], "--port must be <= 65535"),
         (["--queue-timeout", "0"], "--queue-timeout must be > 0"),
+        (["--background-step-ratio", "0"], "--background-step-ratio must be > 0"),
         (["--max-n", "0"], "--max-n must be >= 1"),
         (["--watchdog-interval-ms", "nan"], "--watchdog-interval-ms must be > 0"),
         (["--max-batch-seqs", "0"], "--max-batch-seqs must be >= 1"),

@@ -292,3 +292,37 @@ def test_rule_4_another_engines_budget_caps_background_here() -> None:
     s.budget = 0.05
     mine = Sight(interactive_running=1, elsewhere_budget=0.005, background_running=100)
     assert s.plan(1.0, mine).budget == 0.05
+
+
+def test_rule_4_the_ratio_scales_the_budget_and_the_first_cap() -> None:
+    """--background-step-ratio 0.5: capped steps aim at half the interactive step,
+    and the first cap is half the tokens of the step that measured it."""
+    s = StepShare(128, 2048, linger=1.0, ratio=0.5)
+    s.done(
+        0.0,
+        s.plan(0.0, CHAT_WAITING),
+        0.010,
+        tokens=64,
+        interactive_prompt=True,
+        background_run=0,
+        background_left=100,
+        interactive=True,
+    )
+    plan = s.plan(0.1, Sight(interactive_running=1, background_running=100))
+    assert plan.cap == 32 and plan.budget == pytest.approx(0.005)
+    # A capped step of the full budget's length is twice the ratio's: the cap halves.
+    s.done(
+        0.1,
+        plan,
+        0.010,
+        tokens=33,
+        interactive_prompt=False,
+        background_run=32,
+        background_left=68,
+        interactive=True,
+    )
+    assert s.cap == 16
+    other = s.plan(5.0, Sight(elsewhere_budget=0.004, background_running=100))
+    assert other.budget == pytest.approx(0.002)
+    with pytest.raises(ValueError, match="ratio"):
+        StepShare(128, 2048, linger=1.0, ratio=0.0)

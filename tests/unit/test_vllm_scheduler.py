@@ -29,7 +29,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from batching.step_share import FLOOR
 from server.engines import board as board_mod
-from server.engines.board import ENV, SEAT_KEY, Board
+from server.engines.board import ENV, RATIO_KEY, SEAT_KEY, Board
 from server.engines.vllm_adapter import engine_config
 from server.engines.vllm_scheduler import InteractiveFirst, background, mark
 
@@ -55,6 +55,7 @@ def make(
     step_tokens: int = 256,
     blocks: int = 400,
     slot: int | None = 0,
+    ratio: float | None = None,
 ) -> Any:
     args = AsyncEngineArgs(
         model=str(model),
@@ -66,6 +67,8 @@ def make(
     config = engine_config(args)
     if slot is not None:
         config.additional_config = {SEAT_KEY: slot}
+    if ratio is not None:
+        config.additional_config = {**(config.additional_config or {}), RATIO_KEY: ratio}
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=16, dtype=torch.float32)
     kv = KVCacheConfig(
         num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)]
@@ -235,12 +238,15 @@ def test_background_is_capped_to_the_measured_budget(model: Path) -> None:
     assert s._share.counters.capped > 0
 
 
-def test_the_first_capped_step_takes_the_held_steps_tokens(model: Path) -> None:
+@pytest.mark.parametrize("ratio", [None, 0.5])
+def test_the_first_capped_step_takes_the_held_steps_tokens(
+    model: Path, ratio: float | None
+) -> None:
     """The step after a chat turn's held prefill takes as many background tokens as
-    that prefill had (that many lasted the budget), not the step's whole budget.
-    (It took the whole: the noisy point's worst turn, 612 ms, waited for a
-    2,048-token step.)"""
-    s = make(model, max_seqs=64, step_tokens=512)
+    that prefill had (that many lasted the budget), not the step's whole budget;
+    with --background-step-ratio, that many times the ratio. (It took the whole:
+    the noisy point's worst turn, 612 ms, waited for a 2,048-token step.)"""
+    s = make(model, max_seqs=64, step_tokens=512, ratio=ratio)
     _busy(s, 40)
     chat = request(48, 30)
     s.add_request(chat)
@@ -250,7 +256,7 @@ def test_the_first_capped_step_takes_the_held_steps_tokens(model: Path) -> None:
     assert list(held.num_scheduled_tokens) == [chat.request_id]
     out = step(s)
     background = sum(n for r, n in out.num_scheduled_tokens.items() if r != chat.request_id)
-    assert 40 <= background <= 48
+    assert background == round(48 * (ratio or 1.0))
     assert out.num_scheduled_tokens[chat.request_id] == 1
 
 
