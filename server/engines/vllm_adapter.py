@@ -687,8 +687,15 @@ class EngineAdapter:
 
     def shutdown(self) -> None:
         if self._llm is not None:
+            ranks = dp_ranks(self._llm.vllm_config)
             self._llm.shutdown()
             self._llm = None
+            board, slot = self._board, self._slot
+            if board is not None and slot is not None:
+                # Its schedulers are gone (dead, or unloaded): their last word must
+                # not hold the other models' background work until it is stale.
+                for rank in range(ranks):
+                    board.set_pending(slot + rank, False)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     @property

@@ -15,6 +15,7 @@ the engine core). So the tests see:
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ from vllm.v1.engine.input_processor import InputProcessor
 from server.api.openai_chat.parse import parse_chat
 from server.cli import parse_serve_args
 from server.engines import vllm_adapter as engine_mod
+from server.engines.board import ENV as BOARD_ENV
+from server.engines.board import Board
 from server.engines.vllm_adapter import EngineAdapter
 from server.errors import SluiceError
 from server.settings import engine_capacity
@@ -115,6 +118,31 @@ async def adapter(demo_model_dir: Path) -> AsyncIterator[EngineAdapter]:
     finally:
         a.shutdown()
         mp.undo()
+
+
+async def test_a_stopped_engine_holds_no_other_models_work(
+    demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine shut down (dead and discarded, or unloaded) takes back its
+    schedulers' last word on the board: a turn that was in prefill there no longer
+    holds the other models' background work (it did until the flag went stale, 10 s)."""
+    board = Board.create()
+    monkeypatch.setenv(BOARD_ENV, str(board.path))
+    monkeypatch.setattr(
+        engine_mod.AsyncLLM, "from_vllm_config", lambda config, **_: FrontHalf(config)
+    )
+    a = EngineAdapter(parse_serve_args(["--model", str(demo_model_dir)], {}).engine_args, "m")
+    try:
+        await a.start()
+        slot = a._slot
+        assert slot is not None
+        board.set_pending(slot, True)  # its scheduler's last step: a turn in prefill
+        assert board.elsewhere(slot + 1, time.monotonic_ns())[0]
+        a.shutdown()
+        assert not board.elsewhere(slot + 1, time.monotonic_ns())[0]
+    finally:
+        a.shutdown()
+        board.close()
 
 
 def _renderer(a: EngineAdapter) -> Any:
