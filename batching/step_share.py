@@ -58,6 +58,13 @@ board's word about the server's other engines):
 5. Floor: background work is never starved. Rule 2 holds it at most `FLOOR - 1`
    steps in a row (the next runs it, under rule 4's cap), and rule 4's cap is never
    below 1/`FLOOR` of the engine's seats, in tokens (at least one).
+6. Cores: while another engine of this server has interactive work pending or
+   present and this one has none, this engine yields the CPU: its processes run
+   at a lower CPU priority (server/engines/start_priority.py rule 4), so on cores
+   the engines share, the other's turn runs first and this one's steps take what
+   is left. Rules 2 and 4 only stop this engine's *next* step; a step already
+   under way kept half of two cores (a chat turn beside another model's
+   embedding flood: 4.4x its alone time).
 
 Pure: no clock, no I/O, no vLLM; `plan` has no side effects, `done` records a step.
 """
@@ -201,6 +208,10 @@ class StepShare:
             preempt=preempt,
             present=True,
         )
+
+    def yields(self, now: float, sight: Sight) -> bool:
+        """Rule 6: does this engine give the CPU to another's interactive work?"""
+        return not self.here(now, sight) and (sight.elsewhere or sight.elsewhere_budget is not None)
 
     def here(self, now: float, sight: Sight) -> bool:
         """Is interactive work present on this engine (rule 1, the board's word)?"""

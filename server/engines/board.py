@@ -31,13 +31,16 @@ from typing import Final
 
 from batching.step_share import StepCounters
 
-__all__ = ["ENV", "RATIO_KEY", "SEAT_KEY", "SLOTS", "Board", "SlotView", "allocate"]
+__all__ = ["ENV", "PRIORITY_KEY", "RATIO_KEY", "SEAT_KEY", "SLOTS", "Board", "SlotView", "allocate"]
 
 ENV: Final = "SLUICE_BOARD"  # the page's path, for the engine processes
 SEAT_KEY: Final = "sluice_board_slot"  # additional_config key: an engine's first slot
 # additional_config key: rule 4's budget as a multiple of the measured interactive
 # step (--background-step-ratio; batching/step_share.py).
 RATIO_KEY: Final = "sluice_background_step_ratio"
+# additional_config key: the front's start priority, [start nice, serving nice], where
+# an engine may lower and raise its own (server/engines/start_priority.py rule 4).
+PRIORITY_KEY: Final = "sluice_start_priority"
 SLOTS: Final = 64  # engine ranks one server may run (models x data-parallel ranks)
 STALE_S: Final = 10.0  # a pending flag older than this is ignored
 PRESENT_S: Final = 1.0  # a present flag older than this too (an idle engine writes none)

@@ -19,11 +19,15 @@ The rules:
    started in the front's own process (vLLM's engine client: its ZMQ I/O
    threads, which carry the model's requests and outputs for its whole
    life): a serving engine is never demoted.
-3. Rule 2 needs the OS to let an unprivileged process raise a priority back:
+3. Rule 2 (and 4) needs the OS to let an unprivileged process raise a priority back:
    RLIMIT_NICE (systemd's ``LimitNICE=``, systemd/sluice.service) or
    CAP_SYS_NICE. Without either, rule 1 does not apply: an engine that could
    never be raised again would serve at a tenth of the others' CPU share.
    ``plan`` says which holds, once, at start.
+4. A serving engine with only background work, while another model of this
+   server has interactive work (batching/step_share.py rule 6), is set to the
+   start value too (`lower`), by its own scheduler, and back (`restore`) when
+   that ends: on shared cores the chat turn's engine runs first.
 
 The card has no such knob here: NVIDIA's time slicing gives each process
 its turn, and a per-process share needs MPS (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``),
@@ -116,15 +120,18 @@ class Thread(NamedTuple):
     started: int
 
 
+def _tids(pid: int | str) -> list[str]:
+    try:
+        return os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+
+
 def threads(pid: int | str = "self") -> set[Thread]:
     """The threads of a process (this one by default); empty if it has gone, and
     without one that ends while they are read."""
     found: set[Thread] = set()
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for tid in tids:
+    for tid in _tids(pid):
         try:
             stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
         except OSError:
@@ -140,10 +147,24 @@ def restore(priority: StartPriority, pids: Iterable[int], these: Iterable[Thread
     serving nice value. Returns how many were set; one that has gone is skipped."""
     if priority.start is None:
         return 0
+    return _set(
+        priority.serve, [int(t) for pid in pids for t in _tids(pid)] + [t.tid for t in these]
+    )
+
+
+def lower(priority: StartPriority, pids: Iterable[int]) -> int:
+    """Rule 4: every thread of ``pids`` at the start value (none where rule 3 has
+    none). Returns how many were set."""
+    if priority.start is None:
+        return 0
+    return _set(priority.start, [int(t) for pid in pids for t in _tids(pid)])
+
+
+def _set(nice: int, tids: Iterable[int]) -> int:
     count = 0
-    for tid in [t.tid for pid in pids for t in threads(pid)] + [t.tid for t in these]:
+    for tid in tids:
         try:
-            os.setpriority(os.PRIO_PROCESS, tid, priority.serve)
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
         except (ProcessLookupError, PermissionError):
             continue
         count += 1

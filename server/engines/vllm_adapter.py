@@ -63,10 +63,11 @@ from batching.pressure import ENGINE_IDLE, EngineStats, RankStats
 from batching.step_share import StepCounters
 from server.engines import start_priority
 from server.engines.board import ENV as BOARD_ENV
-from server.engines.board import SEAT_KEY, Board, allocate
+from server.engines.board import PRIORITY_KEY, SEAT_KEY, Board, allocate
 from server.engines.interface import ModelInfo, PoolTask
 from server.engines.lora import Adapter, ModelShapes, check_shapes
 from server.engines.procs import process_tree
+from server.engines.start_priority import StartPriority
 from server.engines.thread_batcher import Batcher
 from server.engines.vllm_parsers import (
     OutputParsers,
@@ -397,10 +398,14 @@ _VLLM_STAT_LOG = logging.getLogger("vllm.v1.metrics.loggers")
 
 
 def _build_engine(
-    engine_args: Any, stat_logger: Callable[..., StatLoggerBase], slot: int | None
+    engine_args: Any,
+    stat_logger: Callable[..., StatLoggerBase],
+    slot: int | None,
+    priority: StartPriority | None = None,
 ) -> AsyncLLM:
     """Construct the engine as `vllm serve` does (blocking: seconds to minutes), with
-    Sluice's scheduler where it has a board slot (server/engines/vllm_scheduler.py)."""
+    Sluice's scheduler where it has a board slot (server/engines/vllm_scheduler.py),
+    told the start priority where its rule 6 may lower and raise its own."""
     if not any(isinstance(f, _NoIterationLines) for f in _VLLM_STAT_LOG.filters):
         _VLLM_STAT_LOG.addFilter(_NoIterationLines())
     config = engine_config(engine_args)
@@ -410,6 +415,8 @@ def _build_engine(
         sched.scheduler_cls = f"server.engines.vllm_scheduler.{name}"
         extra = config.additional_config if isinstance(config.additional_config, dict) else {}
         config.additional_config = {**extra, SEAT_KEY: slot}
+        if priority is not None and priority.start is not None:  # start_priority.py 3, 4
+            config.additional_config[PRIORITY_KEY] = [priority.start, priority.serve]
     return AsyncLLM.from_vllm_config(
         config,
         usage_context=USAGE_CONTEXT,
@@ -567,7 +574,8 @@ class EngineAdapter:
         priority = start_priority.plan()
         front = start_priority.threads()
         llm = await start_priority.build_lowered(
-            priority, functools.partial(_build_engine, self._engine_args, factory, self._seat())
+            priority,
+            functools.partial(_build_engine, self._engine_args, factory, self._seat(), priority),
         )
         lighten_output_path(llm)
         watch_outputs(llm, self._observe)

@@ -29,6 +29,7 @@ pending flag to the other engines and the counters to the front.
 from __future__ import annotations
 
 import copy
+import os
 import time
 from typing import Any, Final
 
@@ -41,7 +42,10 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
 from batching.step_share import Plan, Sight, StepShare
-from server.engines.board import RATIO_KEY, SEAT_KEY, Board
+from server.engines import start_priority
+from server.engines.board import PRIORITY_KEY, RATIO_KEY, SEAT_KEY, Board
+from server.engines.procs import process_tree
+from server.engines.start_priority import StartPriority
 
 __all__ = ["BACKGROUND_KEY", "InteractiveFirst", "InteractiveFirstAsync", "background", "mark"]
 
@@ -133,6 +137,9 @@ class _InteractiveFirstMixin:
         )
         first = extra.get(SEAT_KEY)
         self._board = Board.from_env() if first is not None else None
+        nice = extra.get(PRIORITY_KEY)  # rule 6's means, where the OS gives it
+        self._priority = None if nice is None else StartPriority(int(nice[0]), int(nice[1]))
+        self._yielded = False
         self._slot = int(first or 0) + int(self.parallel_config.data_parallel_rank or 0)
         if self._board is not None:
             self._board.clear(self._slot)
@@ -192,6 +199,8 @@ class _InteractiveFirstMixin:
         now = now_ns / 1e9
         sight, ia_run, bg_run, bg_wait = self._sight(now_ns)
         plan = self._share.plan(now, sight)
+        if self._priority is not None and self._share.yields(now, sight) != self._yielded:
+            self._yield_cores(self._priority, not self._yielded)
         if self._board is not None:
             self._board.set_pending(
                 self._slot,
@@ -244,6 +253,15 @@ class _InteractiveFirstMixin:
             out, plan, bg_run, bg_wait, bool(sight.interactive_running or sight.interactive_waiting)
         )
         return out
+
+    def _yield_cores(self, priority: StartPriority, yielding: bool) -> None:
+        """Rule 6: this engine core and its workers to the start priority, or back."""
+        self._yielded = yielding
+        tree = process_tree(os.getpid())
+        if yielding:
+            start_priority.lower(priority, tree)
+        else:
+            start_priority.restore(priority, tree)
 
     def _record(
         self,

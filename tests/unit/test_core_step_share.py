@@ -326,3 +326,25 @@ def test_rule_4_the_ratio_scales_the_budget_and_the_first_cap() -> None:
     assert other.budget == pytest.approx(0.002)
     with pytest.raises(ValueError, match="ratio"):
         StepShare(128, 2048, linger=1.0, ratio=0.0)
+
+
+def test_rule_6_an_engine_with_only_background_yields_to_anothers_turn() -> None:
+    s = share()
+    assert s.yields(0.0, Sight(elsewhere=True, background_running=5))
+    assert s.yields(0.0, Sight(elsewhere_budget=0.01, background_waiting=5))
+    assert not s.yields(0.0, BUSY)  # no interactive work anywhere
+    # Its own interactive work, waiting, running or lingering: it keeps its share.
+    assert not s.yields(0.0, Sight(elsewhere=True, interactive_waiting=1))
+    assert not s.yields(0.0, Sight(elsewhere=True, interactive_running=1))
+    s.done(
+        0.0,
+        Plan(present=True),
+        0.01,
+        tokens=1,
+        interactive_prompt=False,
+        background_run=0,
+        background_left=0,
+        interactive=True,
+    )
+    assert not s.yields(0.5, Sight(elsewhere=True))
+    assert s.yields(1.5, Sight(elsewhere=True))

@@ -127,6 +127,11 @@ def test_rule_2_every_thread_back_at_the_serving_value() -> None:
         assert {_nice(t) for t in tids} == {prio.serve + start_priority.START_NICE}
         assert restore(prio, [proc.pid, 2**22 + 1]) == len(tids)  # a gone pid is skipped
         assert {_nice(t) for t in tids} == {prio.serve}
+        # Rule 4: lowered again while another model's turn runs, and back.
+        assert start_priority.lower(prio, [proc.pid]) == len(tids)
+        assert {_nice(t) for t in tids} == {prio.start}
+        assert restore(prio, [proc.pid]) == len(tids)
+        assert {_nice(t) for t in tids} == {prio.serve}
     finally:
         proc.kill()
         proc.wait()
@@ -134,3 +139,4 @@ def test_rule_2_every_thread_back_at_the_serving_value() -> None:
 
 def test_without_rule_3_nothing_is_lowered_or_raised() -> None:
     assert restore(StartPriority(start=None, serve=0), [os.getpid()]) == 0
+    assert start_priority.lower(StartPriority(start=None, serve=0), [os.getpid()]) == 0

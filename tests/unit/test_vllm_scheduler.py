@@ -10,6 +10,7 @@ vLLM's scheduler does with Sluice's levers, request by request.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from batching.step_share import FLOOR
 from server.engines import board as board_mod
-from server.engines.board import ENV, RATIO_KEY, SEAT_KEY, Board
+from server.engines import start_priority
+from server.engines.board import ENV, PRIORITY_KEY, RATIO_KEY, SEAT_KEY, Board
 from server.engines.vllm_adapter import engine_config
 from server.engines.vllm_scheduler import InteractiveFirst, background, mark
 
@@ -56,6 +58,7 @@ def make(
     blocks: int = 400,
     slot: int | None = 0,
     ratio: float | None = None,
+    nice: tuple[int, int] | None = None,
 ) -> Any:
     args = AsyncEngineArgs(
         model=str(model),
@@ -69,6 +72,8 @@ def make(
         config.additional_config = {SEAT_KEY: slot}
     if ratio is not None:
         config.additional_config = {**(config.additional_config or {}), RATIO_KEY: ratio}
+    if nice is not None:
+        config.additional_config = {**(config.additional_config or {}), PRIORITY_KEY: list(nice)}
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=16, dtype=torch.float32)
     kv = KVCacheConfig(
         num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)]
@@ -297,6 +302,39 @@ def test_a_model_holds_its_background_while_another_prefills(model: Path, board:
         step(first)
     assert len(step(second).num_scheduled_tokens) == 6
     assert board.read(1).counters.held == 6
+
+
+def test_a_model_with_only_background_yields_the_cores_to_anothers_turn(
+    model: Path, board: Board, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rule 6: while the first engine has a chat turn, the second (background only)
+    lowers its own process tree's CPU priority once, and raises it back once the
+    turn has gone; with its own interactive work it does not yield."""
+    calls: list[tuple[str, int, list[int]]] = []
+    monkeypatch.setattr(
+        start_priority, "lower", lambda p, pids: calls.append(("lower", p.start, pids)) or 0
+    )
+    monkeypatch.setattr(
+        start_priority, "restore", lambda p, pids: calls.append(("restore", p.serve, pids)) or 0
+    )
+    first = make(model, slot=0, step_tokens=64)
+    second = make(model, slot=1, nice=(10, 0))
+    _busy(second, 6)
+    assert calls == []
+    first.add_request(request(300, 2))
+    step(first)
+    step(second)
+    step(second)
+    assert [(c[0], c[1]) for c in calls] == [("lower", 10)]
+    assert calls[0][2][0] == os.getpid()  # the engine core, then its workers
+    board.set_pending(0, False)  # the first's turn has gone
+    step(second)
+    assert [(c[0], c[1]) for c in calls] == [("lower", 10), ("restore", 0)]
+    # Its own chat turn: it never yields, whatever the first has.
+    board.set_pending(0, True)
+    second.add_request(request(10, 20))
+    step(second)
+    assert len(calls) == 2
 
 
 def test_board_slots(board: Board, monkeypatch: pytest.MonkeyPatch) -> None:
