@@ -17,7 +17,11 @@ work, and applies the answer with the scheduler's own levers:
 * rule 3's preemption (no seat, or too few free KV blocks, for a waiting turn) is
   vLLM's own (`_preempt_request`, as its prefix-cache reset calls it between
   steps): the blocks go back to the free list with their hashes, so the
-  request's recompute is a prefix-cache hit.
+  request's recompute is a prefix-cache hit;
+* rule 6's lower CPU priority is the OS's (server/engines/start_priority.py
+  `lower` and `restore`, over this engine core and its workers), set when the
+  answer changes, not each step; only where the front's priority plan came in
+  `additional_config` (the OS lets it be raised back).
 
 A request is background when its parameters say so (`mark`, set by the adapter:
 SamplingParams.extra_args, PoolingParams.extra_kwargs). Step time is measured here,
