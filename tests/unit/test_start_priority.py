@@ -60,28 +60,32 @@ async def test_rule_1_a_thread_of_its_own_and_what_it_spawns() -> None:
 
 async def test_rule_2_the_threads_a_build_starts_in_this_process() -> None:
     """A thread the build starts here (vLLM's engine client's I/O threads) has
-    the start value, and is set back with the engine."""
+    the start value, and is set back with the engine; every time, though the
+    build's own thread is ending as the list is taken (the kernel's listing of a
+    task directory skips a live thread while another exits: CI failed twice on
+    it, and a single listing missed the new thread in 254 of 500 tries here)."""
     prio = start_priority.plan()
     if prio.start is None:
         pytest.skip("this process may not raise a priority back (rule 3)")
-    stop = threading.Event()
-    started: list[int] = []
+    for _ in range(50):
+        stop = threading.Event()
+        started: list[int] = []
 
-    def build() -> None:
-        t = threading.Thread(target=stop.wait, daemon=True)
-        t.start()
-        assert t.native_id is not None
-        started.append(t.native_id)
+        def build() -> None:
+            t = threading.Thread(target=stop.wait, daemon=True)  # noqa: B023
+            t.start()
+            assert t.native_id is not None
+            started.append(t.native_id)  # noqa: B023
 
-    before = start_priority.threads()
-    try:
-        await build_lowered(prio, build)
-        new = start_priority.threads() - before
-        assert set(started) <= {t.tid for t in new} and _nice(started[0]) == prio.start
-        # The build's own executor thread may have ended by now: not counted.
-        assert restore(prio, [], new) >= len(started) and _nice(started[0]) == prio.serve
-    finally:
-        stop.set()
+        before = start_priority.threads()
+        try:
+            await build_lowered(prio, build)
+            new = start_priority.threads() - before
+            assert set(started) <= {t.tid for t in new} and _nice(started[0]) == prio.start
+            # The build's own executor thread may have ended by now: not counted.
+            assert restore(prio, [], new) >= len(started) and _nice(started[0]) == prio.serve
+        finally:
+            stop.set()
 
 
 def test_a_thread_is_its_id_and_its_start_time() -> None:
