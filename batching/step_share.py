@@ -148,8 +148,13 @@ class StepCounters:
         return out
 
 
+def _elsewhere(sight: Sight) -> bool:
+    """Has another engine interactive work pending or present (the board's word)?"""
+    return sight.elsewhere or sight.elsewhere_budget is not None
+
+
 class StepShare:
-    """Rules 1-5 for one engine rank."""
+    """Rules 1-6 for one engine rank."""
 
     __slots__ = (
         "_held_run",
@@ -182,7 +187,7 @@ class StepShare:
 
     def present(self, now: float, sight: Sight) -> bool:
         """Rule 1's test: is interactive work present, here or on another engine?"""
-        return self.here(now, sight) or sight.elsewhere or sight.elsewhere_budget is not None
+        return self.here(now, sight) or _elsewhere(sight)
 
     def plan(self, now: float, sight: Sight) -> Plan:
         """What the next step does with background work (no side effects)."""
@@ -211,7 +216,7 @@ class StepShare:
 
     def yields(self, now: float, sight: Sight) -> bool:
         """Rule 6: does this engine give the CPU to another's interactive work?"""
-        return not self.here(now, sight) and (sight.elsewhere or sight.elsewhere_budget is not None)
+        return not self.here(now, sight) and _elsewhere(sight)
 
     def here(self, now: float, sight: Sight) -> bool:
         """Is interactive work present on this engine (rule 1, the board's word)?"""

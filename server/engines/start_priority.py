@@ -160,9 +160,7 @@ def restore(priority: StartPriority, pids: Iterable[int], these: Iterable[Thread
     serving nice value. Returns how many were set; one that has gone is skipped."""
     if priority.start is None:
         return 0
-    return _set(
-        priority.serve, [int(t) for pid in pids for t in _tids(pid)] + [t.tid for t in these]
-    )
+    return _set(priority.serve, [*_every(pids), *(t.tid for t in these)])
 
 
 def lower(priority: StartPriority, pids: Iterable[int]) -> int:
@@ -170,7 +168,12 @@ def lower(priority: StartPriority, pids: Iterable[int]) -> int:
     none). Returns how many were set."""
     if priority.start is None:
         return 0
-    return _set(priority.start, [int(t) for pid in pids for t in _tids(pid)])
+    return _set(priority.start, _every(pids))
+
+
+def _every(pids: Iterable[int]) -> list[int]:
+    """The thread ids of every process of ``pids`` (rules 2 and 4 set them all)."""
+    return [int(t) for pid in pids for t in _tids(pid)]
 
 
 def _set(nice: int, tids: Iterable[int]) -> int:

@@ -203,8 +203,10 @@ class _InteractiveFirstMixin:
         now = now_ns / 1e9
         sight, ia_run, bg_run, bg_wait = self._sight(now_ns)
         plan = self._share.plan(now, sight)
-        if self._priority is not None and self._share.yields(now, sight) != self._yielded:
-            self._yield_cores(self._priority, not self._yielded)
+        if self._priority is not None:
+            yielding = self._share.yields(now, sight)
+            if yielding != self._yielded:
+                self._yield_cores(self._priority, yielding)
         if self._board is not None:
             self._board.set_pending(
                 self._slot,
