@@ -18,10 +18,13 @@ board's word about the server's other engines):
    `linger` seconds), background work takes the step as vLLM schedules it: no
    hold, no cap.
 2. Hold: while interactive work waits here with a seat for it or is in prefill
-   here, or is pending (waiting or in prefill) on another engine of this server,
-   background work sits the step out: its running requests skip the step and keep
-   their KV, its waiting requests are not admitted. The step is the interactive
-   work's own (or, for another engine's, the cores are).
+   here, or has shown its client no token yet (the front's word: a streamed turn
+   whose first tokens carried no text, as a thinking model's `<think>` or a part of
+   a character, waits for the next step, not only its prefill), or is pending
+   (any of these) on another engine of this server, background work sits the step
+   out: its running requests skip the step and keep their KV, its waiting requests
+   are not admitted. The step is the interactive work's own (or, for another
+   engine's, the cores are).
 3. Seats and KV: interactive work waiting here while every seat is taken, or while
    the KV cache has too few free blocks to admit its prompt, and background
    work runs: the newest background requests are preempted, one per waiting
@@ -96,6 +99,9 @@ class Sight:
     interactive_waiting: int = 0  # interactive requests not yet admitted
     interactive_prefill: bool = False  # an admitted interactive prompt still prefilling
     interactive_running: int = 0  # admitted interactive requests (any phase)
+    # A streamed interactive turn here has shown its client no token yet (rule 2;
+    # the front's word, through the board).
+    interactive_unshown: bool = False
     elsewhere: bool = False  # another engine has interactive work pending (the board)
     # The least budget of the other engines with interactive work present (rule 4),
     # None where none has.
@@ -148,6 +154,12 @@ class StepCounters:
         return out
 
 
+def _unshown(sight: Sight) -> bool:
+    """Rule 2: is an admitted turn here still to show its client a token? (The front's
+    word outlives the turn by a step when the turn ends on its first output.)"""
+    return sight.interactive_unshown and sight.interactive_running > 0
+
+
 def _elsewhere(sight: Sight) -> bool:
     """Has another engine interactive work pending or present (the board's word)?"""
     return sight.elsewhere or sight.elsewhere_budget is not None
@@ -198,7 +210,11 @@ class StepShare:
         preempt = 0
         if blocked and sight.background_running:
             preempt = min(sight.interactive_waiting, sight.background_running, MAX_PREEMPT)
-        pending = (sight.interactive_waiting and not blocked) or sight.interactive_prefill
+        pending = (
+            (sight.interactive_waiting and not blocked)
+            or sight.interactive_prefill
+            or _unshown(sight)
+        )
         hold = bool(
             background and (pending or sight.elsewhere or preempt) and self._held_run < FLOOR - 1
         )
@@ -213,6 +229,11 @@ class StepShare:
             preempt=preempt,
             present=True,
         )
+
+    def pending(self, sight: Sight) -> bool:
+        """Rule 2's word for the other engines: has this one interactive work waiting,
+        in prefill, or still to show its client a token?"""
+        return bool(sight.interactive_waiting or sight.interactive_prefill or _unshown(sight))
 
     def yields(self, now: float, sight: Sight) -> bool:
         """Rule 6: does this engine give the CPU to another's interactive work?"""

@@ -118,6 +118,9 @@ class FakeEngine:
     priorities: dict[str, int] = field(default_factory=dict)  # engine priority per request
     background: dict[str, bool] = field(default_factory=dict)  # the class add() was told
     share: StepCounters | None = None  # what step_share() reports
+    # set_unshown's word: (rank, count, outputs produced so far), in order.
+    unshown: list[tuple[int, int, int]] = field(default_factory=list)
+    outputs_put: int = 0  # generation outputs produced, all requests
     adapters: dict[str, str | None] = field(default_factory=dict)  # LoRA adapter per request
     salts: dict[str, str | None] = field(default_factory=dict)  # prefix-cache salt per request
     ranks: dict[str, int | None] = field(default_factory=dict)  # data-parallel rank per request
@@ -215,6 +218,10 @@ class FakeEngine:
 
     def step_share(self) -> StepCounters | None:
         return self.share
+
+    def set_unshown(self, rank: int, count: int) -> None:
+        """Record the front's word per rank, as the board would carry it."""
+        self.unshown.append((rank, count, self.outputs_put))
 
     def charge(self, request_id: str) -> Charge:
         """What a test set for the request, taken once."""
@@ -439,6 +446,7 @@ class FakeEngine:
                         )
                     )
                 collector.put(FakeOutput(rid, outs, last))
+                self.outputs_put += 1
         finally:
             self._producers.pop(rid, None)
 

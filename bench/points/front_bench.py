@@ -164,6 +164,9 @@ class StepEngine:
     def step_share(self) -> None:
         return None
 
+    def set_unshown(self, rank: int, count: int) -> None:
+        pass
+
     def charge(self, request_id: str) -> Any:
         from batching import Charge
 

@@ -8,6 +8,9 @@ cheapest way they can tell each other: one slot per engine rank, written only by
 that rank's scheduler (server/engines/vllm_scheduler.py), read by every other
 scheduler before its step and by the front for metrics. No locks: one writer per
 slot, each field 8 bytes and aligned, a torn read of a counter is off by one step.
+The one exception is the front's word on each slot: how many streamed interactive
+turns on that rank have shown their client no token yet (rule 2), written only by
+the front, read only by that rank's scheduler.
 
 The front creates the page at start (`Board.create`) and names it to the engine
 processes it starts through the environment (`SLUICE_BOARD`); each engine learns its
@@ -53,7 +56,10 @@ _PUBLISHED: Final = struct.Struct("<" + _COUNTERS + "dQ")
 _SLOT: Final = struct.Struct("<QQ" + _COUNTERS + "dQ")
 _BUDGET: Final = struct.Struct("<d")
 _BUDGET_AT: Final = _PENDING.size + struct.calcsize("<" + _COUNTERS)
-_SIZE: Final = 128  # bytes per slot (>= _SLOT.size; aligned)
+# The front's word after the slot's own: turns not yet shown a token, and its stamp (ns).
+_UNSHOWN: Final = struct.Struct("<QQ")
+_UNSHOWN_AT: Final = _SLOT.size
+_SIZE: Final = 128  # bytes per slot (>= _UNSHOWN_AT + _UNSHOWN.size; aligned)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +134,12 @@ class Board:
                     budget = b
         return pending, budget
 
+    def unshown(self, slot: int, now_ns: int) -> bool:
+        """Has a streamed interactive turn on this rank shown its client no token yet
+        (the front's word; not believed once older than `STALE_S`: a front that died)?"""
+        count, stamp = _UNSHOWN.unpack_from(self._map, slot * _SIZE + _UNSHOWN_AT)
+        return bool(count) and now_ns - stamp < STALE_S * 1e9
+
     def publish(self, slot: int, counters: StepCounters, budget: float | None, cap: int) -> None:
         """This rank's counters after a step (its pending flag is kept)."""
         c = counters
@@ -147,6 +159,11 @@ class Board:
         )
 
     # -- the front's side ------------------------------------------------------
+
+    def set_unshown(self, slot: int, count: int) -> None:
+        """How many streamed interactive turns on this rank have shown their client no
+        token yet (rule 2)."""
+        _UNSHOWN.pack_into(self._map, slot * _SIZE + _UNSHOWN_AT, count, time.monotonic_ns())
 
     def read(self, slot: int) -> SlotView:
         (_, _, held, capped, pre, floor, sp, secp, sa, seca, budget, cap) = _SLOT.unpack_from(

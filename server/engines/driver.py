@@ -128,6 +128,7 @@ class Generation:
         self._fetching = False
         self._first = True  # no output seen yet
         self.completion_tokens = 0
+        self.rank = 0  # the data-parallel rank it runs on (set at dispatch)
         # Its share of the engine's steps, set when it is done (batching/ledger.py).
         self.charge = Charge()
 
@@ -219,6 +220,33 @@ class Generation:
             self.driver.generation_done(self)
 
 
+class FirstTokens:
+    """One streamed response's interactive generations that have shown their client
+    no token yet, counted on their engine's rank from here until `shown` or `close`
+    (batching/step_share.py rule 2: a turn whose first tokens carry no text, as a
+    thinking model's `<think>`, still holds the background's next step). Background
+    generations are not counted: nobody waits on their first token."""
+
+    __slots__ = ("_due",)
+
+    def __init__(self, gens: Sequence[Generation]) -> None:
+        self._due = {i: g for i, g in enumerate(gens) if not is_background(g.priority)}
+        for g in self._due.values():
+            g.driver.unshown(g.rank, 1)
+
+    def shown(self, index: int) -> None:
+        """Generation `index` has shown its client a token."""
+        g = self._due.pop(index, None)
+        if g is not None:
+            g.driver.unshown(g.rank, -1)
+
+    def close(self) -> None:
+        """The response ended (or failed): none of it is due any more."""
+        for g in self._due.values():
+            g.driver.unshown(g.rank, -1)
+        self._due.clear()
+
+
 @dataclass(slots=True)
 class Ticket:
     """A caller's claim on a future generation."""
@@ -280,6 +308,7 @@ class Driver:
         self._clock = clock or self._loop.time
         self._pending: dict[str, _Pending] = {}
         self._running: dict[str, Generation] = {}
+        self._unshown: dict[int, int] = {}  # per rank (FirstTokens)
         self._wakeup = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -373,6 +402,12 @@ class Driver:
         self._flush_events()
         self._check_idle()
         self._wake()
+
+    def unshown(self, rank: int, change: int) -> None:
+        """`change` the count of streamed interactive turns on `rank` that have shown
+        their client no token yet, and tell the engine's scheduler (FirstTokens)."""
+        count = self._unshown[rank] = self._unshown.get(rank, 0) + change
+        self.engine.set_unshown(rank, count)
 
     def generation_started(self, gen: Generation, cached: int = 0) -> None:
         """Its first output: it left the engine's waiting queue (room for more);
@@ -583,6 +618,7 @@ class Driver:
                 )
                 continue
             gen = Generation(self, req.id, collector, set(subscribers), req.priority, now)
+            gen.rank = entry.rank or 0
             self._running[req.id] = gen
             for sub in subscribers:
                 pending = self._pending.pop(sub)

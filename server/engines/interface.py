@@ -248,6 +248,10 @@ class Engine(Protocol):
     # What Sluice's scheduler did with background work in this engine's steps,
     # summed over its ranks (batching/step_share.py); None without it.
     def step_share(self) -> StepCounters | None: ...
+    # How many streamed interactive turns on a rank have shown their client no token
+    # yet, for Sluice's scheduler there (batching/step_share.py rule 2); a no-op
+    # without it.
+    def set_unshown(self, rank: int, count: int) -> None: ...
 
     async def tokenize_chat(
         self, conversations: Sequence[tuple[Sequence[Message], dict[str, Any]]]

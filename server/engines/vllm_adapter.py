@@ -704,6 +704,7 @@ class EngineAdapter:
                 # not hold the other models' background work until it is stale.
                 for rank in range(ranks):
                     board.set_pending(slot + rank, False)
+                    board.set_unshown(slot + rank, 0)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     @property
@@ -747,6 +748,11 @@ class EngineAdapter:
             return None
         ranks = range(dp_ranks(self._llm.vllm_config))
         return StepCounters.total(board.read(slot + rank).counters for rank in ranks)
+
+    def set_unshown(self, rank: int, count: int) -> None:
+        board, slot = self._board, self._slot
+        if board is not None and slot is not None:
+            board.set_unshown(slot + rank, count)
 
     def charge(self, request_id: str) -> Charge:
         return self._ledger.close(request_id)

@@ -27,7 +27,8 @@ A request is background when its parameters say so (`mark`, set by the adapter:
 SamplingParams.extra_args, PoolingParams.extra_kwargs). Step time is measured here,
 from the end of a step's scheduling (or the end of the previous step's output, with
 async scheduling) to its output. The board (server/engines/board.py) carries the
-pending flag to the other engines and the counters to the front.
+pending flag to the other engines and the counters to the front, and the front's
+word on turns that have shown their client no token yet (rule 2) to the scheduler.
 """
 
 from __future__ import annotations
@@ -177,6 +178,7 @@ class _InteractiveFirstMixin:
             interactive_waiting=ia_wait,
             interactive_prefill=prefilling,
             interactive_running=len(ia_run),
+            interactive_unshown=board is not None and board.unshown(self._slot, now_ns),
             elsewhere=pending,
             elsewhere_budget=budget,
             seats_free=self.max_num_active_reqs - len(self.running),
@@ -210,7 +212,7 @@ class _InteractiveFirstMixin:
         if self._board is not None:
             self._board.set_pending(
                 self._slot,
-                bool(sight.interactive_waiting or sight.interactive_prefill),
+                self._share.pending(sight),
                 self._share.budget is not None and self._share.here(now, sight),
             )
         if plan.preempt:  # rule 3: the newest background requests

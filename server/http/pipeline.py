@@ -59,7 +59,7 @@ from batching import (
     request_class,
 )
 from batching import Request as CoreRequest
-from server.engines.driver import Driver, Generation, Ticket
+from server.engines.driver import Driver, FirstTokens, Generation, Ticket
 from server.engines.interface import (
     CompletionDelta,
     EngineOutput,
@@ -777,6 +777,7 @@ async def _stream(
     wrote: Callable[[], None] = lambda: None  # noqa: E731 (replaced by the beat's)
 
     reader = enc if isinstance(enc, ReadsPrompt) else None
+    first = FirstTokens(gens)  # each prompt's first token still due (step_share rule 2)
 
     async def send(pi: int, out: EngineOutput) -> None:
         tr.first_token()
@@ -790,6 +791,7 @@ async def _stream(
                 tr.finish_reasons.append(c.finish_reason)
             if frame := enc.stream_delta(pi * n + c.index, c):
                 parts.append(frame)
+                first.shown(pi)
         if data := b"".join(parts):
             await resp.write(data)
             wrote()
@@ -814,6 +816,8 @@ async def _stream(
         tr.status, tr.error = err.status, err.code or err.message[:80]
         with contextlib.suppress(ConnectionResetError):
             await resp.write(take_head() + enc.stream_error(err))
+    finally:
+        first.close()
     return resp
 
 

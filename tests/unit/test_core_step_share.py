@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -35,6 +36,24 @@ def test_rule_2_interactive_waiting_or_prefilling_holds_background() -> None:
     assert s.plan(0.0, elsewhere).hold
     # Nothing to hold: no background work.
     assert not s.plan(0.0, Sight(interactive_waiting=1, seats_free=3)).hold
+
+
+def test_rule_2_a_turn_that_has_shown_its_client_no_token_holds_background() -> None:
+    """Past its prefill, a streamed turn whose first tokens carried no text (the
+    front's word) still holds the next step; once shown, its decode steps are
+    background's to share (rule 4). The word outlives a turn that ended on its first
+    output: with no interactive request admitted here it holds nothing, and it is not
+    this engine's pending word to the others either."""
+    s = share()
+    s.budget = 0.02
+    decoding = Sight(interactive_running=1, background_running=5)
+    unshown = dataclasses.replace(decoding, interactive_unshown=True)
+    assert s.plan(0.0, unshown) == Plan(hold=True, present=True)
+    assert s.pending(unshown)
+    assert not s.plan(0.0, decoding).hold and s.plan(0.0, decoding).cap is not None
+    assert not s.pending(decoding)
+    gone = Sight(interactive_unshown=True, background_running=5)
+    assert not s.plan(0.0, gone).hold and not s.pending(gone)
 
 
 def test_rule_3_a_seatless_interactive_request_preempts_the_newest_background() -> None:
@@ -217,6 +236,7 @@ sights = st.builds(
     interactive_waiting=st.integers(0, 4),
     interactive_prefill=st.booleans(),
     interactive_running=st.integers(0, 4),
+    interactive_unshown=st.booleans(),
     elsewhere=st.booleans(),
     seats_free=st.integers(0, 8),
     background_running=st.integers(0, 8),

@@ -341,6 +341,21 @@ def test_a_model_with_only_background_yields_the_cores_to_anothers_turn(
     assert len(calls) == 2
 
 
+def test_a_turn_that_has_shown_no_token_keeps_its_steps(model: Path, board: Board) -> None:
+    """Rule 2, the front's word: after a chat turn's prefill the background shares
+    its decode steps, unless the front says the turn has shown its client no token
+    yet (a first token without text): then the next step is the turn's alone too."""
+    s = make(model)
+    _busy(s)
+    chat = request(10, 6)
+    s.add_request(chat)
+    assert list(step(s).num_scheduled_tokens) == [chat.request_id]  # its prefill, held
+    board.set_unshown(0, 1)  # its first token carried no text
+    assert list(step(s).num_scheduled_tokens) == [chat.request_id]
+    board.set_unshown(0, 0)  # shown
+    assert len(step(s).num_scheduled_tokens) > 1  # background beside its decode
+
+
 def test_board_slots(board: Board, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(board_mod, "_taken", 0)
     assert board_mod.allocate(2) == 0
@@ -362,6 +377,16 @@ def test_board_slots(board: Board, monkeypatch: pytest.MonkeyPatch) -> None:
     assert board.elsewhere(0, time.monotonic_ns()) == (True, 0.01)
     assert board.elsewhere(5, time.monotonic_ns()) == (True, 0.02)
     assert board.elsewhere(0, time.monotonic_ns() + int(2e9)) == (True, None)
+    # The front's word on a slot: kept apart from what its scheduler publishes,
+    # not believed once stale, zeroed with the slot.
+    board.set_unshown(6, 2)
+    board.publish(6, StepCounters(held=3), 0.01, 16)
+    board.set_pending(6, False)
+    assert board.unshown(6, time.monotonic_ns()) and not board.unshown(7, time.monotonic_ns())
+    assert board.read(6).counters.held == 3
+    assert not board.unshown(6, time.monotonic_ns() + int(20e9))
+    board.clear(6)
+    assert not board.unshown(6, time.monotonic_ns())
 
 
 def test_a_capped_step_cuts_background_prompts_to_the_cap(model: Path) -> None:
