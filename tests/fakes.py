@@ -30,6 +30,15 @@ if TYPE_CHECKING:
     from server.engines.interface import Engine
 
 
+@dataclass(frozen=True)
+class FakeLogprob:
+    """vLLM's Logprob: a candidate token's logprob, rank and text (None: detokenize)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 @dataclass
 class FakeCompletion:
     index: int
@@ -414,13 +423,22 @@ class FakeEngine:
         self.salts[request_id] = cache_salt
         self.ranks[request_id] = rank
         self._producers[request_id] = asyncio.create_task(
-            self._produce(request_id, params, collector)
+            self._produce(request_id, params, collector, tuple(prompt))
         )
         self.peak_running = max(self.peak_running, len(self._producers))
         return collector
 
-    async def _produce(self, rid: str, params: Any, collector: FakeCollector) -> None:
+    async def _produce(
+        self, rid: str, params: Any, collector: FakeCollector, prompt: tuple[int, ...] = ()
+    ) -> None:
         s = params.sampling
+        # Asked for, the prompt's logprobs come with the first output, as vLLM's do:
+        # None for the first token, then each token as the only (rank 1) candidate.
+        prompt_lps = (
+            None
+            if s.prompt_logprobs is None
+            else [None, *({t: FakeLogprob(-1.0, 1)} for t in prompt[1:])]
+        )
         words = self.script or ("<think>", "hmm", "</think>", "Hello", " world")
         steps = params.max_tokens if self.script is None else min(len(words), params.max_tokens)
         try:
@@ -445,7 +463,9 @@ class FakeEngine:
                             finish_reason=reason if last else None,
                         )
                     )
-                collector.put(FakeOutput(rid, outs, last))
+                collector.put(
+                    FakeOutput(rid, outs, last, prompt_logprobs=prompt_lps if i == 0 else None)
+                )
                 self.outputs_put += 1
         finally:
             self._producers.pop(rid, None)

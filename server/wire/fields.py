@@ -37,7 +37,13 @@ def bad(param: str, message: str) -> SluiceError:
 
 def show(value: Any) -> str:
     """A short rendering of a client value for an error message."""
-    text = orjson.dumps(value).decode() if not isinstance(value, float) else repr(value)
+    if isinstance(value, float):
+        text = repr(value)
+    else:
+        try:
+            text = orjson.dumps(value).decode()
+        except TypeError:  # what orjson does not encode: an integer past 64 bits
+            text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 

@@ -355,6 +355,12 @@ FOUND = [
     # A Responses reasoning.effort that is an object or an array: the same.
     ("/v1/responses", {**RESPONSES, "reasoning": {"effort": {}}}),
     ("/v1/responses", {**RESPONSES, "reasoning": {"effort": []}}),
+    # An Ollama option past 64 bits (2**64 as a float): rendering the value for the
+    # error message raised.
+    ("/api/generate", {**OLLAMA_GENERATE, "options": {"num_predict": 1.8446744073709552e19}}),
+    # An echo with logprobs in completions: the fake engine gave no prompt logprobs
+    # (vLLM does), so the echo found none (the fake's gap, mended there).
+    ("/v1/completions", {**COMPLETIONS, "echo": True}),
 ]
 
 
