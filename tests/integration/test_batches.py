@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anthropic
@@ -305,8 +306,11 @@ def test_concurrent_uploads_and_message_batches_stay_within_the_quota(
     assert _kept(client)[0] == before
 
 
-def _ttft(client: openai.OpenAI, i: int) -> float:
-    """One streamed chat turn's time to its first content token, in seconds."""
+def _ttft(client: openai.OpenAI, i: int) -> float | None:
+    """One streamed chat turn's time to its first content token, in seconds; None for
+    a turn that carried no content (the demo model samples: its first token may be
+    the end of the sequence, its four may all be special tokens). CI failed on such
+    a turn once, beside the batch."""
     t0 = time.perf_counter()
     stream = client.chat.completions.create(
         model=MODEL,
@@ -319,8 +323,19 @@ def _ttft(client: openai.OpenAI, i: int) -> float:
     for chunk in stream:
         if first is None and chunk.choices and chunk.choices[0].delta.content:
             first = time.perf_counter() - t0
-    assert first is not None
     return first
+
+
+def _turns(client: openai.OpenAI, count: int, going: Callable[[], bool]) -> list[float]:
+    """Up to `count` turns' TTFTs while `going()` (at most twice as many tries: a
+    model that never says anything fails the caller's length checks)."""
+    out: list[float] = []
+    for i in range(2 * count):
+        if len(out) >= count or not going():
+            break
+        if (t := _ttft(client, i)) is not None:
+            out.append(t)
+    return out
 
 
 def _p95(values: list[float]) -> float:
@@ -337,7 +352,8 @@ def test_a_chat_turn_goes_first_beside_a_running_batch(
     time alone (a generous bound: this is no benchmark; bench/results has the
     ratios), and every line is answered exactly once, held or preempted."""
     base = sluice_server.base
-    alone = [_ttft(client, i) for i in range(10)]
+    alone = _turns(client, 10, lambda: True)
+    assert len(alone) >= 5, alone
     held = metric(base, "sluice_background_held_total")
     n = 300
     lines = [
@@ -351,9 +367,7 @@ def test_a_chat_turn_goes_first_beside_a_running_batch(
     ]
     batch = submit(client, lines)
     poll(client, batch.id, lambda b: b.status == "in_progress", 120, "the batch running")
-    beside: list[float] = []
-    while len(beside) < 20 and client.batches.retrieve(batch.id).status == "in_progress":
-        beside.append(_ttft(client, len(beside)))
+    beside = _turns(client, 20, lambda: client.batches.retrieve(batch.id).status == "in_progress")
     done = wait(client, batch.id)
     assert done.status == "completed", done
     out = lines_of(client, done.output_file_id)
