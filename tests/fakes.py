@@ -429,7 +429,7 @@ class FakeEngine:
         return collector
 
     async def _produce(
-        self, rid: str, params: Any, collector: FakeCollector, prompt: tuple[int, ...] = ()
+        self, rid: str, params: Any, collector: FakeCollector, prompt: tuple[int, ...]
     ) -> None:
         s = params.sampling
         # Asked for, the prompt's logprobs come with the first output, as vLLM's do:

@@ -113,11 +113,13 @@ class Generation:
         subscribers: set[str],
         priority: int,
         started: float,
+        rank: int = 0,
     ) -> None:
         self.driver = driver
         self.engine_id = engine_id
         self.priority = priority
         self.started = started
+        self.rank = rank  # the data-parallel rank it runs on
         self._collector = collector
         self._subscribers = subscribers
         self._shared = len(subscribers) > 1
@@ -128,7 +130,6 @@ class Generation:
         self._fetching = False
         self._first = True  # no output seen yet
         self.completion_tokens = 0
-        self.rank = 0  # the data-parallel rank it runs on (set at dispatch)
         # Its share of the engine's steps, set when it is done (batching/ledger.py).
         self.charge = Charge()
 
@@ -617,8 +618,9 @@ class Driver:
                     ),
                 )
                 continue
-            gen = Generation(self, req.id, collector, set(subscribers), req.priority, now)
-            gen.rank = entry.rank or 0
+            gen = Generation(
+                self, req.id, collector, set(subscribers), req.priority, now, entry.rank or 0
+            )
             self._running[req.id] = gen
             for sub in subscribers:
                 pending = self._pending.pop(sub)
