@@ -76,10 +76,15 @@ Rules:
    than our own last release, and a stale "idle" must not turn the window off under
    load.
    Lone arrivals (`release_lone`): a request admitted more than `window` after the
-   previous admission becomes eligible at the next `due()` (LONE), with whatever its
-   group holds. At that arrival rate no company is expected within the window, so
-   waiting would only add latency; the requests that follow it closely wait out their
-   window as usual, so a burst still coalesces behind its first request.
+   previous admission of its class (interactive or background, classes.py) becomes
+   eligible at the next `due()` (LONE), with whatever its group holds. At that
+   arrival rate no company is expected within the window, so waiting would only add
+   latency; the requests that follow it closely wait out their window as usual, so a
+   burst still coalesces behind its first request. Per class, because the other
+   class is no company: background work never goes before an interactive request
+   (rule 6), and a batch's lines, admitted as others end, made a third of a chat
+   caller's turns beside it wait the whole window (issue 49; 10 ms, the turn's whole
+   alone TTFT on a fast CPU).
 11. Admission states: SHEDDING refuses new work (MEMORY); CRITICAL refuses new work
    and `due()` releases nothing (expiry still runs; `next_deadline()` then reports
    expiry times only, so a driver does not spin); DRAINING refuses (DRAINING) and keeps
@@ -118,6 +123,7 @@ from ._records import BACKLOG, GONE, QUEUED, CallerState, Gen, Group
 from .adapters import AdapterSlots, SlotView
 from .backlog import Backlog
 from .callers import Callers, CallerStats
+from .classes import is_background
 from .config import CoalescerConfig
 from .drain import DrainRate
 from .endings import Endings
@@ -210,7 +216,8 @@ class Coalescer:
         self._ready_at = 0.0  # when the first group in _ready reached a cap
         self._lone: list[Gen] = []  # lone arrivals, eligible at the next due()
         self._lone_at = 0.0  # when the first of them was admitted
-        self._last_add = -math.inf  # time of the latest admission (rule 10)
+        # Time of the latest admission of each class (rule 10): [interactive, background].
+        self._last_add = [-math.inf, -math.inf]
         self._gens: dict[str, Gen] = {}  # queued + backlogged, by request id
         self._subs: dict[str, Gen] = {}  # their subscribers
         self._dedupe: dict[Hashable, Gen] = {}
@@ -512,7 +519,7 @@ class Coalescer:
             if gen is not None:
                 if self._q_reqs + self._f_reqs >= cfg.max_pending_requests:
                     return self._refuse_requests(c, rid, now)
-                self._last_add = now
+                self._last_add[is_background(request.priority)] = now
                 return self._join(gen, request, c)
         ptok = len(request.prompt_tokens)
         new = c.expect(request.max_new_tokens) if request.open_ended else request.max_new_tokens
@@ -584,11 +591,12 @@ class Coalescer:
         c.queued += 1
         c.admitted += 1
         heappush(self._wheap, (request.arrival + cfg.window, seq, gen))
-        if cfg.release_lone and now - self._last_add > cfg.window > 0:
+        cls = is_background(request.priority)
+        if cfg.release_lone and now - self._last_add[cls] > cfg.window > 0:
             if not self._lone:
                 self._lone_at = now
             self._lone.append(gen)
-        self._last_add = now
+        self._last_add[cls] = now
         if request.deadline is not None:
             heappush(self._xheap, (request.deadline, seq, request))
         if (

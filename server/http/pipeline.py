@@ -897,6 +897,7 @@ def _finish_trace(request: web.Request, tr: Trace) -> None:
         "total_ms": round((now - tr.t0) * 1000, 2),
         "batch_id": t.batch_id if t else None,
         "batch_size": t.batch_size if t else None,
+        "release": t.release if t else None,
         "deduped": t.joined if t else False,
         "engine_ms": round(charge.engine_seconds * 1000, 3),
     }

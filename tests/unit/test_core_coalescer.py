@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from batching import (
+    BACKGROUND_PRIORITY,
     AdmissionState,
     Admitted,
     Batch,
@@ -393,6 +394,26 @@ def test_lone_arrival_is_released_at_once_and_a_burst_behind_it_coalesces() -> N
     co.add(req("d", 0.0151), 0.0151)  # 10.1 ms after "c": quiet again
     [b] = co.due(0.0151, BUSY)
     assert ids(b) == ["d"] and b.reason is ReleaseReason.LONE
+
+
+def test_a_lone_arrival_is_judged_among_its_own_class() -> None:
+    # Issue 49: a batch's lines are admitted all the time beside a chat caller, and
+    # a chat turn 2 ms behind one waited out the window (10 ms, the whole of its alone
+    # TTFT on a fast machine) for company that would never go before it. Background
+    # arrivals neither make an interactive arrival company nor the other way round.
+    co = Coalescer(cfg(window=0.010, release_lone=True))
+    bg = BACKGROUND_PRIORITY
+    co.add(req("line1", 0.0, priority=bg), 0.0)
+    assert [ids(b) for b in co.due(0.0, BUSY)] == [["line1"]]  # lone among background
+    co.add(req("turn1", 0.002), 0.002)  # 2 ms behind a batch line: lone among turns
+    [b] = co.due(0.002, BUSY)
+    assert ids(b) == ["turn1"] and b.reason is ReleaseReason.LONE
+    co.add(req("line2", 0.004, priority=bg), 0.004)  # 4 ms behind line1: company likely
+    assert co.due(0.004, BUSY) == []
+    co.add(req("turn2", 0.006), 0.006)  # 4 ms behind turn1: a burst of turns coalesces
+    assert co.due(0.006, BUSY) == []
+    [b] = co.due(0.014, BUSY)
+    assert sorted(ids(b)) == ["line2", "turn2"] and b.reason is ReleaseReason.DEADLINE
 
 
 def test_joins_count_as_arrivals() -> None:
