@@ -15,9 +15,14 @@ completed: lines per second from create to completed); the batch beside the
 chat caller; the same lines' bodies sent directly, `--concurrency` at a time
 (closed loop). Then `vllm run-batch` on the same file, timed from its
 "Reading batch" line to its "Writing outputs" line (its engine start not
-counted).
+counted). With `--vllm-priority`, each repetition also runs vLLM's own server with
+`--scheduling-policy priority` and the same engine flags: the chat caller alone,
+then beside the same lines sent closed loop at a lower priority (`"priority": 1`
+in each body; the chat's 0 goes first), the nearest vLLM comes to a batch that
+yields to chat (issue 49's comparison).
 
     ./scripts/bench batches [--repeat 3] [--lines 500] [--max-tokens 16] [--concurrency 256]
+        [--vllm-priority]
 """
 
 from __future__ import annotations
@@ -39,9 +44,9 @@ import aiohttp
 import orjson
 
 from bench.report.cells import percentile, runs_cell, spread_cell, write_lines
-from bench.report.systems import SLUICE
+from bench.report.systems import SLUICE, VLLM
 from bench.run.chat_turn import Caller
-from bench.run.engine_flags import DEMO_NAME, demo_flags, drop_flags
+from bench.run.engine_flags import DEMO_NAME, demo_flags, drop_flags, step_flags
 from bench.run.servers import Server, free_port, server_command
 
 CHAT = "/v1/chat/completions"
@@ -179,11 +184,57 @@ def one_repetition(base: str, args: argparse.Namespace, data: bytes, bodies: lis
     }
 
 
+def vllm_priority_repetition(
+    port: int, workdir: Path, args: argparse.Namespace, bodies: list[bytes]
+) -> dict[str, Any]:
+    """vLLM's server with `--scheduling-policy priority`: the chat caller alone, then
+    beside the lines closed loop at priority 1 (vLLM runs lower values first)."""
+    flags, _ = demo_flags()
+    flags += step_flags(flags)
+    cmd = server_command(VLLM, port, [*flags, "--enforce-eager", "--scheduling-policy", "priority"])
+    low = [orjson.dumps({**orjson.loads(b), "priority": 1}) for b in bodies]
+    with Server(VLLM, port, cmd, workdir / "vllm-priority.log") as server:
+        server.start(dict(os.environ))
+        run_closed_loop(server.base_url, low[:64], 64)  # warm
+        with Caller(server.base_url, DEMO_NAME) as alone:
+            while len(alone.turns) < args.turns:
+                time.sleep(0.05)
+        with Caller(server.base_url, DEMO_NAME) as beside:
+            lines_s = run_closed_loop(server.base_url, low, args.concurrency)
+    a = [1000 * t for _, t in alone.turns]
+    b = [1000 * t for _, t in beside.turns]
+    return {
+        "chat_alone_p95": percentile(a, 95),
+        "chat_beside_p95": percentile(b, 95) if b else float("nan"),
+        "chat_beside_turns": len(b),
+        "chat_failed": len(alone.failed) + len(beside.failed),
+        "lines_beside": lines_s,
+    }
+
+
+def vllm_table(runs: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
+    ratio = [r["chat_beside_p95"] / r["chat_alone_p95"] for r in runs]
+    return [
+        "| | lines/s | chat TTFT p95 ms | chat turns beside |",
+        "|---|---|---|---|",
+        f"| chat caller alone | | {runs_cell(runs, 'chat_alone_p95', '.0f')} | |",
+        f"| the lines at priority 1, closed loop c={args.concurrency}, beside the chat "
+        f"caller | {runs_cell(runs, 'lines_beside', '.1f')} "
+        f"| {runs_cell(runs, 'chat_beside_p95', '.0f')} "
+        f"| {', '.join(str(r['chat_beside_turns']) for r in runs)} |",
+        "",
+        f"* chat TTFT p95 beside the lines: {spread_cell(ratio, '.2f')}x alone; "
+        f"{sum(int(r['chat_failed']) for r in runs)} failed chat turns. A turn that had "
+        "not begun when the lines ended is not counted.",
+    ]
+
+
 def report(
     runs: list[dict[str, Any]],
     raw: list[float],
     args: argparse.Namespace,
     against: list[dict[str, Any]] | None = None,
+    vllm: list[dict[str, Any]] | None = None,
 ) -> list[str]:
     against_note = (
         f" Each repetition also ran a second Sluice with `{args.against_args}` in place of "
@@ -212,6 +263,17 @@ def report(
     ]
     if against is not None:
         lines_ += ["", f"## With `{args.against_args}`", "", *table(against, raw, args)]
+    if vllm:
+        lines_ += [
+            "",
+            "## vLLM's server, `--scheduling-policy priority`",
+            "",
+            "The same engine flags; per repetition, after Sluice's: the chat caller alone, "
+            'then beside the same lines sent closed loop with `"priority": 1` (the '
+            "chat's 0 goes first in vLLM's waiting queue).",
+            "",
+            *vllm_table(vllm, args),
+        ]
     return lines_
 
 
@@ -266,6 +328,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a second Sluice's flags in place of --sluice-args, run after the first in "
         "each repetition (an A/B in one run), e.g. '--no-interactive-first'",
     )
+    ap.add_argument(
+        "--vllm-priority",
+        action="store_true",
+        help="each repetition also runs vLLM's server with --scheduling-policy priority, "
+        "the lines at a lower priority beside the chat caller",
+    )
     args = ap.parse_args(argv)
     batch = lines(args.lines, args.max_tokens)
     data = b"".join(orjson.dumps(x) + b"\n" for x in batch)
@@ -296,6 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             configs.append(("against", args.against_args, against))
         runs: list[dict[str, Any]] = configs[0][2]
         raw: list[float] = []
+        vllm: list[dict[str, Any]] = []
         for _ in range(args.repeat):
             for name, flags, kept in configs:
                 with Server(SLUICE, port, command(flags), workdir / f"{name}.log") as server:
@@ -305,7 +374,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"{name} repetition: {kept[-1]}", flush=True)
             raw.append(run_vllm_batch(workdir / "in.jsonl", workdir, args.lines))
             print(f"vllm run-batch: {raw[-1]:.1f} lines/s", flush=True)
-    write_lines(args.out, report(runs, raw, args, against if args.against_args else None))
+            if args.vllm_priority:
+                vllm.append(vllm_priority_repetition(port, workdir, args, bodies))
+                print(f"vllm priority repetition: {vllm[-1]}", flush=True)
+    kept_against = against if args.against_args else None
+    write_lines(args.out, report(runs, raw, args, kept_against, vllm))
     return 0
 
 
