@@ -163,8 +163,7 @@ def run_vllm_batch(path: Path, workdir: Path, n: int) -> float:
 def one_repetition(base: str, args: argparse.Namespace, data: bytes, bodies: list[bytes]) -> Any:
     n = args.lines
     with Caller(base, DEMO_NAME) as alone:
-        while len(alone.turns) < args.turns:
-            time.sleep(0.05)
+        alone.wait_turns(args.turns)
     batch_alone = run_batch_api(base, data, n)
     with Caller(base, DEMO_NAME) as beside:
         batch_beside = run_batch_api(base, data, n)
@@ -197,8 +196,7 @@ def vllm_priority_repetition(
         server.start(dict(os.environ))
         run_closed_loop(server.base_url, low[:64], 64)  # warm
         with Caller(server.base_url, DEMO_NAME) as alone:
-            while len(alone.turns) < args.turns:
-                time.sleep(0.05)
+            alone.wait_turns(args.turns)
         with Caller(server.base_url, DEMO_NAME) as beside:
             lines_s = run_closed_loop(server.base_url, low, args.concurrency)
     a = [1000 * t for _, t in alone.turns]

@@ -106,8 +106,7 @@ def fault_runs(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
             with Caller(base, "chat") as calm:
                 time.sleep(args.calm)  # the caller runs this long: the calm phase's length
             with Caller(base, "chat") as hit:
-                while len(hit.turns) < 3:  # the caller is in its loop before the kill
-                    time.sleep(0.05)
+                hit.wait_turns(3)  # the caller is in its loop before the kill
                 pids = _core_pids(log, "other")
                 killed = time.monotonic()
                 for pid in pids:

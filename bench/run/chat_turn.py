@@ -96,6 +96,11 @@ class Caller:
         self._thread.start()
         return self
 
+    def wait_turns(self, n: int) -> None:
+        """Block until the caller has timed `n` turns (looked at every 50 ms)."""
+        while len(self.turns) < n:
+            time.sleep(0.05)
+
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         assert self._thread is not None
