@@ -249,6 +249,7 @@ def report(
         + (f" --in-flight {args.in_flight}" if args.in_flight else "")
         + (f" --sluice-args '{args.sluice_args}'" if args.sluice_args else "")
         + (f" --against-args '{args.against_args}'" if args.against_args else "")
+        + (" --vllm-priority" if args.vllm_priority else "")
         + "`: one Sluice on the demo model "
         "(eager) on this machine's CPU; each line a chat request of "
         f"{args.max_tokens} tokens (`ignore_eos`). Per repetition: the chat caller alone, "

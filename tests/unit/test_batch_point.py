@@ -8,7 +8,7 @@ import argparse
 from bench.points.batch_point import report
 
 
-def _args() -> argparse.Namespace:
+def _args(vllm_priority: bool = False) -> argparse.Namespace:
     return argparse.Namespace(
         repeat=2,
         lines=500,
@@ -17,6 +17,7 @@ def _args() -> argparse.Namespace:
         in_flight=None,
         sluice_args="",
         against_args=None,
+        vllm_priority=vllm_priority,
     )
 
 
@@ -50,7 +51,8 @@ def test_vllms_priority_policy_gets_a_table_of_its_own_ratios() -> None:
             "lines_beside": 72.0,
         },
     ]
-    text = "\n".join(report(runs, [65.0, 66.0], _args(), None, vllm))
+    text = "\n".join(report(runs, [65.0, 66.0], _args(vllm_priority=True), None, vllm))
+    assert "--concurrency 256 --vllm-priority`" in text  # the command that ran
     sluice, theirs = text.split("## vLLM's server, `--scheduling-policy priority`")
     assert "1.50 [1.40-1.60]x alone" in sluice
     assert "40.00 [30.00-50.00]x alone; 1 failed chat turns" in theirs
