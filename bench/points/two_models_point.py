@@ -24,11 +24,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -103,7 +103,7 @@ async def _chat(base: str, turns: int, headers: dict[str, str]) -> list[float]:
 
 
 async def _flood(
-    base: str, concurrency: int, stop: threading.Event, done: list[int], headers: dict[str, str]
+    base: str, concurrency: int, stop: Any, done: Any, headers: dict[str, str]
 ) -> None:
     url = base + "/v1/embeddings"
     conn = aiohttp.TCPConnector(limit=concurrency)
@@ -115,7 +115,8 @@ async def _flood(
             async with s.post(url, data=body, headers=headers) as r:
                 await r.read()
                 if r.status == 200:
-                    done[0] += 1
+                    with done.get_lock():
+                        done.value += 1
             i += 1
 
     async with aiohttp.ClientSession(connector=conn) as s, asyncio.TaskGroup() as tg:
@@ -123,20 +124,34 @@ async def _flood(
             tg.create_task(worker(w))
 
 
+def _flood_process(
+    base: str, concurrency: int, stop: Any, done: Any, headers: dict[str, str]
+) -> None:
+    asyncio.run(_flood(base, concurrency, stop, done, headers))
+
+
 @contextlib.contextmanager
-def flood(base: str, concurrency: int, headers: dict[str, str]) -> Iterator[list[int]]:
-    """A closed-loop embedding flood on a thread of its own while the block runs;
-    yields [requests completed], final once the block has left."""
-    stop, done = threading.Event(), [0]
-    t = threading.Thread(target=asyncio.run, args=(_flood(base, concurrency, stop, done, headers),))
-    t.start()
+def flood(base: str, concurrency: int, headers: dict[str, str]) -> Iterator[Any]:
+    """A closed-loop embedding flood in a process of its own while the block runs
+    (another caller: in a thread of the chat caller's process it took the GIL from
+    the chat caller's reads, up to the 5 ms switch interval a first token); yields
+    the count of requests completed (`.value`), final once the block has left."""
+    ctx = multiprocessing.get_context("spawn")
+    stop, done = ctx.Event(), ctx.Value("q", 0)
+    p = ctx.Process(target=_flood_process, args=(base, concurrency, stop, done, headers))
+    p.start()
     try:
-        while done[0] < concurrency:  # the flood is running before the chat starts
+        while done.value < concurrency:  # the flood is running before the chat starts
+            if not p.is_alive():
+                raise RuntimeError(f"the flood ended first (exit {p.exitcode})")
             time.sleep(0.01)
         yield done
     finally:
         stop.set()
-        t.join()
+        p.join(60)
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 def _cpu(pid: int) -> dict[str, float]:
@@ -181,9 +196,9 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, list[dict[str, Any
                     ttft, flooded = asyncio.run(_chat(base, args.turns, chat_h)), 0
                 else:
                     with flood(base, args.concurrency, flood_h) as done:
-                        start = done[0]
+                        start = done.value
                         ttft = asyncio.run(_chat(base, args.turns, chat_h))
-                        flooded = done[0] - start
+                        flooded = done.value - start
                 dt = time.monotonic() - t0
                 cpu1 = _cpu(server.proc.pid)
                 results[phase].append(
