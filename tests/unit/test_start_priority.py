@@ -14,6 +14,7 @@ import pytest
 
 from server.engines import start_priority
 from server.engines.start_priority import StartPriority, build_lowered, can_raise_to, restore
+from tests.support import until
 
 
 @pytest.mark.parametrize(
@@ -144,3 +145,74 @@ def test_rule_2_every_thread_back_at_the_serving_value() -> None:
 def test_without_rule_3_nothing_is_lowered_or_raised() -> None:
     assert restore(StartPriority(start=None, serve=0), [os.getpid()]) == 0
     assert start_priority.lower(StartPriority(start=None, serve=0), [os.getpid()]) == 0
+
+
+def test_rule_5_the_floor_a_build_below_a_tenth_of_a_core_does_not_idle() -> None:
+    assert start_priority.idles(True, 0.0, 0.0)
+    assert start_priority.idles(True, 1.0, 10.0)
+    assert start_priority.idles(True, 8.0, 10.0)
+    assert not start_priority.idles(True, 0.99, 10.0)  # the floor
+    assert not start_priority.idles(False, 8.0, 10.0)  # nobody to give way to
+
+
+async def test_rule_5_a_build_idles_while_another_engine_has_interactive_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While `contended()` holds, the build's thread and the process it started run
+    under SCHED_IDLE; when it ends, at the start value again; after the build,
+    rule 2 puts what it started back at the serving value, out of SCHED_IDLE.
+    (No floor here: the test looks at the policy while contended.)"""
+    monkeypatch.setattr(start_priority, "FLOOR_CORES", 0.0)
+    prio = start_priority.plan()
+    if prio.start is None:
+        pytest.skip("this process may not raise a priority back (rule 3)")
+    contended = threading.Event()
+    release = threading.Event()
+    seen: dict[str, int] = {}
+
+    def build() -> subprocess.Popen[bytes]:
+        seen["tid"] = threading.get_native_id()
+        child = subprocess.Popen(["sleep", "30"])
+        seen["child"] = child.pid
+        release.wait(20)
+        return child
+
+    def policy(tid: int) -> int:
+        return os.sched_getscheduler(tid)
+
+    task = asyncio.create_task(build_lowered(prio, build, contended.is_set))
+    try:
+        await until(lambda: "child" in seen, what="the build's child")
+        tid, child = seen["tid"], seen["child"]
+        assert policy(tid) == policy(child) == os.SCHED_OTHER
+        contended.set()
+        await until(lambda: policy(child) == os.SCHED_IDLE, what="the child idle")
+        assert policy(tid) == os.SCHED_IDLE
+        contended.clear()
+        await until(lambda: policy(child) == os.SCHED_OTHER, what="the child back")
+        assert policy(tid) == os.SCHED_OTHER
+        assert _nice(child) == _nice(tid) == prio.start
+        contended.set()
+        await until(lambda: policy(child) == os.SCHED_IDLE, what="the child idle again")
+    finally:
+        release.set()
+        proc = await asyncio.wait_for(task, 20)
+    try:
+        assert policy(proc.pid) == os.SCHED_IDLE  # the build ended while contended
+        assert restore(prio, [proc.pid]) == 1
+        assert policy(proc.pid) == os.SCHED_OTHER and _nice(proc.pid) == prio.serve
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_rule_5_the_floor_counts_the_builds_thread_and_its_processes() -> None:
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    spin += "print(1)"
+    with subprocess.Popen(["python3", "-c", spin], stdout=subprocess.PIPE) as child:
+        me = threading.get_native_id()
+        assert child.stdout is not None and child.stdout.readline() == b"1\n"
+        used = start_priority._cpu_seconds(me, [child.pid])
+        assert used >= 0.3 + start_priority._cpu_seconds(me, []) - 0.05
+        child.wait()
+    assert start_priority._cpu_seconds(me, [child.pid]) < used  # gone: counts nothing
