@@ -46,10 +46,10 @@ The rules:
    during another model's restart against its calm p95 just before: 1.48x
    (median of 10) at nice +10 alone, 1.17x (median of 14) with this rule; the
    restart took 30-74 s at nice +10, 56-90 s with it. Without any interactive
-   work the build
-   runs at the start value, so a start on a machine that only runs background
-   work is no slower than rule 1's. Rule 3's permission covers the way back
-   (an unprivileged thread leaves SCHED_IDLE within RLIMIT_NICE; sched(7)).
+   work the build runs at the start value, so a start on a machine that only
+   runs background work is no slower than rule 1's. Rule 3's permission covers
+   the way back (an unprivileged thread leaves SCHED_IDLE within RLIMIT_NICE;
+   sched(7)).
 
 The card has no such knob here: NVIDIA's time slicing gives each process
 its turn, and a per-process share needs MPS (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``),
@@ -89,6 +89,9 @@ _HZ = os.sysconf("SC_CLK_TCK")
 # past its end: batching/step_share.py's linger).
 WATCH_S = 0.05
 FLOOR_CORES = 0.1  # rule 5's floor: a build's least average CPU, in cores
+# How often the watcher counts the build's processes and their CPU time (reading
+# /proc on the event loop; an average over tens of seconds moves slowly).
+COUNT_S = 1.0
 
 
 def idles(contended: bool, cpu_s: float, elapsed_s: float) -> bool:
@@ -160,13 +163,18 @@ async def build_lowered(
         if contended is None or not watch:
             return await done
         idle = False
-        start = time.monotonic()
+        start = counted = time.monotonic()
+        spawned: list[int] = []
+        used = 0.0
         while not done.done():
             if tid:
-                spawned = [p for p in process_tree(os.getpid()) if p not in before]
-                used = _cpu_seconds(tid[0], spawned)
-                if idles(contended(), used, time.monotonic() - start) != idle:
+                now = time.monotonic()
+                if now - counted >= COUNT_S or not spawned:
+                    spawned = _spawned(before)
+                    used, counted = _cpu_seconds(tid[0], spawned), now
+                if idles(contended(), used, counted - start) != idle:
                     idle = not idle
+                    spawned = _spawned(before)
                     _idle(idle, priority, [*tid, *_every(spawned)])
             await asyncio.wait([done], timeout=WATCH_S)
         if idle:  # the build's own thread ends with it; what it spawned serves on
@@ -251,6 +259,11 @@ def _set(nice: int, tids: Iterable[int]) -> int:
             continue
         count += 1
     return count
+
+
+def _spawned(before: set[int]) -> list[int]:
+    """This process's descendants that were not there before the build."""
+    return [p for p in process_tree(os.getpid()) if p not in before]
 
 
 def _cpu_seconds(tid: int, pids: Iterable[int]) -> float:
