@@ -134,6 +134,13 @@ class Board:
                     budget = b
         return pending, budget
 
+    def interactive_elsewhere(self, slot: int) -> bool:
+        """Has any other rank interactive work, pending or present, now (a starting
+        engine's word: server/engines/start_priority.py rule 5; a scheduler reads
+        `elsewhere` with its step's own clock)?"""
+        pending, budget = self.elsewhere(slot, time.monotonic_ns())
+        return pending or budget is not None
+
     def unshown(self, slot: int, now_ns: int) -> bool:
         """Has a streamed interactive turn on this rank shown its client no token yet
         (the front's word; not believed once older than `STALE_S`: a front that died)?"""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-__all__ = ["alive", "process_tree"]
+__all__ = ["alive", "process_tree", "stat_fields"]
 
 
 def process_tree(pid: int) -> list[int]:
@@ -29,8 +29,16 @@ def process_tree(pid: int) -> list[int]:
 
 def alive(pid: int) -> bool:
     """Not exited (a zombie counts as gone: it holds no memory)."""
+    fields = stat_fields(f"/proc/{pid}/stat")
+    return fields is not None and bool(fields) and fields[0] not in "ZX"
+
+
+def stat_fields(path: str) -> list[str] | None:
+    """A /proc stat file's fields after the command, from the state on (proc(5)'s
+    field 3 is [0]); None if the process or thread has gone. The command is cut at
+    its last closing parenthesis: it may hold spaces and parentheses."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in "ZX"
+        stat = Path(path).read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()

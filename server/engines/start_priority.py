@@ -71,9 +71,9 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
-from server.engines.procs import process_tree
+from server.engines.procs import process_tree, stat_fields
 
 T = TypeVar("T")
 
@@ -155,33 +155,43 @@ async def build_lowered(
             os.setpriority(os.PRIO_PROCESS, tid[0], priority.start)
         return build()
 
-    watch = priority.start is not None and contended is not None
-    before = set(process_tree(os.getpid())) if watch else set()
+    watch = contended if priority.start is not None else None
+    before = set(process_tree(os.getpid())) if watch is not None else set()
     pool = ThreadPoolExecutor(1, thread_name_prefix="sluice-engine-start")
     try:
         done = asyncio.get_running_loop().run_in_executor(pool, run)
-        if contended is None or not watch:
-            return await done
-        idle = False
-        start = counted = time.monotonic()
-        spawned: list[int] = []
-        used = 0.0
-        while not done.done():
-            if tid:
-                now = time.monotonic()
-                if now - counted >= COUNT_S or not spawned:
-                    spawned = _spawned(before)
-                    used, counted = _cpu_seconds(tid[0], spawned), now
-                if idles(contended(), used, counted - start) != idle:
-                    idle = not idle
-                    spawned = _spawned(before)
-                    _idle(idle, priority, [*tid, *_every(spawned)])
-            await asyncio.wait([done], timeout=WATCH_S)
-        if idle:  # the build's own thread ends with it; what it spawned serves on
-            _idle(False, priority, tid)
+        if watch is not None:
+            await _watch(done, tid, before, priority, watch)
         return await done
     finally:
         pool.shutdown(wait=False)  # its one thread ends with the build
+
+
+async def _watch(
+    done: asyncio.Future[Any],
+    tid: list[int],
+    before: set[int],
+    priority: StartPriority,
+    contended: Callable[[], bool],
+) -> None:
+    """Rule 5 until the build is `done`: its thread (`tid`, once it runs) and the
+    processes it started (not in `before`) under SCHED_IDLE while `idles` says so.
+    What it started keeps its policy at the end: rule 2's restore sets it back."""
+    idle = False
+    start = counted = time.monotonic()
+    spawned: list[int] = []
+    used = 0.0
+    while not done.done():
+        if tid:
+            now = time.monotonic()
+            if now - counted >= COUNT_S or not spawned:
+                spawned = _spawned(before)
+                used, counted = _cpu_seconds(tid[0], spawned), now
+            if idles(contended(), used, counted - start) != idle:
+                idle = not idle
+                spawned = _spawned(before)
+                _idle(idle, priority, [*tid, *_every(spawned)])
+        await asyncio.wait([done], timeout=WATCH_S)
 
 
 class Thread(NamedTuple):
@@ -216,13 +226,9 @@ def threads(pid: int | str = "self") -> set[Thread]:
     without one that ends while they are read."""
     found: set[Thread] = set()
     for tid in _tids(pid):
-        try:
-            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        except OSError:
-            continue
-        # Field 22, counted after the command's closing parenthesis (a command
-        # may hold spaces and parentheses).
-        found.add(Thread(int(tid), int(stat[stat.rindex(")") + 2 :].split()[19])))
+        fields = stat_fields(f"/proc/{pid}/task/{tid}/stat")
+        if fields is not None:
+            found.add(Thread(int(tid), int(fields[19])))  # proc(5)'s field 22
     return found
 
 
@@ -271,12 +277,8 @@ def _cpu_seconds(tid: int, pids: Iterable[int]) -> float:
     (user and system, from /proc; one that has gone counts nothing)."""
     ticks = 0
     for path in [f"/proc/self/task/{tid}/stat", *(f"/proc/{pid}/stat" for pid in pids)]:
-        try:
-            stat = Path(path).read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        ticks += int(fields[11]) + int(fields[12])
+        if (fields := stat_fields(path)) is not None:
+            ticks += int(fields[11]) + int(fields[12])  # proc(5)'s utime and stime
     return ticks / _HZ
 
 

@@ -565,17 +565,6 @@ class EngineAdapter:
                 self._board = Board.from_env()
         return self._slot
 
-    @staticmethod
-    def _contended(board: Board, slot: int) -> Callable[[], bool]:
-        """Has another engine of this server interactive work, pending or present
-        (start_priority.py rule 5)?"""
-
-        def contended() -> bool:
-            pending, budget = board.elsewhere(slot, time.monotonic_ns())
-            return pending or budget is not None
-
-        return contended
-
     async def start(self) -> None:
         """Build the engine on a worker thread (it takes seconds to minutes),
         so the event loop keeps answering /health and /ready meanwhile."""
@@ -588,7 +577,9 @@ class EngineAdapter:
         llm = await start_priority.build_lowered(
             priority,
             functools.partial(_build_engine, self._engine_args, factory, slot, priority),
-            None if self._board is None or slot is None else self._contended(self._board, slot),
+            None
+            if self._board is None or slot is None
+            else functools.partial(self._board.interactive_elsewhere, slot),
         )
         lighten_output_path(llm)
         watch_outputs(llm, self._observe)

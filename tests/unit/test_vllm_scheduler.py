@@ -367,6 +367,8 @@ def test_board_slots(board: Board, monkeypatch: pytest.MonkeyPatch) -> None:
     assert board.elsewhere(0, time.monotonic_ns()) == (True, None)
     assert board.elsewhere(3, time.monotonic_ns()) == (False, None)  # its own slot
     assert board.elsewhere(0, time.monotonic_ns() + int(20e9)) == (False, None)  # stale
+    # A starting engine's word (start_priority.py rule 5): pending elsewhere.
+    assert board.interactive_elsewhere(0) and not board.interactive_elsewhere(3)
     # Present with a budget: the least of those present, for a second.
     from batching.step_share import StepCounters
 
@@ -377,6 +379,11 @@ def test_board_slots(board: Board, monkeypatch: pytest.MonkeyPatch) -> None:
     assert board.elsewhere(0, time.monotonic_ns()) == (True, 0.01)
     assert board.elsewhere(5, time.monotonic_ns()) == (True, 0.02)
     assert board.elsewhere(0, time.monotonic_ns() + int(2e9)) == (True, None)
+    board.set_pending(3, False)
+    assert board.interactive_elsewhere(3)  # present elsewhere, nothing pending
+    board.set_pending(4, False)
+    board.set_pending(5, False)
+    assert not board.interactive_elsewhere(3)
     # The front's word on a slot: kept apart from what its scheduler publishes,
     # not believed once stale, zeroed with the slot.
     board.set_unshown(6, 2)
