@@ -131,6 +131,19 @@ async def test_a_batch_runs_each_line_once_with_the_endpoints_own_answer(make_cl
     )  # the lines' own, not the sync one's
 
 
+async def test_every_line_in_flight_the_setting_allows_reaches_the_engine(
+    make_client: Any,
+) -> None:
+    """`--batch-lines-in-flight` past aiohttp's 100 connections a client session
+    opens by default: that many lines run at the engine at once, not 100."""
+    engine = FakeEngine(step=0.02, max_num_seqs=256)  # a line: 0.02 s a token
+    client, _ = await serve(make_client, engine=engine, batch_lines_in_flight=150)
+    file_id = await upload(client, jsonl(*(line(f"f{i}", max_tokens=100) for i in range(160))))
+    await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})
+    await until(lambda: engine.peak_running >= 150, what="150 lines at the engine at once")
+    assert engine.peak_running == 150
+
+
 async def test_a_line_the_endpoint_refuses_is_in_the_error_file(make_client: Any) -> None:
     client, _ = await serve(make_client)
     unknown = {"custom_id": "x", "method": "POST", "url": CHAT, "body": {**chat(), "model": "no"}}

@@ -358,7 +358,9 @@ class Batches:
         or the batch stops; False when a drain stopped it (not an end)."""
         run.done = await self.db.line_statuses(run.batch["id"])
         room = asyncio.Semaphore(self.in_flight)
-        connector = aiohttp.UnixConnector(path=str(self.door.path))
+        # As many connections as lines in flight: aiohttp's default of 100 held a
+        # batch of 256 lines in flight to 100 at the engine.
+        connector = aiohttp.UnixConnector(path=str(self.door.path), limit=self.in_flight)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
         last = time.monotonic()
         async with (
