@@ -78,8 +78,12 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["FLOOR", "MAX_PREEMPT", "Plan", "Sight", "StepCounters", "StepShare"]
+__all__ = ["FLOOR", "LINGER_S", "MAX_PREEMPT", "Plan", "Sight", "StepCounters", "StepShare"]
 
+# Rule 1's linger: a chat caller's next turn within this many seconds (an agent's
+# tool loop, a closed-loop caller) still finds capped steps (the engine's scheduler
+# passes it as `linger`).
+LINGER_S = 1.0
 # Rule 5: background runs in at least one step of FLOOR while held, and its cap is at
 # least 1/FLOOR of the seats.
 FLOOR = 8

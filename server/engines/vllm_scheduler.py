@@ -46,7 +46,7 @@ from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
-from batching.step_share import Plan, Sight, StepShare
+from batching.step_share import LINGER_S, Plan, Sight, StepShare
 from server.engines import start_priority
 from server.engines.board import PRIORITY_KEY, RATIO_KEY, SEAT_KEY, Board
 from server.engines.procs import process_tree
@@ -56,9 +56,6 @@ __all__ = ["BACKGROUND_KEY", "InteractiveFirst", "InteractiveFirstAsync", "backg
 
 # The parameter key that marks a background request (its class: batching/classes.py).
 BACKGROUND_KEY: Final = "sluice_background"
-# Rule 1's linger: a chat caller's next turn within this many seconds (an agent's
-# tool loop, a closed-loop caller) still finds capped steps.
-LINGER_S: Final = 1.0
 
 
 _NOTHING = Sight()  # rule 1's linger alone
