@@ -63,11 +63,12 @@ board's word about the server's other engines):
    below 1/`FLOOR` of the engine's seats, in tokens (at least one).
 6. Cores: while another engine of this server has interactive work pending or
    present and this one has none, this engine yields the CPU: its processes run
-   at a lower CPU priority (server/engines/start_priority.py rule 4), so on cores
-   the engines share, the other's turn runs first and this one's steps take what
-   is left. Rules 2 and 4 only stop this engine's *next* step; a step already
-   under way kept half of two cores (a chat turn beside another model's
-   embedding flood: 4.4x its alone time).
+   at a lower CPU priority, under SCHED_IDLE above a floor
+   (server/engines/start_priority.py rule 4), so on cores the engines share, the
+   other's turn runs first and this one's steps take what is left. Rules 2 and 4
+   only stop this engine's *next* step; a step already under way kept half of two
+   cores (a chat turn beside another model's embedding flood: 4.4x its alone
+   time).
 
 Pure: no clock, no I/O, no vLLM; `plan` has no side effects, `done` records a step.
 """

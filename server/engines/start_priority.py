@@ -27,7 +27,14 @@ The rules:
 4. A serving engine with only background work, while another model of this
    server has interactive work (batching/step_share.py rule 6), is set to the
    start value too (`lower`), by its own scheduler, and back (`restore`) when
-   that ends: on shared cores the chat turn's engine runs first.
+   that ends: on shared cores the chat turn's engine runs first. While it
+   yields, its processes also run under SCHED_IDLE, with rule 5's floor over
+   each `COUNT_S` window rather than since a start (`Yielding`): an engine that
+   had less than `FLOOR_CORES` of a core in the last window runs the next at the
+   start value alone. At nice +10 alone a chat turn beside another model's
+   embedding flood took 1.41-1.56x its alone time at p95 (5 runs of 3
+   repetitions); under SCHED_IDLE 1.17-1.33x, the flood at about half its rate
+   at nice +10 (bench/results/interactive-first-cpu.md).
 5. While an engine builds and another engine of this server has interactive work
    (the board's word: server/engines/board.py), the build's thread and every
    process it has started run under Linux's SCHED_IDLE policy, and back at the
@@ -249,6 +256,50 @@ def lower(priority: StartPriority, pids: Iterable[int]) -> int:
     return _set(priority.start, _every(pids))
 
 
+class Yielding:
+    """Rule 4 for one serving engine's processes (its scheduler's): lowered while it
+    yields, under SCHED_IDLE while the floor allows (rule 5's `idles` over each
+    `COUNT_S` window), back at the serving value when it ends. Its scheduler calls
+    `set` when the answer changes and `tick` at each step; `tick` reads /proc once a
+    window, not each step."""
+
+    def __init__(self, priority: StartPriority) -> None:
+        self.priority = priority
+        self.on = False  # yielding
+        self.idle = False  # under SCHED_IDLE now
+        self._since = 0.0  # the window's start
+        self._used = 0.0  # the processes' CPU seconds then
+
+    def set(self, on: bool, pids: list[int], now: float) -> None:
+        """Start yielding (lowered, and idle at once: the floor looks back at the
+        end of the first window) or end it (rule 2's serving value)."""
+        self.on = on
+        if on:
+            lower(self.priority, pids)
+            self._switch(True, pids)
+            self._since, self._used = now, _cpu_seconds(None, pids)
+        else:
+            restore(self.priority, pids)
+            self.idle = False
+
+    def tick(self, pids: Callable[[], list[int]], now: float) -> None:
+        """While yielding, at the end of each window: idle or not for the next (the floor)."""
+        if not self.on or now - self._since < COUNT_S:
+            return
+        tree = pids()
+        used = _cpu_seconds(None, tree)
+        idle = idles(True, used - self._used, now - self._since)
+        if idle != self.idle:
+            self._switch(idle, tree)
+        self._since, self._used = now, used
+
+    def _switch(self, idle: bool, pids: list[int]) -> None:
+        if self.priority.start is None:
+            return  # rule 3: nothing is lowered
+        self.idle = idle
+        _idle(idle, self.priority, _every(pids))
+
+
 def _every(pids: Iterable[int]) -> list[int]:
     """The thread ids of every process of ``pids`` (rules 2 and 4 set them all)."""
     return [int(t) for pid in pids for t in _tids(pid)]
@@ -272,11 +323,12 @@ def _spawned(before: set[int]) -> list[int]:
     return [p for p in process_tree(os.getpid()) if p not in before]
 
 
-def _cpu_seconds(tid: int, pids: Iterable[int]) -> float:
-    """CPU seconds of this process's thread ``tid`` and of the processes ``pids``
-    (user and system, from /proc; one that has gone counts nothing)."""
+def _cpu_seconds(tid: int | None, pids: Iterable[int]) -> float:
+    """CPU seconds of this process's thread ``tid`` (None: none) and of the processes
+    ``pids`` (user and system, from /proc; one that has gone counts nothing)."""
     ticks = 0
-    for path in [f"/proc/self/task/{tid}/stat", *(f"/proc/{pid}/stat" for pid in pids)]:
+    own = [] if tid is None else [f"/proc/self/task/{tid}/stat"]
+    for path in [*own, *(f"/proc/{pid}/stat" for pid in pids)]:
         if (fields := stat_fields(path)) is not None:
             ticks += int(fields[11]) + int(fields[12])  # proc(5)'s utime and stime
     return ticks / _HZ

@@ -19,9 +19,10 @@ work, and applies the answer with the scheduler's own levers:
   steps): the blocks go back to the free list with their hashes, so the
   request's recompute is a prefix-cache hit;
 * rule 6's lower CPU priority is the OS's (server/engines/start_priority.py
-  `lower` and `restore`, over this engine core and its workers), set when the
-  answer changes, not each step; only where the front's priority plan came in
-  `additional_config` (the OS lets it be raised back).
+  `Yielding`: nice, and SCHED_IDLE above its floor, over this engine core and its
+  workers), set when the answer changes, its floor looked at once a second; only
+  where the front's priority plan came in `additional_config` (the OS lets it be
+  raised back).
 
 A request is background when its parameters say so (`mark`, set by the adapter:
 SamplingParams.extra_args, PoolingParams.extra_kwargs). Step time is measured here,
@@ -34,6 +35,7 @@ word on turns that have shown their client no token yet (rule 2) to the schedule
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import time
 from typing import Any, Final
@@ -140,8 +142,11 @@ class _InteractiveFirstMixin:
         first = extra.get(SEAT_KEY)
         self._board = Board.from_env() if first is not None else None
         nice = extra.get(PRIORITY_KEY)  # rule 6's means, where the OS gives it
-        self._priority = None if nice is None else StartPriority(int(nice[0]), int(nice[1]))
-        self._yielded = False
+        self._yield = (
+            None
+            if nice is None
+            else start_priority.Yielding(StartPriority(int(nice[0]), int(nice[1])))
+        )
         self._slot = int(first or 0) + int(self.parallel_config.data_parallel_rank or 0)
         if self._board is not None:
             self._board.clear(self._slot)
@@ -202,10 +207,12 @@ class _InteractiveFirstMixin:
         now = now_ns / 1e9
         sight, ia_run, bg_run, bg_wait = self._sight(now_ns)
         plan = self._share.plan(now, sight)
-        if self._priority is not None:
+        if self._yield is not None:  # rule 6
             yielding = self._share.yields(now, sight)
-            if yielding != self._yielded:
-                self._yield_cores(self._priority, yielding)
+            if yielding != self._yield.on:
+                self._yield.set(yielding, process_tree(os.getpid()), now)
+            else:
+                self._yield.tick(functools.partial(process_tree, os.getpid()), now)
         if self._board is not None:
             self._board.set_pending(
                 self._slot,
@@ -258,15 +265,6 @@ class _InteractiveFirstMixin:
             out, plan, bg_run, bg_wait, bool(sight.interactive_running or sight.interactive_waiting)
         )
         return out
-
-    def _yield_cores(self, priority: StartPriority, yielding: bool) -> None:
-        """Rule 6: this engine core and its workers to the start priority, or back."""
-        self._yielded = yielding
-        tree = process_tree(os.getpid())
-        if yielding:
-            start_priority.lower(priority, tree)
-        else:
-            start_priority.restore(priority, tree)
 
     def _record(
         self,

@@ -216,3 +216,41 @@ def test_rule_5_the_floor_counts_the_builds_thread_and_its_processes() -> None:
         assert used >= 0.3 + start_priority._cpu_seconds(me, []) - 0.05
         child.wait()
     assert start_priority._cpu_seconds(me, [child.pid]) < used  # gone: counts nothing
+
+
+def test_rule_4_a_yielding_engine_idles_above_its_floor() -> None:
+    """A serving engine that yields (its scheduler's `Yielding`): lowered and under
+    SCHED_IDLE at once; at the end of a window in which it had less than the floor's
+    CPU, at the start value alone, and idle again after one in which it had more;
+    at the serving value when the yield ends."""
+    prio = start_priority.plan()
+    if prio.start is None:
+        pytest.skip("this process may not raise a priority back (rule 3)")
+    spin = "import sys, time\nprint(0, flush=True)\nfor _ in sys.stdin:\n"
+    spin += "    t = time.process_time()\n    while time.process_time() - t < 0.3: pass\n"
+    spin += "    print(1, flush=True)\n"
+    with subprocess.Popen(
+        ["python3", "-c", spin], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    ) as proc:
+        assert proc.stdin is not None and proc.stdout is not None
+        assert proc.stdout.readline() == b"0\n"  # started: its start's CPU is not counted
+        pids = [proc.pid]
+        y = start_priority.Yielding(prio)
+        y.set(True, pids, now=100.0)
+        assert y.idle and os.sched_getscheduler(proc.pid) == os.SCHED_IDLE
+        assert _nice(proc.pid) == prio.start
+        y.tick(lambda: pids, now=100.0 + start_priority.COUNT_S / 2)  # the window goes on
+        assert y.idle
+        y.tick(lambda: pids, now=100.0 + start_priority.COUNT_S)  # idle in it: the floor
+        assert not y.idle and os.sched_getscheduler(proc.pid) == os.SCHED_OTHER
+        assert _nice(proc.pid) == prio.start
+        proc.stdin.write(b"spin\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == b"1\n"  # 0.3 CPU seconds in the next window
+        y.tick(lambda: pids, now=100.0 + 2 * start_priority.COUNT_S)
+        assert y.idle and os.sched_getscheduler(proc.pid) == os.SCHED_IDLE
+        y.set(False, pids, now=100.0 + 2.5 * start_priority.COUNT_S)
+        assert not y.idle and os.sched_getscheduler(proc.pid) == os.SCHED_OTHER
+        assert _nice(proc.pid) == prio.serve
+        proc.stdin.close()
+        proc.wait()
