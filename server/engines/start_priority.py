@@ -257,47 +257,47 @@ def lower(priority: StartPriority, pids: Iterable[int]) -> int:
 
 
 class Yielding:
-    """Rule 4 for one serving engine's processes (its scheduler's): lowered while it
-    yields, under SCHED_IDLE while the floor allows (rule 5's `idles` over each
-    `COUNT_S` window), back at the serving value when it ends. Its scheduler calls
-    `set` when the answer changes and `tick` at each step; `tick` reads /proc once a
-    window, not each step."""
+    """Rule 4 for one serving engine's processes (`root`, its engine core, and its
+    descendants): lowered while it yields, under SCHED_IDLE while the floor allows
+    (rule 5's `idles` over each `COUNT_S` window), back at the serving value when it
+    ends. Its scheduler calls `set` when the answer changes and `tick` at each step;
+    `tick` reads /proc once a window, not each step."""
 
-    def __init__(self, priority: StartPriority) -> None:
+    def __init__(self, priority: StartPriority, root: int) -> None:
         self.priority = priority
+        self.root = root
         self.on = False  # yielding
         self.idle = False  # under SCHED_IDLE now
         self._since = 0.0  # the window's start
         self._used = 0.0  # the processes' CPU seconds then
 
-    def set(self, on: bool, pids: list[int], now: float) -> None:
+    def set(self, on: bool, now: float) -> None:
         """Start yielding (lowered, and idle at once: the floor looks back at the
         end of the first window) or end it (rule 2's serving value)."""
         self.on = on
-        if on:
-            lower(self.priority, pids)
-            self._switch(True, pids)
-            self._since, self._used = now, _cpu_seconds(None, pids)
-        else:
-            restore(self.priority, pids)
+        tree = process_tree(self.root)
+        if not on:
+            restore(self.priority, tree)
             self.idle = False
+        elif self.priority.start is not None:  # rule 3: else nothing is lowered
+            lower(self.priority, tree)
+            self._switch(True, _every(tree))
+            self._since, self._used = now, _cpu_seconds(None, tree)
 
-    def tick(self, pids: Callable[[], list[int]], now: float) -> None:
+    def tick(self, now: float) -> None:
         """While yielding, at the end of each window: idle or not for the next (the floor)."""
-        if not self.on or now - self._since < COUNT_S:
+        if not self.on or self.priority.start is None or now - self._since < COUNT_S:
             return
-        tree = pids()
+        tree = process_tree(self.root)
         used = _cpu_seconds(None, tree)
         idle = idles(True, used - self._used, now - self._since)
         if idle != self.idle:
-            self._switch(idle, tree)
+            self._switch(idle, _every(tree))
         self._since, self._used = now, used
 
-    def _switch(self, idle: bool, pids: list[int]) -> None:
-        if self.priority.start is None:
-            return  # rule 3: nothing is lowered
+    def _switch(self, idle: bool, tids: list[int]) -> None:
         self.idle = idle
-        _idle(idle, self.priority, _every(pids))
+        _idle(idle, self.priority, tids)
 
 
 def _every(pids: Iterable[int]) -> list[int]:

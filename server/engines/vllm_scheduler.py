@@ -35,7 +35,6 @@ word on turns that have shown their client no token yet (rule 2) to the schedule
 from __future__ import annotations
 
 import copy
-import functools
 import os
 import time
 from typing import Any, Final
@@ -51,7 +50,6 @@ from vllm.v1.request import Request
 from batching.step_share import LINGER_S, Plan, Sight, StepShare
 from server.engines import start_priority
 from server.engines.board import PRIORITY_KEY, RATIO_KEY, SEAT_KEY, Board
-from server.engines.procs import process_tree
 from server.engines.start_priority import StartPriority
 
 __all__ = ["BACKGROUND_KEY", "InteractiveFirst", "InteractiveFirstAsync", "background", "mark"]
@@ -145,7 +143,7 @@ class _InteractiveFirstMixin:
         self._yield = (
             None
             if nice is None
-            else start_priority.Yielding(StartPriority(int(nice[0]), int(nice[1])))
+            else start_priority.Yielding(StartPriority(int(nice[0]), int(nice[1])), os.getpid())
         )
         self._slot = int(first or 0) + int(self.parallel_config.data_parallel_rank or 0)
         if self._board is not None:
@@ -210,9 +208,9 @@ class _InteractiveFirstMixin:
         if self._yield is not None:  # rule 6
             yielding = self._share.yields(now, sight)
             if yielding != self._yield.on:
-                self._yield.set(yielding, process_tree(os.getpid()), now)
+                self._yield.set(yielding, now)
             else:
-                self._yield.tick(functools.partial(process_tree, os.getpid()), now)
+                self._yield.tick(now)
         if self._board is not None:
             self._board.set_pending(
                 self._slot,

@@ -234,22 +234,21 @@ def test_rule_4_a_yielding_engine_idles_above_its_floor() -> None:
     ) as proc:
         assert proc.stdin is not None and proc.stdout is not None
         assert proc.stdout.readline() == b"0\n"  # started: its start's CPU is not counted
-        pids = [proc.pid]
-        y = start_priority.Yielding(prio)
-        y.set(True, pids, now=100.0)
+        y = start_priority.Yielding(prio, root=proc.pid)
+        y.set(True, now=100.0)
         assert y.idle and os.sched_getscheduler(proc.pid) == os.SCHED_IDLE
         assert _nice(proc.pid) == prio.start
-        y.tick(lambda: pids, now=100.0 + start_priority.COUNT_S / 2)  # the window goes on
+        y.tick(now=100.0 + start_priority.COUNT_S / 2)  # the window goes on
         assert y.idle
-        y.tick(lambda: pids, now=100.0 + start_priority.COUNT_S)  # idle in it: the floor
+        y.tick(now=100.0 + start_priority.COUNT_S)  # idle in it: the floor
         assert not y.idle and os.sched_getscheduler(proc.pid) == os.SCHED_OTHER
         assert _nice(proc.pid) == prio.start
         proc.stdin.write(b"spin\n")
         proc.stdin.flush()
         assert proc.stdout.readline() == b"1\n"  # 0.3 CPU seconds in the next window
-        y.tick(lambda: pids, now=100.0 + 2 * start_priority.COUNT_S)
+        y.tick(now=100.0 + 2 * start_priority.COUNT_S)
         assert y.idle and os.sched_getscheduler(proc.pid) == os.SCHED_IDLE
-        y.set(False, pids, now=100.0 + 2.5 * start_priority.COUNT_S)
+        y.set(False, now=100.0 + 2.5 * start_priority.COUNT_S)
         assert not y.idle and os.sched_getscheduler(proc.pid) == os.SCHED_OTHER
         assert _nice(proc.pid) == prio.serve
         proc.stdin.close()

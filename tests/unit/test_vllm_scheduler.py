@@ -321,6 +321,8 @@ def test_a_model_with_only_background_yields_the_cores_to_anothers_turn(
     monkeypatch.setattr(
         start_priority, "restore", lambda p, pids: calls.append(("restore", p.serve, pids)) or 0
     )
+    idled: list[bool] = []  # SCHED_IDLE asked for, not set on this test's own process
+    monkeypatch.setattr(start_priority, "_idle", lambda idle, p, tids: idled.append(idle))
     first = make(model, slot=0, step_tokens=64)
     second = make(model, slot=1, nice=(10, 0))
     _busy(second, 6)
@@ -331,6 +333,7 @@ def test_a_model_with_only_background_yields_the_cores_to_anothers_turn(
     step(second)
     assert [(c[0], c[1]) for c in calls] == [("lower", 10)]
     assert calls[0][2][0] == os.getpid()  # the engine core, then its workers
+    assert idled == [True]  # and under SCHED_IDLE above its floor
     board.set_pending(0, False)  # the first's turn has gone
     step(second)
     assert [(c[0], c[1]) for c in calls] == [("lower", 10), ("restore", 0)]
