@@ -228,7 +228,10 @@ class Message:
 
     An assistant message may carry ``tool_calls`` and ``reasoning`` (a past
     turn's thinking, which the chat template renders as it renders thoughts);
-    a ``tool`` message answers the call ``tool_call_id``.
+    a ``tool`` message answers the call ``tool_call_id``. ``param`` names the
+    request field that id came from (``messages[3].tool_call_id``,
+    ``input[2].call_id``), for the error of ``server/wire/tools.py``'s
+    ``check_tool_results``; like ``Constraint.param`` it is not part of the value.
     """
 
     role: Role
@@ -237,6 +240,7 @@ class Message:
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     reasoning: str | None = None
+    param: str | None = field(default=None, compare=False)
 
     def template_dict(self) -> dict[str, Any]:
         """The message in OpenAI's shape, as vLLM's renderer parses it for the

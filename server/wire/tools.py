@@ -7,14 +7,16 @@ and text that is no JSON object is kept (the chat template gets ``{}``, see
 ``Message.template_dict``). Everything that would make the answer ambiguous
 is a 400 naming the field: an unknown function in ``tool_choice``, two tools
 of one name, a tool message without its ``tool_call_id``, a call without a
-name.
+name. ``check_tool_results`` holds the one rule on a whole conversation that
+every chat-shaped API shares: a tool result answers a call made earlier.
 
 Pure code: no aiohttp, no vLLM, no I/O.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Final
 
 import orjson
 
@@ -28,9 +30,20 @@ from server.wire.fields import (
     type_name,
     unsupported,
 )
-from server.wire.request import Tool, ToolCall, ToolChoice
+from server.wire.request import Message, Tool, ToolCall, ToolChoice
 
-__all__ = ["arguments_object", "function_of", "parse_tool_calls", "parse_tools", "tool_call_id"]
+__all__ = [
+    "arguments_object",
+    "check_tool_results",
+    "function_of",
+    "parse_tool_calls",
+    "parse_tools",
+    "tool_call_id",
+]
+
+# How much of a client's id an error repeats: real ids are 20 to 50
+# characters (call_..., toolu_..., a UUID), shown whole; a longer one is cut.
+_SHOWN_ID: Final = 128
 
 
 def _schema_text(value: Any, param: str) -> str:
@@ -173,3 +186,37 @@ def arguments_object(arguments: str) -> dict[str, Any]:
     except orjson.JSONDecodeError:
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def check_tool_results(messages: Sequence[Message], fallback: str = "messages") -> None:
+    """Every tool message answers a call made earlier in the conversation: a
+    400 naming the first that does not, with its id and the field it came
+    from (``Message.param``; ``fallback`` where a message has none, such as a
+    stored turn).
+
+    OpenAI's chat and Responses APIs and Anthropic's Messages API refuse such
+    a result with a 400 naming the id; all three run this rule once they
+    hold the whole conversation (Responses: after a stored
+    ``previous_response_id`` is joined). What they accept is accepted:
+    several results in one turn, in any order. Theirs is stricter in two
+    ways this rule leaves alone: the call must be in the message right
+    before the results, and (Anthropic) each call must be answered. A call
+    answered twice is accepted too (lenient: neither API documents a refusal
+    of it, and the template renders both results). Ollama's API does not run
+    it: its tool messages may carry only ``tool_name``, and Ollama's own
+    server checks no ids.
+    """
+    made: set[str] = set()
+    for m in messages:
+        if m.tool_calls:
+            made.update([c.id for c in m.tool_calls])
+        elif m.tool_call_id is not None and m.role == "tool" and m.tool_call_id not in made:
+            param = m.param or fallback
+            shown = m.tool_call_id
+            if len(shown) > _SHOWN_ID:
+                shown = shown[: _SHOWN_ID - 3] + "..."
+            raise bad(
+                param,
+                f"'{param}' is {orjson.dumps(shown).decode()}, but no tool call earlier"
+                " in the conversation has this id",
+            )

@@ -14,7 +14,14 @@ from server.api.openai_chat.parse import (
     parse_completion,
 )
 from server.errors import SluiceError
-from server.wire.request import ChatRequest, CompletionRequest, Limits, Message, Sampling
+from server.wire.request import (
+    ChatRequest,
+    CompletionRequest,
+    Limits,
+    Message,
+    Sampling,
+    ToolCall,
+)
 
 LIMITS = Limits()
 USER = [{"role": "user", "content": "hi"}]
@@ -77,7 +84,11 @@ def test_full_chat() -> None:
                 "role": "user",
                 "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
             },
-            {"role": "assistant", "content": None},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "x", "type": "function", "function": {"name": "f"}}],
+            },
             {"role": "tool", "content": "out", "tool_call_id": "x"},
         ],
         max_tokens=100,
@@ -120,7 +131,7 @@ def test_full_chat() -> None:
         Message("system", "sys"),
         Message("developer", "dev", "d"),
         Message("user", "a\nb"),
-        Message("assistant", ""),
+        Message("assistant", "", tool_calls=(ToolCall("x", "f", "{}"),)),
         Message("tool", "out", tool_call_id="x"),
     )
     assert req.sampling == Sampling(

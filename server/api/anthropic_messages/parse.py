@@ -21,8 +21,10 @@ the APIs accept"):
    as vLLM does, see server/engines/vllm_adapter.py). Content a string or blocks. Text
    blocks of one turn are joined with "\\n" (vLLM's string content format); a
    user turn's ``tool_result`` blocks become tool messages, in order, before
-   the turn's text; an assistant's ``tool_use`` blocks become its tool calls
-   and its ``thinking`` blocks its reasoning; ``redacted_thinking`` is
+   the turn's text (a ``tool_use_id`` that no earlier ``tool_use`` block
+   carries is a 400 naming it, ``messages[2].content[0].tool_use_id``, as
+   Anthropic's API refuses it); an assistant's ``tool_use`` blocks become its
+   tool calls and its ``thinking`` blocks its reasoning; ``redacted_thinking`` is
    dropped. A system message's ``tool_addition`` / ``tool_removal`` blocks
    change ``tools`` as vLLM applies them: the tools in effect at the end of
    the conversation are offered. ``image``, ``document`` and any other
@@ -84,6 +86,7 @@ from server.wire.request import (
     ToolChoice,
 )
 from server.wire.structured import json_schema
+from server.wire.tools import check_tool_results
 
 __all__ = ["parse_messages"]
 
@@ -191,7 +194,7 @@ def _tool_result(block: dict[str, Any], where: str, notes: Notes) -> Message:
                 raise unsupported(f"{at}.type", f"tool_result content type {show(kind)}")
             notes.extra_keys(part, _BLOCK_KEYS["text"], "messages[].content[].")
             texts.append(_text(part, at))
-    return Message("tool", "\n".join(texts), tool_call_id=call_id)
+    return Message("tool", "\n".join(texts), tool_call_id=call_id, param=f"{where}.tool_use_id")
 
 
 def _tool_use(block: dict[str, Any], where: str) -> ToolCall:
@@ -278,6 +281,7 @@ def _messages(
     out = list(_system(obj, notes))
     for i, msg in enumerate(value):
         out.extend(_turn(msg, f"messages[{i}]", notes, changes))
+    check_tool_results(out)
     return tuple(out)
 
 

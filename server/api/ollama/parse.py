@@ -442,6 +442,10 @@ def _messages(obj: dict[str, Any], notes: Notes) -> tuple[Message, ...]:
         return ()
     if not isinstance(value, list):
         raise bad("messages", f"'messages' must be an array, got {type_name(value)}")
+    # Lenient on tool results, unlike chat, Responses and Messages
+    # (server/wire/tools.py's check_tool_results is not run): Ollama's own
+    # server checks no ids, and its clients' tool messages may carry only
+    # ``tool_name``, or an id of a call whose own id the client left out.
     return tuple(
         _message(i, where, msg, notes) for i, (where, msg) in enumerate(objects(value, "messages"))
     )

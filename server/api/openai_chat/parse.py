@@ -62,7 +62,7 @@ from server.wire.request import (
     Sampling,
 )
 from server.wire.structured import parse_constraint
-from server.wire.tools import parse_tool_calls, parse_tools, tool_call_id
+from server.wire.tools import check_tool_results, parse_tool_calls, parse_tools, tool_call_id
 
 __all__ = [
     "COMPLETION_DEFAULT_MAX_TOKENS",
@@ -278,6 +278,7 @@ def _messages(obj: dict[str, Any]) -> tuple[Message, ...]:
                 if calls is MISSING
                 else parse_tool_calls(calls, f"{where}.tool_calls"),
                 tool_call_id=tool_call_id(msg, where) if role == "tool" else None,
+                param=f"{where}.tool_call_id" if role == "tool" else None,
             )
         )
     return tuple(out)
@@ -304,12 +305,19 @@ def _template_kwargs(
     return thinking, tuple(sorted(items.items()))
 
 
-def parse_chat(body: bytes, limits: Limits) -> ChatRequest:
-    """Parse a /v1/chat/completions body, or raise SluiceError(400)."""
+def parse_chat(body: bytes, limits: Limits, *, whole: bool = True) -> ChatRequest:
+    """Parse a /v1/chat/completions body, or raise SluiceError(400).
+
+    ``whole``: the messages are the whole conversation, so each tool message
+    must answer a call among them (``check_tool_results``); Responses parses
+    a turn that a stored conversation may precede, and checks after the join.
+    """
     obj = load_object(body)
     model = get_model(obj)
     limits = limits.for_model(model)  # its own defaults, with several models
     messages = _messages(obj)
+    if whole:
+        check_tool_results(messages)
     n = int(get_int(obj, "n", 1, lo=1, hi=limits.max_n))
     refuse_unsupported(obj, n)
     tools, tool_choice, parallel = parse_tools(obj)

@@ -15,7 +15,10 @@ Request: ``input`` (a string or items: messages with text parts,
 ``temperature``, ``top_p``, ``tools`` (below), ``tool_choice``,
 ``parallel_tool_calls``, ``text.format``, ``reasoning.effort`` (the
 thinking switch), ``stream``, ``user``, ``metadata``, ``store``,
-``previous_response_id``. Refused with a 400 naming the field, because
+``previous_response_id``. A ``function_call_output`` (or
+``custom_tool_call_output``) whose ``call_id`` no earlier call of the input,
+or of the stored conversation ``previous_response_id`` continues, carries
+is a 400 naming it (``input[2].call_id``). Refused with a 400 naming the field, because
 honouring them is impossible here and dropping them changes the answer:
 ``background: true``, ``conversation``, ``prompt`` (stored prompt
 templates), ``top_logprobs``, a ``tool_choice`` that forces a tool this
@@ -69,6 +72,7 @@ from server.wire.fields import (
 )
 from server.wire.ignored import Notes
 from server.wire.request import ChatRequest, Limits, Message
+from server.wire.tools import check_tool_results
 
 __all__ = ["ClientTool", "ResponsesRequest", "custom_input", "flat_name", "parse_responses"]
 
@@ -201,11 +205,14 @@ class ResponsesRequest:
         return next((t for t in self.client_tools if t.flat == flat), None)
 
     def with_history(self, history: Sequence[Message]) -> ChatRequest:
-        """The chat request that continues ``history`` (a stored conversation)."""
-        if not history:
-            return self.chat
+        """The chat request that continues ``history`` (a stored conversation),
+        or a 400 where a tool result of the turn answers no call of the two
+        (``check_tool_results``: a stored turn's own results were checked when
+        it ran, so an error names this turn's ``input[i].call_id``)."""
         system = self.chat.messages[: len(self.chat.messages) - len(self.turn)]
-        return dataclasses.replace(self.chat, messages=(*system, *history, *self.turn))
+        messages = (*system, *history, *self.turn)
+        check_tool_results(messages, fallback="previous_response_id")
+        return dataclasses.replace(self.chat, messages=messages) if history else self.chat
 
 
 # ---------------------------------------------------------------------------
@@ -245,13 +252,15 @@ def _call(item: dict[str, Any], where: str) -> dict[str, Any]:
     }
 
 
-def _input(value: Any, notes: Notes) -> list[dict[str, Any]]:
-    """``input`` as chat messages (dicts in the chat API's shape)."""
+def _input(value: Any, notes: Notes) -> tuple[list[dict[str, Any]], dict[int, str]]:
+    """``input`` as chat messages (dicts in the chat API's shape), and the
+    field each tool result's ``call_id`` came from, by its message's index."""
     if isinstance(value, str):
-        return [{"role": "user", "content": value}]
+        return [{"role": "user", "content": value}], {}
     if not isinstance(value, list) or not value:
         raise bad("input", "'input' is required: a string or a non-empty array of input items")
     out: list[dict[str, Any]] = []
+    results: dict[int, str] = {}
     for where, item in objects(value, "input"):
         kind = item.get("type", "message")
         if kind == "message":
@@ -268,6 +277,7 @@ def _input(value: Any, notes: Notes) -> list[dict[str, Any]]:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
+            results[len(out)] = f"{where}.call_id"
             out.append(
                 {
                     "role": "tool",
@@ -281,7 +291,7 @@ def _input(value: Any, notes: Notes) -> list[dict[str, Any]]:
             raise unsupported(f"{where}.type", f"input item type {show(kind)}")
     if not out:
         raise bad("input", "'input' holds no message, function_call or function_call_output")
-    return out
+    return out, results
 
 
 def _function(
@@ -454,7 +464,7 @@ def parse_responses(body: bytes, limits: Limits) -> ResponsesRequest:
     _refuse(obj)
     notes = Notes("responses")
     notes.extra_keys(obj, _HONOURED)
-    turn = _input(get(obj, "input"), notes)
+    turn, results = _input(get(obj, "input"), notes)
     messages = list(turn)
     instructions = get_str(obj, "instructions")
     if instructions:
@@ -484,14 +494,25 @@ def parse_responses(body: bytes, limits: Limits) -> ResponsesRequest:
     if reasoning is not MISSING and (think := _thinking(reasoning, notes)) is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": think}
     _metadata(obj)
-    req = dataclasses.replace(parse_chat(orjson.dumps(chat), limits), ignored=notes.done())
+    # The turn alone: a previous response's calls join it in with_history.
+    req = parse_chat(orjson.dumps(chat), limits, whole=False)
+    head = len(req.messages) - len(turn)
+    # Each tool result names its field in Responses' terms: input[i].call_id.
+    named = tuple(
+        dataclasses.replace(m, param=results[i]) if i in results else m
+        for i, m in enumerate(req.messages[head:])
+    )
+    req = dataclasses.replace(req, messages=(*req.messages[:head], *named), ignored=notes.done())
+    previous = get_str(obj, "previous_response_id")
+    if previous is None:
+        check_tool_results(req.messages)
     echo = tuple((k, obj[k]) for k in _ECHOED if obj.get(k) is not None)
     if get(obj, "text") is not MISSING:
         echo += (("text", obj["text"]),)
     return ResponsesRequest(
         chat=req,
-        turn=req.messages[len(req.messages) - len(turn) :],
-        previous_response_id=get_str(obj, "previous_response_id"),
+        turn=named,
+        previous_response_id=previous,
         store=get_bool(obj, "store", True),
         echo=echo,
         client_tools=tuple(back),
