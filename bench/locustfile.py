@@ -18,25 +18,45 @@ Run it headless against Sluice or vLLM's server on the same machine:
     locust -f bench/locustfile.py --headless -u 16 -r 4 -t 5m \\
         --host http://127.0.0.1:8000 --html report.html
 
-Options of its own (flags, or SLUICE_LOCUST_* in the environment):
-``--model`` (default: the server's first model), ``--faq-tokens``,
-``--summary-words``, ``--analysis-words`` (the seeds' sizes are about 1,200
-characters and 85k tokens of context; the default long analysis is 12,000
-words, which fits the demo model's context), ``--max-tokens``.
-Locust is an extra of the bench (``pip install -e .[locust]``), not a
-dependency of Sluice.
+Run it from the checkout's root (it imports ``bench.locust_mix``; Locust puts
+the working directory on the path). Options of its own (flags, or
+SLUICE_LOCUST_* in the environment): ``--model`` (default: the server's first
+model), ``--max-tokens`` (128), ``--summary-words``, ``--analysis-words``.
+
+The seeds' sizes are 240 words for a summary and 12,000 (about 24k tokens on
+the demo model) for an analysis. A size not given is fitted to the model's
+context (issue 64): ``max_model_len`` from ``GET /v1/models``, less
+``--max-tokens`` and the chat template, at a measured tokens-per-word with a
+margin (bench/locust_mix.py), so that a small ``--max-model-len`` does not fail
+the long requests; the seeds' sizes where they fit. A size given is used as
+given. The sizes are logged once at the start of the run. Locust is an extra of
+the bench (``pip install -e .[locust]``), not a dependency of Sluice.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from typing import Any, cast
 
 import orjson
+import requests
 from locust import HttpUser, between, events, task
 from locust.argument_parser import LocustArgumentParser
 from locust.env import Environment
+
+from bench.locust_mix import (
+    ANALYSIS_LEAD,
+    ANALYSIS_WORDS,
+    SUMMARY_LEAD,
+    SUMMARY_WORDS,
+    context_of,
+    sizes_for,
+    text,
+)
+
+logger = logging.getLogger(__name__)
 
 FAQ = (
     "How do I return an item?",
@@ -45,55 +65,53 @@ FAQ = (
     "Can I change my delivery address?",
     "Which payment methods do you accept?",
 )
-WORDS = (
-    "contract",
-    "party",
-    "shall",
-    "deliver",
-    "goods",
-    "within",
-    "thirty",
-    "days",
-    "of",
-    "the",
-    "order",
-    "date",
-    "and",
-    "payment",
-    "is",
-    "due",
-    "on",
-    "receipt",
-    "invoice",
-    "unless",
-    "parties",
-    "agree",
-    "otherwise",
-    "in",
-    "writing",
-    "supplier",
-    "warrants",
-    "that",
-    "conform",
-    "to",
-    "specification",
-)
 
 
 @events.init_command_line_parser.add_listener  # type: ignore[untyped-decorator]
 def _options(parser: LocustArgumentParser) -> None:
     parser.add_argument("--model", default="", env_var="SLUICE_LOCUST_MODEL")
     parser.add_argument("--max-tokens", type=int, default=128, env_var="SLUICE_LOCUST_MAX_TOKENS")
-    parser.add_argument(
-        "--summary-words", type=int, default=240, env_var="SLUICE_LOCUST_SUMMARY_WORDS"
-    )
-    parser.add_argument(
-        "--analysis-words", type=int, default=12_000, env_var="SLUICE_LOCUST_ANALYSIS_WORDS"
+    # No default: not given, fitted to the served context (_size_to_context).
+    parser.add_argument("--summary-words", type=int, env_var="SLUICE_LOCUST_SUMMARY_WORDS")
+    parser.add_argument("--analysis-words", type=int, env_var="SLUICE_LOCUST_ANALYSIS_WORDS")
+
+
+@events.test_start.add_listener  # type: ignore[untyped-decorator]
+def _size_to_context(environment: Environment, **_: Any) -> None:
+    """The run's sizes, before any user starts, logged once: fitted to the
+    served context for any not given."""
+    opts = environment.parsed_options
+    if opts is None:  # Locust as a library, with no options: the seeds' sizes.
+        return
+    max_tokens: int = opts.max_tokens
+    summary: int | None = opts.summary_words
+    analysis: int | None = opts.analysis_words
+    context, source = None, "sizes given"
+    if summary is None or analysis is None:
+        context, source = _served_context(environment.host or "", opts.model)
+    sizes = sizes_for(context, max_tokens, summary=summary, analysis=analysis)
+    opts.summary_words, opts.analysis_words = sizes.summary, sizes.analysis
+    logger.info(
+        "Mix sizes: summary %d words, analysis %d words, max_tokens %d (%s)",
+        sizes.summary,
+        sizes.analysis,
+        max_tokens,
+        source,
     )
 
 
-def _text(words: int, rng: random.Random) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(words))
+def _served_context(host: str, model: str) -> tuple[int | None, str]:
+    """The model's context from GET /v1/models, and a line on where the sizes
+    came from (None: the server did not say, the seeds' sizes stand)."""
+    try:
+        r = requests.get(f"{host.rstrip('/')}/v1/models", timeout=30)
+        r.raise_for_status()
+        context = context_of(orjson.loads(r.content), model)
+    except (requests.RequestException, orjson.JSONDecodeError) as e:
+        return None, f"the seeds' sizes: GET /v1/models failed: {e}"
+    if context is None:
+        return None, "the seeds' sizes: GET /v1/models gives no max_model_len"
+    return context, f"fitted to max_model_len {context} tokens from GET /v1/models"
 
 
 def _carries_token(delta: dict[str, Any]) -> bool:
@@ -122,8 +140,13 @@ class ChatUser(HttpUser):
         opts = self.environment.parsed_options
         self.model: str = getattr(opts, "model", "") or self._first_model()
         self.max_tokens: int = getattr(opts, "max_tokens", 128)
-        self.summary_words: int = getattr(opts, "summary_words", 240)
-        self.analysis_words: int = getattr(opts, "analysis_words", 12_000)
+        # Set by _size_to_context before the users start.
+        summary, analysis = (
+            getattr(opts, "summary_words", None),
+            getattr(opts, "analysis_words", None),
+        )
+        self.summary_words: int = SUMMARY_WORDS if summary is None else summary
+        self.analysis_words: int = ANALYSIS_WORDS if analysis is None else analysis
         self.rng = random.Random()
 
     def _first_model(self) -> str:
@@ -140,13 +163,11 @@ class ChatUser(HttpUser):
 
     @task(20)
     def summary(self) -> None:
-        doc = _text(self.summary_words, self.rng)
-        self._chat("summary", f"Summarize the main points of this contract: {doc}", None)
+        self._chat("summary", SUMMARY_LEAD + text(self.summary_words, self.rng), None)
 
     @task(10)
     def analysis(self) -> None:
-        doc = _text(self.analysis_words, self.rng)
-        self._chat("analysis", f"Analyse this document in depth: {doc}", None)
+        self._chat("analysis", ANALYSIS_LEAD + text(self.analysis_words, self.rng), None)
 
     def _chat(self, name: str, content: str, max_tokens: int | None) -> None:
         body = {
