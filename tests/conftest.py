@@ -5,17 +5,32 @@ server/engines/demo/model.py). The model is built into pytest's cache directory 
 path keyed by its recipe digest: building takes well under a second, but a
 stable path lets vLLM reuse its torch.compile cache between sessions, which
 cuts engine start on this machine from about 40 s to about 18 s.
+
+Servers that several modules share (`sluice_server`, `callers_server`) are
+started once per run on the worker that runs all their modules:
+tests/shared_servers.py says how.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 from server.engines.demo.model import build_demo_model, default_demo_dir
+from tests.shared_servers import (
+    BATCH_DISK,
+    GROUP,
+    POOL,
+    SHARED,
+    callers_path,
+    callers_toml,
+    group_of,
+)
+from tests.support import SluiceProcess
 
 # The engine, transformers and huggingface_hub read these when imported, in
 # this process and in the engine processes it spawns (which inherit the
@@ -66,3 +81,84 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run the coding-agent tests on the newest published versions of the agents "
         "(also SLUICE_AGENTS_LATEST=1) instead of the pinned ones (tests/agents/install.py)",
     )
+
+
+# ------------------------------------------------- servers shared across modules
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """tests/shared_servers.py rules 1-2: each module's xdist group (its shared
+    server's, or its own), and each group's tests made contiguous."""
+    wants: dict[str, set[str]] = {}
+    for item in items:
+        module = item.getparent(pytest.Module)
+        key = module.nodeid if module is not None else ""
+        wants.setdefault(key, set()).update(item.fixturenames)
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        module = item.getparent(pytest.Module)
+        group = group_of(module, wants[module.nodeid if module is not None else ""])
+        item.stash[GROUP] = group
+        first.setdefault(group, i)
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: first[item.stash[GROUP]])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Rule 3: a shared server stops once its group's last test on this worker is done."""
+    result = yield
+    group = item.stash.get(GROUP, None)
+    if group in SHARED and (nextitem is None or nextitem.stash.get(GROUP, None) != group):
+        POOL.stop(group)
+    return result
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    POOL.stop_all()
+
+
+def _shared_log(factory: pytest.TempPathFactory, name: str) -> Path:
+    return factory.mktemp(name) / "sluice.log"
+
+
+@pytest.fixture(scope="session")
+def sluice_server(demo_cache_root: Path, tmp_path_factory: pytest.TempPathFactory) -> SluiceProcess:
+    """One Sluice with the real engine on the demo model, shared by every module
+    that asks for it (tests/shared_servers.py). Compiled, as `sluice serve` runs by
+    default (the tests' other servers start eager: tests/support.py SluiceProcess)."""
+    return POOL.get(
+        "sluice_server",
+        lambda: SluiceProcess(
+            [
+                "--no-enforce-eager",
+                "--log-format",
+                "plain",
+                "--batch-disk-per-caller",
+                str(BATCH_DISK),
+            ],
+            cache_dir=demo_cache_root,
+            log_path=_shared_log(tmp_path_factory, "shared"),
+        ),
+    )
+
+
+@pytest.fixture(scope="session")
+def callers_server(
+    demo_cache_root: Path, tmp_path_factory: pytest.TempPathFactory
+) -> SluiceProcess:
+    """Sluice with a callers file (`callers_toml()`, at callers_path(server)):
+    the status page's two callers, cache isolation's four, the SIGHUP test's."""
+
+    def start() -> SluiceProcess:
+        log = _shared_log(tmp_path_factory, "callers")
+        path = callers_path(log)
+        path.write_text(callers_toml())
+        # Readable by others: test_callers checks the warning this gives at start.
+        path.chmod(0o644)
+        args = ["--callers", str(path), "--log-format", "plain"]
+        return SluiceProcess(args, cache_dir=demo_cache_root, log_path=log)
+
+    return POOL.get("callers_server", start)

@@ -27,7 +27,7 @@ import pytest
 from anthropic.types.messages import MessageBatch
 from openai.types import Batch
 
-from tests.integration.conftest import BATCH_DISK
+from tests.shared_servers import BATCH_DISK
 from tests.support import SluiceProcess, metric
 
 pytestmark = pytest.mark.engine

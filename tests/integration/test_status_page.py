@@ -16,7 +16,7 @@ import asyncio
 import math
 import os
 import shutil
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from server.operations.metrics import Metrics
 from server.operations.status_samples import Snapshot, StatusSampler
 from server.settings import Settings
 from server.state import CALLERS, METRICS, SETTINGS, STATUS
+from tests.shared_servers import CALLER_KEYS as SHARED_KEYS
 from tests.support import SluiceProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -319,7 +320,9 @@ async def test_the_key_is_asked_once_and_sent_as_a_header(
 
 # ------------------------------------------------------- the real demo server
 
-CALLER_KEYS = {"chat": "sk-chat", "batch-jobs": "sk-batch"}
+# The two callers whose traffic the page shows: callers_server's (tests/shared_servers.py)
+# file names them, beside other modules' callers, which the page sums as "(other callers)".
+CALLER_KEYS = {name: SHARED_KEYS[name] for name in ("chat", "batch-jobs")}
 
 
 async def _traffic(base: str, seconds: float, key: str, streams: int = 3) -> int:
@@ -345,20 +348,6 @@ async def _traffic(base: str, seconds: float, key: str, streams: int = 3) -> int
     async with httpx.AsyncClient(timeout=60, headers=headers) as client:
         await asyncio.gather(*(client_loop(client) for _ in range(streams)))
     return done
-
-
-@pytest.fixture
-def callers_server(demo_cache_root: Path, tmp_path: Path) -> Iterator[SluiceProcess]:
-    """Sluice on the demo model with a callers file naming two callers."""
-    path = tmp_path / "callers.toml"
-    path.write_text("".join(f'[callers.{n}]\nkey = "{k}"\n' for n, k in CALLER_KEYS.items()))
-    path.chmod(0o600)
-    with SluiceProcess(
-        ["--callers", str(path), "--log-format", "plain"],
-        cache_dir=demo_cache_root,
-        log_path=tmp_path / "sluice.log",
-    ).running() as proc:
-        yield proc
 
 
 @pytest.mark.engine

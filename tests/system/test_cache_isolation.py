@@ -1,46 +1,35 @@
 """The engine's prefix cache, isolated per caller, on the real engine (issue 28).
 
-Sluice with a callers file (four keys, two of them in one `cache_group`) and
-the demo model, whose engine caches prefixes by default. Through the official
-`anthropic` client, whose `usage.cache_read_input_tokens` is vLLM's count of
-prompt tokens found in the prefix cache: caller B sending caller A's prompt
-reads 0 of it, while A's own repeat and a group member's request hit.
+Sluice with a callers file (four keys, two of them in one `cache_group`: the
+suite's shared `callers_server`) and the demo model, whose engine caches
+prefixes by default. Through the official `anthropic` client, whose
+`usage.cache_read_input_tokens` is vLLM's count of prompt tokens found in the
+prefix cache: caller B sending caller A's prompt reads 0 of it, while A's own
+repeat and a group member's request hit.
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import anthropic
 import pytest
 
+from tests.shared_servers import CALLER_KEYS
 from tests.support import SluiceProcess
 
 pytestmark = [pytest.mark.system, pytest.mark.engine]
 
 MODEL = "sluice-demo"
-KEYS = {name: f"sk-{name}-{secrets.token_hex(8)}" for name in ("ann", "bob", "cyril", "dora")}
-GROUP = ("cyril", "dora")
+KEYS = CALLER_KEYS
 
 
-@pytest.fixture(scope="module")
-def server(demo_cache_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    tmp = tmp_path_factory.mktemp("cache-isolation")
-    callers = tmp / "callers.toml"
-    callers.write_text(
-        "".join(
-            f'[callers.{name}]\nkey = "{key}"\n'
-            + ('cache_group = "team"\n' if name in GROUP else "")
-            for name, key in KEYS.items()
-        )
-    )
-    callers.chmod(0o600)
-    args = ["--log-format", "plain", "--callers", str(callers)]
-    with SluiceProcess(args, cache_dir=demo_cache_root, log_path=tmp / "sluice.log").running() as p:
-        yield p
+@pytest.fixture
+def server(callers_server: SluiceProcess) -> SluiceProcess:
+    """The suite's server with a callers file (tests/shared_servers.py), whose
+    four callers ann, bob, cyril and dora are this module's, cyril and dora in
+    one cache_group."""
+    return callers_server
 
 
 def client(server: SluiceProcess, name: str) -> anthropic.Anthropic:

@@ -14,20 +14,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.shared_servers import callers_path, callers_toml
 from tests.support import ROOT, SluiceProcess
 
 pytestmark = pytest.mark.system
 
 BODY = {"model": "sluice-demo", "prompt": "hi", "max_tokens": 2}
-
-
-def _file(path: Path, *callers: str) -> None:
-    path.write_text("".join(f'[callers.{c}]\nkey = "sk-{c}"\n' for c in callers))
+LATE = "sk-late"  # the key of the caller the SIGHUP test adds
 
 
 def test_bad_callers_file_at_start_exits_2(tmp_path: Path) -> None:
@@ -59,35 +58,41 @@ def _status(base: str, key: str) -> int:
 
 
 @pytest.mark.engine
-async def test_sighup_reloads_the_callers_file(demo_cache_root: Path, tmp_path: Path) -> None:
-    path = tmp_path / "callers.toml"
-    _file(path, "chat")
-    path.chmod(0o644)  # readable by others: a warning, not an error
-    proc = SluiceProcess(
-        ["--callers", str(path)], cache_dir=demo_cache_root, log_path=tmp_path / "sluice.log"
-    )
-    try:
-        await asyncio.to_thread(proc.wait_ready)
-        assert "readable by other users" in proc.tail(100_000)
-        assert await asyncio.to_thread(_status, proc.base, "sk-chat") == 200
-        assert await asyncio.to_thread(_status, proc.base, "sk-batch") == 401
+async def test_sighup_reloads_the_callers_file(callers_server: SluiceProcess) -> None:
+    """On the suite's server with a callers file (tests/shared_servers.py), which
+    started with the file readable by others. The file is written back and
+    reloaded at the end; the server's clean exit is checked where it stops."""
+    proc = callers_server
+    path = callers_path(proc.log_path)
 
-        _file(path, "chat", "batch")
+    def log() -> str:
+        return proc.log_path.read_bytes().decode(errors="replace")
+
+    reloaded, kept = log().count("callers reloaded"), log().count("keeping the old callers")
+    assert "readable by other users" in log()  # a warning at start, not an error
+    assert await asyncio.to_thread(_status, proc.base, "sk-chat") == 200
+    assert await asyncio.to_thread(_status, proc.base, LATE) == 401
+    try:
+        path.write_text(callers_toml({"late": LATE}))
         proc.signal(signal.SIGHUP)
-        deadline = time.monotonic() + 30
-        while await asyncio.to_thread(_status, proc.base, "sk-batch") != 200:
-            assert time.monotonic() < deadline, proc.tail()
-            await asyncio.sleep(0.2)
-        assert "callers reloaded" in proc.tail(100_000)
+        await until_async(lambda: _status(proc.base, LATE) == 200, proc.tail)
+        assert log().count("callers reloaded") == reloaded + 1
 
         path.write_text("[callers.chat\n")  # not TOML
         proc.signal(signal.SIGHUP)
-        deadline = time.monotonic() + 30
-        while "keeping the old callers" not in proc.tail(100_000):
-            assert time.monotonic() < deadline, proc.tail()
-            await asyncio.sleep(0.2)
-        assert await asyncio.to_thread(_status, proc.base, "sk-batch") == 200
+        await until_async(lambda: log().count("keeping the old callers") > kept, proc.tail)
+        assert await asyncio.to_thread(_status, proc.base, LATE) == 200
         assert proc.proc.poll() is None
-        assert "sk-" not in proc.tail(100_000)  # keys never reach the log
+        assert "sk-" not in log()  # keys never reach the log
     finally:
-        assert proc.stop() == 0, proc.tail()
+        path.write_text(callers_toml())
+        proc.signal(signal.SIGHUP)
+        await until_async(lambda: _status(proc.base, LATE) == 401, proc.tail)
+
+
+async def until_async(cond: Callable[[], bool], tail: Callable[[], str]) -> None:
+    """`cond` (blocking: run in a thread) within 30 s, polled every 0.2 s."""
+    deadline = time.monotonic() + 30
+    while not await asyncio.to_thread(cond):
+        assert time.monotonic() < deadline, tail()
+        await asyncio.sleep(0.2)

@@ -1,0 +1,123 @@
+"""Servers that several test modules share: one engine start for all of them (issue 64).
+
+Why this module exists: an engine start is most of the suite's time (each of a
+server's three processes imports vLLM and torch, about 8 s of a core apiece,
+and far more beside the other worker's start). A server whose flags several
+modules can live with is started once, on the one worker that runs all of them:
+
+1. Each shared server is a fixture named in `SHARED` (its group). At collection
+   (tests/conftest.py), a module any of whose tests asks for one joins that
+   server's xdist group (`--dist loadgroup`, scripts/test); every other module
+   is a group of its own, as `--dist loadfile` made it. So each group's tests
+   run on one worker, and the server starts there once.
+2. A group's tests are made contiguous (a stable sort by the group's first
+   test), so without xdist too each server starts once.
+3. A server stops as soon as its worker's next test belongs to another group
+   (`pytest_runtest_teardown` in tests/conftest.py), so no idle engine runs beside
+   the next module's own, and at the session's end in any case; its exit status
+   is checked then (a shared server that does not stop cleanly fails its last test's
+   teardown).
+
+A test that changes a shared server's state leaves it as it found it (the
+callers file of `callers_server` is written back after the SIGHUP test).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import pytest
+
+from tests.support import SluiceProcess
+
+__all__ = [
+    "BATCH_DISK",
+    "CACHE_GROUP",
+    "CALLER_KEYS",
+    "GROUP",
+    "POOL",
+    "SHARED",
+    "Pool",
+    "callers_path",
+    "callers_toml",
+    "group_of",
+]
+
+# The shared servers' fixtures (tests/conftest.py), each its group's name.
+SHARED = ("sluice_server", "callers_server")
+
+# An item's group (rule 1), kept for the teardown hook (rule 3).
+GROUP = pytest.StashKey[str]()
+
+# sluice_server's --batch-disk-per-caller: far above what its batches keep, low
+# enough that test_batches fills it (its quota test).
+BATCH_DISK = 64_000_000
+
+# callers_server's callers, name to key: test_status_page's two (chat, batch-jobs)
+# and test_cache_isolation's four, two of them in one cache_group. Fresh keys each
+# run but the status page's, whose test types them.
+CALLER_KEYS: Mapping[str, str] = {
+    "chat": "sk-chat",
+    "batch-jobs": "sk-batch",
+    **{name: f"sk-{name}-{secrets.token_hex(8)}" for name in ("ann", "bob", "cyril", "dora")},
+}
+CACHE_GROUP = ("cyril", "dora")
+
+
+def callers_toml(extra: Mapping[str, str] | None = None) -> str:
+    """callers_server's callers file, with `extra` callers (name to key) added."""
+    keys = {**CALLER_KEYS, **(extra or {})}
+    return "".join(
+        f'[callers.{name}]\nkey = "{key}"\n'
+        + ('cache_group = "team"\n' if name in CACHE_GROUP else "")
+        for name, key in keys.items()
+    )
+
+
+def callers_path(log_path: Path) -> Path:
+    """Where callers_server's callers file is: beside its log."""
+    return log_path.parent / "callers.toml"
+
+
+class Pool:
+    """The shared servers running in this process (one pytest worker)."""
+
+    def __init__(self) -> None:
+        self._running: dict[str, SluiceProcess] = {}
+
+    def get(self, name: str, start: Callable[[], SluiceProcess]) -> SluiceProcess:
+        """The running server `name`, started (and waited for) on first use."""
+        proc = self._running.get(name)
+        if proc is None:
+            proc = start()
+            try:
+                proc.wait_ready()
+            except BaseException:
+                proc.stop()
+                raise
+            self._running[name] = proc
+        return proc
+
+    def stop(self, name: str) -> None:
+        """Stop `name` if it runs; a server that does not exit 0 is a failure."""
+        proc = self._running.pop(name, None)
+        if proc is not None:
+            code = proc.stop()
+            assert code == 0, f"shared server {name} exited {code}:\n{proc.tail()}"
+
+    def stop_all(self) -> None:
+        for name in list(self._running):
+            self.stop(name)
+
+
+POOL = Pool()
+
+
+def group_of(module: pytest.Module | None, fixturenames: set[str]) -> str:
+    """Rule 1: the xdist group of a module whose tests ask for `fixturenames`."""
+    for name in SHARED:
+        if name in fixturenames:
+            return name
+    return module.nodeid if module is not None else "(no module)"
