@@ -26,6 +26,7 @@ from tests.shared_servers import (
     GROUP,
     POOL,
     SHARED,
+    SHARED_DRAIN_S,
     callers_path,
     callers_toml,
     group_of,
@@ -88,22 +89,32 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """tests/shared_servers.py rules 1-2: each module's xdist group (its shared
-    server's, or its own), and each group's tests made contiguous."""
-    wants: dict[str, set[str]] = {}
+    """tests/shared_servers.py rules 1-2: each test's xdist group (a shared
+    server's, or its module's own), each group's tests made contiguous, a test
+    that ends its group's server last in it."""
+
+    def module_of(item: pytest.Item) -> str:
+        return item.nodeid.split("::", 1)[0]
+
+    asks: dict[str, set[str]] = {}
     for item in items:
-        module = item.getparent(pytest.Module)
-        key = module.nodeid if module is not None else ""
-        wants.setdefault(key, set()).update(item.fixturenames)
+        asks.setdefault(module_of(item), set()).update(item.fixturenames)
     first: dict[str, int] = {}
     for i, item in enumerate(items):
-        module = item.getparent(pytest.Module)
-        group = group_of(module, wants[module.nodeid if module is not None else ""])
+        module = module_of(item)
+        group = group_of(item.fixturenames, asks[module], module)
         item.stash[GROUP] = group
         first.setdefault(group, i)
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: first[item.stash[GROUP]])
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(
+        key=lambda item: (
+            first[item.stash[GROUP]],
+            item.get_closest_marker("ends_shared_server") is not None,
+            order[id(item)],
+        )
+    )
 
 
 @pytest.hookimpl(wrapper=True)
@@ -128,7 +139,8 @@ def _shared_log(factory: pytest.TempPathFactory, name: str) -> Path:
 def sluice_server(demo_cache_root: Path, tmp_path_factory: pytest.TempPathFactory) -> SluiceProcess:
     """One Sluice with the real engine on the demo model, shared by every module
     that asks for it (tests/shared_servers.py). Compiled, as `sluice serve` runs by
-    default (the tests' other servers start eager: tests/support.py SluiceProcess)."""
+    default (the tests' other servers start eager: tests/support.py SluiceProcess).
+    Its drain lasts 2 s at most: test_shutdown's drain deadline ends it."""
     return POOL.get(
         "sluice_server",
         lambda: SluiceProcess(
@@ -138,6 +150,8 @@ def sluice_server(demo_cache_root: Path, tmp_path_factory: pytest.TempPathFactor
                 "plain",
                 "--batch-disk-per-caller",
                 str(BATCH_DISK),
+                "--drain-timeout",
+                str(SHARED_DRAIN_S),
             ],
             cache_dir=demo_cache_root,
             log_path=_shared_log(tmp_path_factory, "shared"),
@@ -150,7 +164,8 @@ def callers_server(
     demo_cache_root: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> SluiceProcess:
     """Sluice with a callers file (`callers_toml()`, at callers_path(server)):
-    the status page's two callers, cache isolation's four, the SIGHUP test's."""
+    the status page's two callers, cache isolation's four, the SIGHUP test's.
+    Its drain may last 120 s: test_shutdown's second SIGTERM ends one early."""
 
     def start() -> SluiceProcess:
         log = _shared_log(tmp_path_factory, "callers")
@@ -158,7 +173,7 @@ def callers_server(
         path.write_text(callers_toml())
         # Readable by others: test_callers checks the warning this gives at start.
         path.chmod(0o644)
-        args = ["--callers", str(path), "--log-format", "plain"]
+        args = ["--callers", str(path), "--log-format", "plain", "--drain-timeout", "120"]
         return SluiceProcess(args, cache_dir=demo_cache_root, log_path=log)
 
     return POOL.get("callers_server", start)

@@ -6,12 +6,16 @@ and far more beside the other worker's start). A server whose flags several
 modules can live with is started once, on the one worker that runs all of them:
 
 1. Each shared server is a fixture named in `SHARED` (its group). At collection
-   (tests/conftest.py), a module any of whose tests asks for one joins that
-   server's xdist group (`--dist loadgroup`, scripts/test); every other module
-   is a group of its own, as `--dist loadfile` made it. So each group's tests
-   run on one worker, and the server starts there once.
+   (tests/conftest.py), a test that asks for one is in that server's xdist group
+   (`--dist loadgroup`, scripts/test); the other tests of a module go with the
+   first shared server its tests ask for, or, asking for none, are a group of
+   their own, as `--dist loadfile` made each file. So each group's tests run on
+   one worker, and the server starts there once.
 2. A group's tests are made contiguous (a stable sort by the group's first
-   test), so without xdist too each server starts once.
+   test), so without xdist too each server starts once. A test marked
+   `ends_shared_server` (it stops the server itself: a drain's end) goes last in
+   its group; a group has at most one, and a test that finds its server ended
+   fails at once, naming it.
 3. A server stops as soon as its worker's next test belongs to another group
    (`pytest_runtest_teardown` in tests/conftest.py), so no idle engine runs beside
    the next module's own, and at the session's end in any case; its exit status
@@ -25,7 +29,7 @@ callers file of `callers_server` is written back after the SIGHUP test).
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 import pytest
@@ -39,6 +43,7 @@ __all__ = [
     "GROUP",
     "POOL",
     "SHARED",
+    "SHARED_DRAIN_S",
     "Pool",
     "callers_path",
     "callers_toml",
@@ -54,6 +59,8 @@ GROUP = pytest.StashKey[str]()
 # sluice_server's --batch-disk-per-caller: far above what its batches keep, low
 # enough that test_batches fills it (its quota test).
 BATCH_DISK = 64_000_000
+# sluice_server's --drain-timeout (seconds): test_shutdown's drain deadline.
+SHARED_DRAIN_S = 2.0
 
 # callers_server's callers, name to key: test_status_page's two (chat, batch-jobs)
 # and test_cache_isolation's four, two of them in one cache_group. Fresh keys each
@@ -90,6 +97,11 @@ class Pool:
     def get(self, name: str, start: Callable[[], SluiceProcess]) -> SluiceProcess:
         """The running server `name`, started (and waited for) on first use."""
         proc = self._running.get(name)
+        if proc is not None and proc.proc.poll() is not None:
+            raise RuntimeError(
+                f"shared server {name} has exited ({proc.proc.returncode}): only its group's"
+                " last test may end it (rule 2, the ends_shared_server mark)"
+            )
         if proc is None:
             proc = start()
             try:
@@ -115,9 +127,11 @@ class Pool:
 POOL = Pool()
 
 
-def group_of(module: pytest.Module | None, fixturenames: set[str]) -> str:
-    """Rule 1: the xdist group of a module whose tests ask for `fixturenames`."""
-    for name in SHARED:
-        if name in fixturenames:
-            return name
-    return module.nodeid if module is not None else "(no module)"
+def group_of(asks: Collection[str], module_asks: Collection[str], module: str) -> str:
+    """Rule 1: the xdist group of a test that asks for the fixtures `asks`, in the
+    module whose node id is `module` and whose tests ask for `module_asks`."""
+    for names in (asks, module_asks):
+        for name in SHARED:
+            if name in names:
+                return name
+    return module

@@ -5,7 +5,8 @@ One Sluice for the module with two demo chat models from one models file
 weights can be taken away), serving the checks in sequence: kill -9 of
 `other`'s engine core while both stream, a SIGSTOP (a hung engine), and a
 restart that cannot succeed (its weights removed). Then one `--model` whose
-engine keeps dying: it restarts once and then the process exits 1.
+engine keeps dying: it restarts once, and its second death, with four streams
+running, fails each of them within seconds and the process exits 1.
 
 Which engine core is which model's: Sluice's own log line names the pids
 (`model loaded ... pids=[...]`, `engine restarted ... pids=[...]`), which
@@ -116,6 +117,7 @@ class _Stream:
     events: list[dict[str, Any]] = field(default_factory=list)
     status: int = 0
     done: bool = False  # the [DONE] line came
+    dropped: str | None = None  # the connection broke (the server went away)
     ended_at: float = 0.0
     thread: threading.Thread | None = None
 
@@ -142,6 +144,8 @@ class _Stream:
                         self.done = True
                     elif line.startswith("data: "):
                         self.events.append(orjson.loads(line[6:]))
+        except httpx.HTTPError as exc:
+            self.dropped = repr(exc)
         finally:
             self.ended_at = time.monotonic()
 
@@ -284,6 +288,11 @@ def test_a_restart_that_cannot_succeed_leaves_the_model_failed_and_the_other_ser
 def test_a_crash_loop_of_the_one_model_ends_in_exit_1_after_its_restarts(
     demo_cache_root: Path, tmp_path: Path
 ) -> None:
+    """The second death spends the restart budget while four streams run (this
+    was tests/system/test_lifecycle.py's test_engine_core_killed, on a server of
+    its own with no restarts): every caller learns of it within seconds, an error
+    event or a dropped stream, never a clean end of an unfinished generation, and
+    the process exits 1."""
     server = SluiceProcess(
         ["--log-format", "plain", "--engine-restarts", "1", "--engine-restart-backoff-max", "1"],
         cache_dir=demo_cache_root,
@@ -295,8 +304,16 @@ def test_a_crash_loop_of_the_one_model_ends_in_exit_1_after_its_restarts(
             os.kill(pid, signal.SIGKILL)
         _until(lambda: "engine restarted" in server.tail(400_000), 240, "the restart")
         assert httpx.get(server.base + "/ready", timeout=30).status_code == 200
+        streams = [_Stream(server, "sluice-demo", max_tokens=8000).start() for _ in range(4)]
+        _until(lambda: _started(streams), 120, "all four streams under way")
+        killed = time.monotonic()
         for pid in _pids(server, "sluice-demo"):
             os.kill(pid, signal.SIGKILL)
+        for s in streams:
+            s.join(30)
+            assert s.ended_at - killed < 10, f"a caller waited {s.ended_at - killed:.1f}s"
+            assert s.error is not None or s.dropped is not None, s.events[-2:]
+            assert not s.done or s.error is not None, s.events[-2:]
         server.proc.wait(120)
         assert server.proc.returncode == 1
         log = server.tail(400_000)

@@ -11,7 +11,6 @@ that context), where the seeds' 12,000-word analysis was a 400 each time."""
 from __future__ import annotations
 
 import csv
-import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -79,22 +78,24 @@ def _locust(
     return run, rows
 
 
-def test_locustfile_reports_ttft(small_context: SluiceProcess, tmp_path: Path) -> None:
-    run, rows = _locust(
-        small_context,
-        tmp_path,
-        # Every class in 30 s.
-        "--summary-words",
-        "60",
-        "--analysis-words",
-        "400",
-        "--max-tokens",
-        "16",
-    )
+def test_locustfile_reports_ttft_and_fits_the_context(
+    small_context: SluiceProcess, tmp_path: Path
+) -> None:
+    """The seeds' mix with no size flags (short answers: every class in 30 s):
+    the long classes fitted to the 1,024-token context, every request of every
+    class answered, and TTFT reported at the first token. One run for both
+    checks (issue 64: they were two runs of 30 s each)."""
+    run, rows = _locust(small_context, tmp_path, "--max-tokens", "16")
+    for name in ("faq", "summary", "analysis"):
+        row = rows[("POST", name)]
+        assert int(row["Request Count"]) > 0, (name, run.stderr[-3000:])
+        assert int(row["Failure Count"]) == 0, (name, run.stderr[-3000:])
     assert run.returncode == 0, run.stderr[-3000:]
+    # The sizes chosen, logged once per run.
+    chosen = [line for line in run.stderr.splitlines() if "max_model_len" in line]
+    assert len(chosen) == 1 and f"{CONTEXT} tokens" in chosen[0], run.stderr[-3000:]
     # The whole responses, Locust's own entry (POST), and the first tokens.
     faq = rows[("POST", "faq")]
-    assert int(faq["Request Count"]) > 0 and int(faq["Failure Count"]) == 0
     ttft = rows[("TTFT", "faq")]
     # Every answer had a first token (one still streaming when the run ended
     # has its TTFT and not yet its whole response).
@@ -103,18 +104,3 @@ def test_locustfile_reports_ttft(small_context: SluiceProcess, tmp_path: Path) -
     assert 0 < float(ttft["Median Response Time"]) <= float(faq["Median Response Time"])
     assert int(rows[("TPS", "faq")]["Request Count"]) > 0
     assert (tmp_path / "report.html").stat().st_size > 0
-
-
-def test_long_classes_fit_the_context(small_context: SluiceProcess, tmp_path: Path) -> None:
-    """No size flags: the two long classes alone (Locust's own task filter, the
-    locustfile's weights kept), every request answered."""
-    only_long = {"user_class_name": "ChatUser", "tasks": ["summary", "analysis"]}
-    run, rows = _locust(small_context, tmp_path, "--config-users", json.dumps(only_long))
-    for name in ("summary", "analysis"):
-        row = rows[("POST", name)]
-        assert int(row["Request Count"]) > 0, (name, run.stderr[-3000:])
-        assert int(row["Failure Count"]) == 0, (name, run.stderr[-3000:])
-    assert run.returncode == 0, run.stderr[-3000:]
-    # The sizes chosen, logged once per run.
-    chosen = [line for line in run.stderr.splitlines() if "max_model_len" in line]
-    assert len(chosen) == 1 and f"{CONTEXT} tokens" in chosen[0], run.stderr[-3000:]

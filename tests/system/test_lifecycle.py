@@ -3,15 +3,17 @@
 * SIGTERM with ten streams in flight: all ten end with [DONE], a request sent
   during the drain gets 503 with Retry-After, the process exits 0; a test
   NOTIFY_SOCKET sees READY=1 after warm-up, WATCHDOG=1 pings and STOPPING=1.
-* SIGKILL of the engine core while streams run: every caller gets an error
-  within seconds, none hangs, the process exits non-zero.
+
+SIGKILL of the engine core while streams run, with no restart left (every
+caller gets an error within seconds, none hangs, the process exits non-zero)
+is checked at the end of tests/integration/test_faults.py's crash loop, on its
+server (issue 64: one engine start fewer).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import socket
 import time
@@ -136,40 +138,3 @@ async def test_sigterm_drains_streams_and_notifies(demo_cache_root: Path, tmp_pa
     finally:
         proc.stop()
         sock.close()
-
-
-async def test_engine_core_killed(demo_cache_root: Path, tmp_path: Path) -> None:
-    # No restarts: the one model's first death spends its budget, so the
-    # process exits (issue 41 rule 5; the restarts are tests/integration/test_faults.py's).
-    proc = SluiceProcess(
-        ["--engine-restarts", "0"], cache_dir=demo_cache_root, log_path=tmp_path / "sluice.log"
-    )
-    try:
-        await asyncio.to_thread(proc.wait_ready)
-        async with httpx.AsyncClient(timeout=60) as client:
-
-            async def one() -> list[str]:
-                try:
-                    return await _stream(client, proc.base, 8000)
-                except httpx.HTTPError as exc:  # a dropped connection is an error too
-                    return [f"transport error: {exc!r}"]
-
-            streams = [asyncio.create_task(one()) for _ in range(4)]
-            await _all_started(proc.base, 4)
-            cores = proc.engine_core_pids()
-            assert cores, proc.tail()
-            t0 = time.monotonic()
-            for pid in cores:
-                os.kill(pid, signal.SIGKILL)
-            results = await asyncio.wait_for(asyncio.gather(*streams), 30)
-            took = time.monotonic() - t0
-        assert took < 10, f"callers waited {took:.1f}s"
-        for lines in results:
-            # Each caller learns of the failure: an error event or a dropped
-            # stream, never a clean [DONE] of an unfinished generation.
-            assert any(_is_error(line) or "transport error" in line for line in lines), lines[-3:]
-            assert lines[-1] != "data: [DONE]" or _is_error(lines[-2])
-        code = await asyncio.to_thread(proc.proc.wait, 30)
-        assert code != 0
-    finally:
-        proc.stop()
