@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -27,9 +28,11 @@ from tests.shared_servers import (
     POOL,
     SHARED,
     SHARED_DRAIN_S,
+    SharedServerScheduling,
     callers_path,
     callers_toml,
     group_of,
+    scheduled_group,
 )
 from tests.support import SluiceProcess
 
@@ -87,11 +90,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 # ------------------------------------------------- servers shared across modules
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """tests/shared_servers.py rules 1-2: each test's xdist group (a shared
-    server's, or its module's own), each group's tests made contiguous, a test
-    that ends its group's server last in it."""
+    """tests/shared_servers.py rules 1-2: each test's group (a shared server's,
+    or its module's own), the same as xdist's controller schedules it; each
+    group's tests made contiguous, a test that ends its group's server last in it."""
 
     def module_of(item: pytest.Item) -> str:
         return item.nodeid.split("::", 1)[0]
@@ -100,13 +102,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         asks.setdefault(module_of(item), set()).update(item.fixturenames)
     first: dict[str, int] = {}
+    wrong = []
     for i, item in enumerate(items):
         module = module_of(item)
         group = group_of(item.fixturenames, asks[module], module)
+        if scheduled_group(item.nodeid) != group:
+            wrong.append(f"{item.nodeid}: {group}, not {scheduled_group(item.nodeid)}")
         item.stash[GROUP] = group
         first.setdefault(group, i)
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(group))
+    if wrong:
+        raise pytest.UsageError(
+            "tests/shared_servers.py MEMBERS disagrees with the fixtures the tests ask"
+            " for (test: group by its fixtures, not by MEMBERS):\n  " + "\n  ".join(wrong)
+        )
     order = {id(item): i for i, item in enumerate(items)}
     items.sort(
         key=lambda item: (
@@ -115,6 +123,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             order[id(item)],
         )
     )
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Rule 1 for xdist's controller: --dist loadgroup schedules by group."""
+    if config.getvalue("dist") == "loadgroup":
+        return SharedServerScheduling(config, log)
+    return None
 
 
 @pytest.hookimpl(wrapper=True)

@@ -5,12 +5,17 @@ server's three processes imports vLLM and torch, about 8 s of a core apiece,
 and far more beside the other worker's start). A server whose flags several
 modules can live with is started once, on the one worker that runs all of them:
 
-1. Each shared server is a fixture named in `SHARED` (its group). At collection
-   (tests/conftest.py), a test that asks for one is in that server's xdist group
-   (`--dist loadgroup`, scripts/test); the other tests of a module go with the
-   first shared server its tests ask for, or, asking for none, are a group of
-   their own, as `--dist loadfile` made each file. So each group's tests run on
-   one worker, and the server starts there once.
+1. Each shared server is a fixture named in `SHARED` (its group). A test that
+   asks for one is in that server's group; the other tests of a module go with
+   the first shared server its tests ask for, or, asking for none, are a group
+   of their own, as `--dist loadfile` made each file. xdist's controller, which
+   never collects, schedules each group as one unit to one worker
+   (`SharedServerScheduling`, for `--dist loadgroup`: scripts/test) from
+   `MEMBERS`, the tests each server's group holds; collection fails, naming
+   the test, where `MEMBERS` and the fixtures disagree. So each group's tests
+   run on one worker, and the server starts there once. (xdist's own loadgroup
+   marks a group in the test's node id, which pytest 9.2 no longer lets it
+   change: pytest-xdist issue 1386. Its tests then spread test by test.)
 2. A group's tests are made contiguous (a stable sort by the group's first
    test), so without xdist too each server starts once. A test marked
    `ends_shared_server` (it stops the server itself: a drain's end) goes last in
@@ -33,6 +38,7 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
 from tests.support import SluiceProcess
 
@@ -41,17 +47,51 @@ __all__ = [
     "CACHE_GROUP",
     "CALLER_KEYS",
     "GROUP",
+    "MEMBERS",
     "POOL",
     "SHARED",
     "SHARED_DRAIN_S",
     "Pool",
+    "SharedServerScheduling",
     "callers_path",
     "callers_toml",
     "group_of",
+    "scheduled_group",
 ]
 
 # The shared servers' fixtures (tests/conftest.py), each its group's name.
 SHARED = ("sluice_server", "callers_server")
+
+# Rule 1's groups as xdist's controller sees them: the test files (or single
+# tests, file::name) whose tests ask for each shared server.
+MEMBERS: Mapping[str, tuple[str, ...]] = {
+    "sluice_server": (
+        *(
+            f"tests/integration/test_{name}.py"
+            for name in (
+                "batches",
+                "docs_examples",
+                "lm_eval",
+                "messages",
+                "ollama",
+                "prompt_logprobs",
+                "request_class",
+                "responses",
+                "seed",
+                "server",
+                "tokenize",
+                "tools",
+            )
+        ),
+        "tests/system/test_shutdown.py::test_drain_deadline_fails_the_rest_with_503_and_exits",
+    ),
+    "callers_server": (
+        "tests/integration/test_status_page.py",
+        "tests/system/test_cache_isolation.py",
+        "tests/system/test_callers.py",
+        "tests/system/test_shutdown.py::test_second_sigterm_during_drain_stops_at_once",
+    ),
+}
 
 # An item's group (rule 1), kept for the teardown hook (rule 3).
 GROUP = pytest.StashKey[str]()
@@ -135,3 +175,21 @@ def group_of(asks: Collection[str], module_asks: Collection[str], module: str) -
             if name in names:
                 return name
     return module
+
+
+def scheduled_group(nodeid: str) -> str:
+    """Rule 1 from a test's node id alone (`MEMBERS`), as xdist's controller needs it."""
+    module = nodeid.split("::", 1)[0]
+    test = nodeid.split("[", 1)[0]
+    for name, members in MEMBERS.items():
+        if module in members or test in members:
+            return name
+    return module
+
+
+class SharedServerScheduling(LoadScopeScheduling):
+    """xdist's scope scheduling, a scope being a rule-1 group: each group goes
+    whole to one worker, in the suite's order (--no-loadscope-reorder)."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return scheduled_group(nodeid)

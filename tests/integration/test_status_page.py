@@ -16,6 +16,7 @@ import asyncio
 import math
 import os
 import shutil
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -325,12 +326,10 @@ async def test_the_key_is_asked_once_and_sent_as_a_header(
 CALLER_KEYS = {name: SHARED_KEYS[name] for name in ("chat", "batch-jobs")}
 
 
-async def _traffic(base: str, seconds: float, key: str, streams: int = 3) -> int:
+async def _traffic(base: str, stop: asyncio.Event, key: str, streams: int = 3) -> int:
     """Chat requests from `streams` concurrent clients of the caller with API key
-    `key` for `seconds`; the count."""
+    `key` until `stop` is set; the count."""
     done = 0
-    loop = asyncio.get_running_loop()
-    end = loop.time() + seconds
     body = {
         "model": "sluice-demo",
         "messages": [{"role": "user", "content": "Tell me about rivers."}],
@@ -339,7 +338,7 @@ async def _traffic(base: str, seconds: float, key: str, streams: int = 3) -> int
 
     async def client_loop(client: httpx.AsyncClient) -> None:
         nonlocal done
-        while loop.time() < end:
+        while not stop.is_set():
             r = await client.post(base + "/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
             done += 1
@@ -348,6 +347,23 @@ async def _traffic(base: str, seconds: float, key: str, streams: int = 3) -> int
     async with httpx.AsyncClient(timeout=60, headers=headers) as client:
         await asyncio.gather(*(client_loop(client) for _ in range(streams)))
     return done
+
+
+# Samples the server takes with traffic in them before the page is read (one a second).
+SAMPLES = 8
+
+
+async def _samples_since(base: str, since: float, n: int, key: str) -> None:
+    """Until the server's status samples hold `n` taken after `since` (wall clock)."""
+    headers = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(timeout=30, headers=headers) as client:
+        async with asyncio.timeout(120):
+            while True:
+                r = await client.get(base + "/status.json")
+                assert r.status_code == 200, r.text
+                if sum(1 for t in r.json()["series"]["t"] if t is not None and t > since) >= n:
+                    return
+                await asyncio.sleep(0.25)
 
 
 @pytest.mark.engine
@@ -360,11 +376,10 @@ async def test_the_demo_server_status_page(
     the keyless first read's 401."""
     base = callers_server.base
     console = Console(browser_page, allow=lambda text: "401" in text)
-    traffic = [
-        asyncio.create_task(_traffic(base, seconds=15.0, key=key)) for key in CALLER_KEYS.values()
-    ]
+    stop = asyncio.Event()
+    traffic = [asyncio.create_task(_traffic(base, stop, key=key)) for key in CALLER_KEYS.values()]
     try:
-        await asyncio.sleep(8.0)  # seconds of samples with traffic in them
+        await _samples_since(base, time.time(), SAMPLES, CALLER_KEYS["chat"])
         probe = await check_page(
             browser_page,
             base + "/",
@@ -377,6 +392,7 @@ async def test_the_demo_server_status_page(
             before=lambda page: give_key(page, CALLER_KEYS["chat"]),
         )
     finally:
+        stop.set()
         sent = [await t for t in traffic]
     assert all(n > 5 for n in sent), sent
     # A caller's key shows its own series and the rest as one total (issue 28):

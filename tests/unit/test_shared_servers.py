@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.shared_servers import SHARED, Pool, group_of
+from tests.shared_servers import SHARED, Pool, group_of, scheduled_group
 from tests.support import SluiceProcess
 
 MODULE = "tests/system/test_x.py"
@@ -49,3 +49,16 @@ def test_a_server_a_test_ended_is_refused_by_name(tmp_path: Path) -> None:
     pool._running["callers_server"] = start()
     with pytest.raises(RuntimeError, match="shared server callers_server has exited"):
         pool.get("callers_server", start)
+
+
+def test_the_controller_groups_by_node_id_as_collection_does() -> None:
+    """xdist's controller sees node ids only (scheduled_group); a file in MEMBERS
+    is whole in its group, parameters and all, and a single test named there
+    joins it without its file."""
+    assert scheduled_group("tests/integration/test_tools.py::test_x[a@b]") == "sluice_server"
+    shutdown = "tests/system/test_shutdown.py::"
+    assert scheduled_group(shutdown + "test_second_sigterm_during_drain_stops_at_once") == (
+        "callers_server"
+    )
+    assert scheduled_group(shutdown + "test_another") == "tests/system/test_shutdown.py"
+    assert scheduled_group("tests/unit/test_access.py::test_y") == "tests/unit/test_access.py"
