@@ -1069,8 +1069,12 @@ class Coalescer:
         released: list[Gen] = []
         serve = backlog.served
         warm = None
-        if self.orders_prefix and len(self._warm):
+        # One rank: a release is recorded as it is picked, so its siblings are warm
+        # for the round's next pick (warm.py W3); with DP, once _emit placed it.
+        now_record = False
+        if self.orders_prefix:
             record, ranks = self._warm, self._config.engine.ranks
+            now_record = ranks == 1
 
             def warm(g: Gen) -> int:
                 return warmth(record, g.request.prefix, ranks, now)
@@ -1079,6 +1083,8 @@ class Coalescer:
             room.take(g.ptok, g.request.key.adapter, g.interactive)
             serve(g)
             released.append(g)
+            if now_record and g.request.prefix:
+                self._warm_record(g, 0, now)
         self._slot_bound = room.slot_bound
         self._round_done(released, now, out)
 
@@ -1221,7 +1227,6 @@ class Coalescer:
         ranks = len(unstarted)
         ending = self._ending() if ranks > 1 else []
         record = self._warm if self.orders_prefix else None
-        block = cfg.engine.prefix_block
         for g in gens:
             g.state = GONE
             req = g.request
@@ -1266,10 +1271,8 @@ class Coalescer:
                 g.rank = rank
             if g.passed is not None:
                 self._passed_max = max(self._passed_max, now - g.passed)
-            if record is not None and req.prefix:
-                held = warmth(record, req.prefix, ranks, now) * block
-                g.predicted = min(held, g.ptok - 1) if held else 0
-                record.placed(req.prefix, g.rank, now)
+            if record is not None and req.prefix and g.predicted < 0:
+                self._warm_record(g, g.rank, now)
             unstarted[g.rank] += 1
             entries.append(_fast.entry(req, tuple(subs), g.key, rank))
         self._q_reqs -= nsubs
@@ -1300,6 +1303,14 @@ class Coalescer:
         c = choose(self._prefix.held(prefix, n, now), room, loads[:n], fallback)
         self._prefix.placed(prefix, c.rank, now)
         return c.rank, c.placed
+
+    def _warm_record(self, g: Gen, rank: int, now: float) -> None:
+        """warm.py W6: what the record believes cached of `g`'s prompt (its error is
+        measured at `started()`), then `g`'s blocks held on `rank` from `now`."""
+        prefix, cfg = g.request.prefix, self._config
+        held = warmth(self._warm, prefix, cfg.engine.ranks, now) * cfg.engine.prefix_block
+        g.predicted = min(held, g.ptok - 1) if held else 0
+        self._warm.placed(prefix, rank, now)
 
     # -- after release -------------------------------------------------------------
 

@@ -40,13 +40,19 @@ def pfx(group: int, n: int, shared: int = 10) -> tuple[int, ...]:
     return (*(group * 1000 + i for i in range(shared)), 10**6 + n)
 
 
-def co_(on: bool = True, block: int = BLOCK, ranks: int = 1, delay: float = 1.0) -> Coalescer:
+def co_(
+    on: bool = True, block: int = BLOCK, ranks: int = 1, delay: float = 1.0, seqs: int = 1
+) -> Coalescer:
     return Coalescer(
         CoalescerConfig(
             window=0.0,
             release_lone=False,
             engine=EngineCapacity(
-                max_seqs=1, step_tokens=4096, kv_tokens=64 * 1024, prefix_block=block, ranks=ranks
+                max_seqs=seqs,
+                step_tokens=4096,
+                kv_tokens=64 * 1024,
+                prefix_block=block,
+                ranks=ranks,
             ),
             order=ReleaseOrder(max_delay=delay),
             prefix_order=on,
@@ -129,6 +135,19 @@ def test_siblings_follow_while_their_prefix_is_warm() -> None:
     assert w.releases == 2  # a2 past b1, a4 past b3 (and b1, b3 then were the head)
     # b1 was first passed at the first backlog release (0.5) and went at 0.52.
     assert w.passed_max == pytest.approx(0.02)
+
+
+def test_siblings_follow_within_one_round() -> None:
+    """Several releases in one due(): each is recorded as it is picked, so the
+    next pick of the round already finds its prefix warm."""
+    co = co_(seqs=4)
+    co.add(req("x", 0.0, pfx(9, 99)), 0.0)
+    assert ids(co.due(0.0)) == ["x"]  # in flight: the rest waits in the backlog
+    for r in interleaved():
+        co.add(r, r.arrival)
+    got = ids(co.due(0.1))
+    assert len(got) >= 3, got
+    assert got[:3] == ["a0", "a2", "a4"]
 
 
 def test_never_past_order_rule_3s_bound() -> None:
