@@ -40,6 +40,7 @@ The systems run in turn, alternated per repetition (both see the same noise).
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
 import contextlib
 import math
@@ -54,13 +55,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.points.prefix_point import WORDS, prefix_counters
 from bench.report.cells import median, percentile, runs_cell, write_lines
 from bench.report.systems import SLUICE, VLLM
 from bench.run.chat_turn import stream_chat
 from bench.run.engine_flags import DEMO_NAME, demo_flags, drop_flags
-from bench.run.servers import Server, free_port, server_command
+from bench.run.servers import Server, free_port, http_get, server_command
 
 # name -> (server kind, Sluice's own flags)
 SYSTEMS: dict[str, tuple[str, list[str]]] = {
@@ -131,6 +133,22 @@ class Tally:
     last: float = 0.0
 
 
+def warm_counters(base: str) -> dict[str, float]:
+    """Sluice's prefix-warm order counters (zeros from vLLM's server): releases for
+    warmth, and its record's predicted cached tokens against the engine's."""
+    status, body = http_get(base + "/metrics", timeout=10)
+    got = {"warm": 0.0, "predicted": 0.0, "cached": 0.0, "overbelief": 0.0}
+    if status != 200:
+        return got
+    for family in text_string_to_metric_families(body):
+        for sample in family.samples:
+            if sample.name == "sluice_prefix_order_releases_total":
+                got["warm"] += sample.value
+            elif sample.name == "sluice_prefix_order_record_tokens_total":
+                got[sample.labels["kind"]] += sample.value
+    return got
+
+
 def one_run(base: str, args: argparse.Namespace, shape: Shape, rep: int) -> dict[str, float]:
     async def caller(s: aiohttp.ClientSession, i: int, t0: float, tally: Tally) -> None:
         rng = random.Random(rep * 100_003 + i)
@@ -158,8 +176,11 @@ def one_run(base: str, args: argparse.Namespace, shape: Shape, rep: int) -> dict
         return tally, tally.last - t0
 
     q0, h0 = prefix_counters(base)
+    w0 = warm_counters(base)
     tally, took = asyncio.run(go())
     q1, h1 = prefix_counters(base)
+    w1 = warm_counters(base)
+    w = {k: w1[k] - w0[k] for k in w0}
     for failure in tally.failed[:3]:
         print(f"failed: {failure}", flush=True)
     short = [1000 * f for f in tally.ttft["short"]]
@@ -171,7 +192,13 @@ def one_run(base: str, args: argparse.Namespace, shape: Shape, rep: int) -> dict
         "short_p50": percentile(short, 50) if short else math.nan,
         "short_p95": percentile(short, 95) if short else math.nan,
         "answered": float(answered),
+        "prefill_req": (q1 - q0 - (h1 - h0)) / answered if answered else math.nan,
         "failed": float(len(tally.failed)),
+        "warm": w["warm"],
+        # The record's error (batching/warm.py W6): tokens it predicted cached that
+        # the engine had not, over those it predicted.
+        "overbelief": w["overbelief"] / w["predicted"] if w["predicted"] else 0.0,
+        "record_cached": w["cached"] / w["predicted"] if w["predicted"] else 0.0,
     }
 
 
@@ -228,28 +255,33 @@ def report(
         f"({args.summary_words} words, {args.summary_tokens}) and analyses "
         f"({args.analysis_words} words, {args.analysis_tokens}), {shape}. The systems "
         f"in turn, alternated per repetition; runs at {when}. Prefill: the engine's "
-        "prefix-cache queries less its hits (tokens it computed). Medians [min-max] over "
+        "prefix-cache queries less its hits (tokens it computed), over the requests "
+        "answered (a fixed time, so each system answers its own number). Record: of the prompt "
+        "tokens Sluice's record predicted cached at release, the share the engine had "
+        "cached and the share it had not (batching/warm.py W6). Medians [min-max] over "
         "the repetitions.",
         "",
-        "| system | req/s | prefill tokens | hit rate | short TTFT p50 ms | short TTFT p95 ms "
-        "| answered | failed |",
-        "|---|---|---|---|---|---|---|---|",
+        "| system | req/s | prefill tokens a request | hit rate | short TTFT p50 ms "
+        "| short TTFT p95 ms "
+        "| answered | failed | released for warmth | record: predicted cached / not cached |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, rs in runs.items():
         lines.append(
-            f"| {name} | {runs_cell(rs, 'req_s', '.2f')} | {runs_cell(rs, 'prefill', ',.0f')} "
+            f"| {name} | {runs_cell(rs, 'req_s', '.2f')} | {runs_cell(rs, 'prefill_req', ',.0f')} "
             f"| {runs_cell(rs, 'hit_rate', '.3f')} | {runs_cell(rs, 'short_p50', '.0f')} "
             f"| {runs_cell(rs, 'short_p95', '.0f')} | {runs_cell(rs, 'answered', '.0f')} "
-            f"| {runs_cell(rs, 'failed', '.0f')} |"
+            f"| {runs_cell(rs, 'failed', '.0f')} | {runs_cell(rs, 'warm', '.0f')} "
+            f"| {runs_cell(rs, 'record_cached', '.2f')} / {runs_cell(rs, 'overbelief', '.2f')} |"
         )
     s, off, v = "sluice", "sluice-off", "vllm"
     lines += [
         "",
         f"* against vLLM's server: req/s {ratio(s, v, 'req_s')} (target >= 1.1x), prefill "
-        f"tokens {ratio(s, v, 'prefill')} (target <= 0.7x), short TTFT p95 "
+        f"tokens a request {ratio(s, v, 'prefill_req')} (target <= 0.7x), short TTFT p95 "
         f"{ratio(s, v, 'short_p95')} (target <= 1.0x).",
-        f"* against --no-prefix-order: req/s {ratio(s, off, 'req_s')}, prefill tokens "
-        f"{ratio(s, off, 'prefill')}, short TTFT p95 {ratio(s, off, 'short_p95')}.",
+        f"* against --no-prefix-order: req/s {ratio(s, off, 'req_s')}, prefill tokens a "
+        f"request {ratio(s, off, 'prefill_req')}, short TTFT p95 {ratio(s, off, 'short_p95')}.",
     ]
     return lines
 
@@ -274,6 +306,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--systems", default=DEFAULT_SYSTEMS)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--raw", type=Path, help="keep the servers' logs here")
+    ap.add_argument(
+        "--report-from",
+        type=Path,
+        help="write the report from a run's printed repetitions (its stdout), running nothing",
+    )
+    ap.add_argument("--when", default="", help="with --report-from: the runs' time of day")
     args = ap.parse_args(argv)
     unknown = [n for n in args.systems.split(",") if n and n not in SYSTEMS]
     if unknown:
@@ -284,8 +322,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def from_log(path: Path) -> dict[str, list[dict[str, float]]]:
+    """The repetitions a run printed (`NAME repetition N: {...}`), by system."""
+    runs: dict[str, list[dict[str, float]]] = {}
+    for line in path.read_text().splitlines():
+        name, sep, rest = line.partition(" repetition ")
+        if sep and name in SYSTEMS:
+            got = ast.literal_eval(rest.split(": ", 1)[1])
+            if "prefill_req" not in got:  # a run from before the column
+                got["prefill_req"] = got["prefill"] / got["answered"]
+            runs.setdefault(name, []).append(got)
+    return runs
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report_from is not None:
+        write_lines(args.out, report(from_log(args.report_from), args, args.when))
+        return 0
     shape = Shape(
         args.prompts,
         args.zipf,

@@ -12,6 +12,7 @@ from bench.points.prefix_order_point import (
     KINDS,
     Shape,
     command,
+    from_log,
     parse_args,
     report,
     request,
@@ -62,6 +63,14 @@ def test_every_system_has_the_same_engine_flags() -> None:
     assert "--no-prefix-order" in command("sluice-off", 8000, 12)
 
 
+def test_a_report_from_a_runs_printed_repetitions(tmp_path: Path) -> None:
+    log = tmp_path / "run.log"
+    one = {"req_s": 2.0, "prefill": 900.0, "answered": 90.0, "hit_rate": 0.5}
+    log.write_text(f"noise\nsluice repetition 0: {one}\nvllm repetition 0: {one}\n")
+    runs = from_log(log)
+    assert set(runs) == {"sluice", "vllm"} and runs["vllm"][0]["prefill_req"] == 10.0
+
+
 def test_the_report_gives_the_issues_ratios(tmp_path: Path) -> None:
     args = parse_args(["--out", str(tmp_path / "r.md")])
     run = {"req_s": 2.0, "prefill": 1000.0, "hit_rate": 0.5, "short_p50": 100.0}
@@ -72,8 +81,11 @@ def test_the_report_gives_the_issues_ratios(tmp_path: Path) -> None:
     }
     for rs in runs.values():
         rs[0].setdefault("failed", 0.0)
+        rs[0].update(warm=0.0, record_cached=0.0, overbelief=0.0)
+        rs[0]["prefill_req"] = rs[0]["prefill"] / rs[0]["answered"]
     text = "\n".join(report(runs, args, "22:00-22:10 UTC"))
-    assert "req/s 2.00x (target >= 1.1x), prefill tokens 0.25x" in text
+    # Prefill a request: 1000 / 90 against 4000 / 45 and 2000 / 80.
+    assert "req/s 2.00x (target >= 1.1x), prefill tokens a request 0.12x" in text
     assert "short TTFT p95 0.50x" in text
-    assert "against --no-prefix-order: req/s 1.00x, prefill tokens 0.50x" in text
+    assert "against --no-prefix-order: req/s 1.00x, prefill tokens a request 0.44x" in text
     assert "runs at 22:00-22:10 UTC" in text
