@@ -44,6 +44,7 @@ from .types import (
     ReleaseReason,
     Request,
 )
+from .warm import WarmCounters, WarmOrder
 
 __all__ = [
     "BACKGROUND_PRIORITY",
@@ -86,6 +87,8 @@ __all__ = [
     "Spend",
     "StepLedger",
     "StepOutput",
+    "WarmCounters",
+    "WarmOrder",
     "class_priority",
     "engine_priority",
     "group_key",

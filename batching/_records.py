@@ -168,9 +168,12 @@ class Gen:
         "bseq",
         "caller",
         "dkey",
+        "for_warmth",
         "group",
         "key",
         "new",
+        "passed",
+        "predicted",
         "ptok",
         "rank",
         "reason",
@@ -217,6 +220,9 @@ class Gen:
         self.bseq = 0  # its latest backlog entry; older heap entries are stale
         self.started = False  # the engine produced its first output
         self.rank = 0  # the data-parallel rank it was placed on, once released
+        self.passed: float | None = None  # first passed for warmth (warm.py W3)
+        self.for_warmth = False  # released past others for warmth (W3)
+        self.predicted = -1  # prompt tokens the record believed cached at release (W6)
 
 
 class Group:

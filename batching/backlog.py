@@ -82,9 +82,10 @@ O(backlogged callers) to pick the caller; stale heap entries are skipped lazily.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from heapq import heappop, heappush
 
+from . import warm as _warm
 from ._records import BACKLOG, GONE, CallerState, Gen
 from .adapters import AdapterSlots
 from .room import POLICY, Hold, Room
@@ -109,7 +110,7 @@ def _floor(c: CallerState, head: Gen, rule: Hold, room: Room) -> float:
 
 
 class Backlog:
-    __slots__ = ("_bseq", "active", "held_by", "max_delay", "n", "slots", "vt")
+    __slots__ = ("_bseq", "active", "held_by", "max_delay", "n", "slots", "vt", "warm_releases")
 
     def __init__(self, max_delay: float, slots: AdapterSlots | None = None) -> None:
         self.max_delay = max_delay
@@ -122,6 +123,7 @@ class Backlog:
         # that held the first caller it could not serve, in rule-1 order.
         self.held_by: Hold | None = None
         self._bseq = 0
+        self.warm_releases = 0  # releases made for warmth (warm.py W3)
 
     # -- in and out ---------------------------------------------------------
 
@@ -230,12 +232,73 @@ class Backlog:
             heappush(heap, e)
         return found
 
-    def pick(self, now: float, room: Room) -> Iterator[Gen]:
+    def _warmest(
+        self,
+        c: CallerState,
+        head: Gen,
+        room: Room,
+        warmth: Callable[[Gen], int],
+        gain: int,
+        now: float,
+    ) -> Gen:
+        """warm.py W1-W3: the caller's head, which fits `room`, or a later generation
+        of the head's priority, arrived at most max_delay after each one it passes,
+        that fits and holds `gain` or more leading blocks beyond the head's; it leaves
+        the heap, and those it passes are marked passed at `now`."""
+        heap = c.heap
+        heappop(heap)  # the head is the heap's top (_head cleaned it)
+        prio = head.key[0]
+        barrier = head.request.arrival + self.max_delay
+        tried: list[tuple[tuple[int, float, int], int, Gen]] = []
+        cands: list[Gen] = [head]
+        held: list[int] = [warmth(head)]
+        while heap and len(tried) < _warm.SCAN:
+            e = heappop(heap)
+            g = e[2]
+            if g.bseq != e[1] or g.state != BACKLOG:
+                continue  # stale
+            tried.append(e)
+            arrival = g.request.arrival
+            if g.key[0] != prio or arrival > barrier:
+                break  # it, and all after it, would break order.py rule 1 or 3
+            barrier = min(barrier, arrival + self.max_delay)
+            if room.fits(g.ptok, g.interactive) and room.admits(g.request.key.adapter):
+                cands.append(g)
+                held.append(warmth(g))
+        i = _warm.choose(held, gain) if len(cands) > 1 else 0
+        chosen = cands[i]
+        if i:
+            self.warm_releases += 1
+            chosen.for_warmth = True
+            if head.passed is None:
+                head.passed = now
+            heappush(heap, (head.key, head.bseq, head))
+            for e in tried:
+                g = e[2]
+                if g is chosen:
+                    continue
+                if g.key < chosen.key and g.passed is None:
+                    g.passed = now
+                heappush(heap, e)
+        else:
+            for e in tried:
+                heappush(heap, e)
+        return chosen
+
+    def pick(
+        self,
+        now: float,
+        room: Room,
+        warmth: Callable[[Gen], int] | None = None,
+        gain: int = 1,
+    ) -> Iterator[Gen]:
         """Yield generations to release, in order, while `room` allows (rules 1-5).
 
         Each yielded generation has left the backlog (state GONE); the consumer books
         it in `room` and calls `served()`. Stops at the first point where nothing more
-        may go, and leaves in `held_by` the rule that held work then.
+        may go, and leaves in `held_by` the rule that held work then. With `warmth`
+        (a generation's leading blocks believed cached), a caller's head that fits may
+        yield to a warmer generation (warm.py W1-W3, `gain` its min_gain).
         """
         self.held_by = None
         held: Hold | None = None  # the rule that held the first caller blocked
@@ -284,8 +347,11 @@ class Backlog:
             assert head is not None  # an active caller has a live entry
             adapter = head.request.key.adapter
             if room.fits(head.ptok, head.interactive) and room.admits(adapter):
-                heappop(best.heap)  # the head is the heap's top (_head cleaned it)
-                gen: Gen | None = head
+                if warmth is not None and best.backlog > 1:
+                    gen: Gen | None = self._warmest(best, head, room, warmth, gain, now)
+                else:
+                    heappop(best.heap)  # the head is the heap's top (_head cleaned it)
+                    gen = head
             else:
                 gen = self._fit(best, room)
             if gen is None:

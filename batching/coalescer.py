@@ -150,6 +150,8 @@ from .types import (
     ReleaseReason,
     Request,
 )
+from .warm import HASHED, TTL, WarmCounters, warmth
+from .warm import capacity as warm_capacity
 
 __all__ = ["Coalescer"]
 
@@ -273,6 +275,11 @@ class Coalescer:
         # (why, rank), counted with more than one rank.
         self._prefix = PrefixMap(capacity=PREFIX_BLOCKS, ttl=PREFIX_TTL)
         self._placements: dict[tuple[Placed, int], int] = {}
+        # The prefix-warm order's record (warm.py W6), sized from the KV cache, and
+        # its counters: the longest pass, the record's predictions and their error.
+        self._warm = PrefixMap(capacity=self._warm_size(config.engine), ttl=TTL)
+        self._passed_max = 0.0
+        self._w_predicted = self._w_cached = self._w_over = self._w_saved = 0
         self._n_generations = 0
         self._n_dedupe = 0
         # The engine's steps and what the backlog held beside them (RoomCounters).
@@ -340,6 +347,7 @@ class Coalescer:
                 per_rank[g.rank] += 1
         self._unstarted_rank = per_rank
         self._last_steps = (self._last_steps + [None] * ranks)[:ranks]
+        self._warm.capacity = self._warm_size(cfg.engine)
         ahead = steps - 1
         self._endings = (self._endings + [Endings(ahead) for _ in range(ranks)])[:ranks]
         for e in self._endings:
@@ -426,6 +434,40 @@ class Coalescer:
         one data-parallel rank and prefix placement on: the server hashes a prompt's
         blocks only then (with one rank it costs nothing)."""
         return self._config.prefix_placement and self._config.engine.ranks > 1
+
+    @staticmethod
+    def _warm_size(engine: EngineCapacity) -> int:
+        return warm_capacity(engine.kv_tokens, engine.prefix_block, engine.ranks)
+
+    @property
+    def orders_prefix(self) -> bool:
+        """Does a release prefer a warm prefix (warm.py)? With `prefix_order` on and
+        the engine's prefix cache on (its block size known)."""
+        cfg = self._config
+        return cfg.prefix_order and cfg.engine.prefix_block > 0
+
+    @property
+    def prefix_tokens(self) -> int | None:
+        """How many of a prompt's leading tokens the server hashes into
+        `Request.prefix`: all (None) for prefix placement, the first `HASHED`
+        blocks for the warm order alone (W5), 0 for neither (nothing hashed)."""
+        if self.places_prefix:
+            return None
+        if self.orders_prefix:
+            return HASHED * self._config.engine.prefix_block
+        return 0
+
+    @property
+    def warm_counters(self) -> WarmCounters:
+        """The warm order's releases, longest pass and the record's error (warm.py)."""
+        return WarmCounters(
+            releases=self._backlog.warm_releases,
+            saved=self._w_saved,
+            passed_max=self._passed_max,
+            predicted=self._w_predicted,
+            cached=self._w_cached,
+            overbelief=self._w_over,
+        )
 
     @property
     def placements(self) -> tuple[tuple[str, int, int], ...]:
@@ -1026,10 +1068,23 @@ class Coalescer:
         room = self._room(now)
         released: list[Gen] = []
         serve = backlog.served
-        for g in backlog.pick(now, room):
+        warm = None
+        # One rank: a release is recorded as it is picked, so its siblings are warm
+        # for the round's next pick (warm.py W3); with DP, once _emit placed it.
+        now_record = False
+        if self.orders_prefix:
+            record, ranks = self._warm, self._config.engine.ranks
+            now_record = ranks == 1
+
+            def warm(g: Gen) -> int:
+                return warmth(record, g.request.prefix, ranks, now)
+
+        for g in backlog.pick(now, room, warm, self._config.warm.min_gain):
             room.take(g.ptok, g.request.key.adapter, g.interactive)
             serve(g)
             released.append(g)
+            if now_record and g.request.prefix:
+                self._warm_record(g, 0, now)
         self._slot_bound = room.slot_bound
         self._round_done(released, now, out)
 
@@ -1171,6 +1226,7 @@ class Coalescer:
         unstarted = self._unstarted_rank
         ranks = len(unstarted)
         ending = self._ending() if ranks > 1 else []
+        record = self._warm if self.orders_prefix else None
         for g in gens:
             g.state = GONE
             req = g.request
@@ -1213,6 +1269,10 @@ class Coalescer:
                 pk = (why, rank)
                 self._placements[pk] = self._placements.get(pk, 0) + 1
                 g.rank = rank
+            if g.passed is not None:
+                self._passed_max = max(self._passed_max, now - g.passed)
+            if record is not None and req.prefix and g.predicted < 0:
+                self._warm_record(g, g.rank, now)
             unstarted[g.rank] += 1
             entries.append(_fast.entry(req, tuple(subs), g.key, rank))
         self._q_reqs -= nsubs
@@ -1244,6 +1304,14 @@ class Coalescer:
         self._prefix.placed(prefix, c.rank, now)
         return c.rank, c.placed
 
+    def _warm_record(self, g: Gen, rank: int, now: float) -> None:
+        """warm.py W6: what the record believes cached of `g`'s prompt (its error is
+        measured at `started()`), then `g`'s blocks held on `rank` from `now`."""
+        prefix, cfg = g.request.prefix, self._config
+        held = warmth(self._warm, prefix, cfg.engine.ranks, now) * cfg.engine.prefix_block
+        g.predicted = min(held, g.ptok - 1) if held else 0
+        self._warm.placed(prefix, rank, now)
+
     # -- after release -------------------------------------------------------------
 
     def started(self, request_id: str, now: float, cached: int = 0) -> bool:
@@ -1257,6 +1325,13 @@ class Coalescer:
         if gen is None or gen.started:
             return False
         gen.started = True
+        if gen.predicted >= 0:  # warm.py W6: the record's error
+            hit = min(max(0, cached), gen.ptok)
+            self._w_predicted += gen.predicted
+            self._w_cached += hit
+            self._w_over += max(0, gen.predicted - hit)
+            if gen.for_warmth:
+                self._w_saved += hit
         if gen.rank < len(self._endings):
             self._endings[gen.rank].start(request_id, gen.request.max_new_tokens)
         self._leaves_engine_queue(gen, gen.ptok - min(max(0, cached), gen.ptok))

@@ -42,6 +42,12 @@ Rules:
   16 streams each): at 1 s the worst caller's TTFT p95 was 12.5 s (vLLM's server
   3.1 s) and the shares of service 0.18-0.33; at 0, 3.9 s and 0.24-0.26, at
   16.1 req/s against 14.7 (one repetition).
+* `prefix_order` (off by default: on issue 62's mixed load it gained little, see
+  docs/queue.md): among what the order allows, a caller's release prefers a
+  generation whose leading blocks the engine's prefix cache is believed to hold
+  (warm.py W1-W6; `warm.min_gain` blocks beyond the head's), with the engine's
+  prefix cache on (`engine.prefix_block` > 0); off, or with the cache off, today's
+  order and nothing hashed.
 * Invalid values raise ValueError at construction, never later on the hot path.
 """
 
@@ -53,12 +59,14 @@ from .adapters import check_wait
 from .callers import Callers
 from .order import ReleaseOrder
 from .room import EngineCapacity
+from .warm import WarmOrder
 
 __all__ = ["CoalescerConfig"]
 
 _NO_CALLERS = Callers()  # every caller gets the default policy: weight 1, no limits
 _UNKNOWN_ENGINE = EngineCapacity()  # nothing held back
 _ORDER = ReleaseOrder()
+_WARM = WarmOrder()
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +99,9 @@ class CoalescerConfig:
     # Data-parallel ranks: a release follows its prompt's prefix (prefix.py P1-P4);
     # off, every release is placed by room alone (room.py rule 6).
     prefix_placement: bool = True
+    # A caller's release prefers a warm prefix among what the order allows (warm.py).
+    prefix_order: bool = False
+    warm: WarmOrder = _WARM
 
     def __post_init__(self) -> None:
         if self.window < 0:

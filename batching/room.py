@@ -173,10 +173,20 @@ class EngineCapacity:
     ranks: int = 1  # data-parallel ranks, each with the numbers above (rule 6)
     max_loras: int = 0  # vLLM lora_config.max_loras; 0 = LoRA off (rule 7)
     prefill_chunk: int = 0  # vLLM long_prefill_token_threshold; 0 = no cap (rule 2)
+    # The block size of the engine's prefix cache (Request.prefix's blocks); 0 = its
+    # prefix cache is off (or unknown): no prefix-warm order (warm.py W5).
+    prefix_block: int = 0
 
     def __post_init__(self) -> None:
         if (
-            min(self.max_seqs, self.step_tokens, self.kv_tokens, self.max_loras, self.prefill_chunk)
+            min(
+                self.max_seqs,
+                self.step_tokens,
+                self.kv_tokens,
+                self.max_loras,
+                self.prefill_chunk,
+                self.prefix_block,
+            )
             < 0
         ):
             raise ValueError("engine capacity numbers must be >= 0 (0 = unknown)")

@@ -8,6 +8,7 @@ Usage:
     python -m bench faults [--repeat 3] [--calm 15]           # bench/points/fault_point.py
     python -m bench batches [--repeat 3] [--lines 500]        # bench/points/batch_point.py
     python -m bench prefix [--repeat 3] [--no-shared]         # bench/points/prefix_point.py
+    python -m bench prefix-order [--repeat 3] [--distinct]    # bench/points/prefix_order_point.py
 
 With no --model on a machine without a GPU the offline demo model is built and
 served with its measured CPU flags (bfloat16, max_model_len 8192 rather than
@@ -32,7 +33,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from bench.log import log
-from bench.points import api_point, batch_point, fault_point, network_point, prefix_point
+from bench.points import (
+    api_point,
+    batch_point,
+    fault_point,
+    network_point,
+    prefix_order_point,
+    prefix_point,
+)
 from bench.report.systems import NOHOLD, SLUICE, VLLM
 from bench.report.tables import Record
 from bench.run.engine_flags import DEMO_NAME, demo_flags, step_flags
@@ -54,6 +62,7 @@ POINTS: dict[str, Callable[[Sequence[str]], int]] = {
     "faults": fault_point.main,  # issue 41: one model's engine killed beside another
     "batches": batch_point.main,  # issue 42: a batch beside a chat caller
     "prefix": prefix_point.main,  # issue 43: conversations on two ranks, placed by prefix
+    "prefix-order": prefix_order_point.main,  # issue 62: shared system prompts, warm order
 }
 
 

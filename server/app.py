@@ -473,6 +473,7 @@ def _live(app: web.Application) -> list[tuple[str | None, dict[str, Any]]]:
                     "step_share": entry.engine.step_share(),
                     "room": core.room_counters,
                     "placements": core.placements,
+                    "warm": core.warm_counters,
                     "ready": ready,
                     "backlog": core.backlog_generations,
                     "unstarted": core.engine_waiting,

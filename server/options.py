@@ -181,6 +181,15 @@ OPTIONS: tuple[Option, ...] = (
         "1.25 x the least loaded one + 1; off places by room alone (default: %(default)s)",
     ),
     Option(
+        "--prefix-order", action=SWITCH, fills="core.prefix_order",
+        help="with the engine's prefix cache on: among the requests the release order "
+        "allows to go, prefer one whose prompt's leading blocks the engine is believed "
+        "to hold, so a system prompt's or context's requests run while it is cached; "
+        "never past a more urgent request, a caller's fair share, or "
+        "--short-first-max-delay's bound; off releases in the order alone "
+        "(default: %(default)s)",
+    ),
+    Option(
         "--engine-priority", choices=("request", "order"), fills="engine_priority",
         help="the priority each request gets in the engine: its own `priority`, or "
         "Sluice's release key (priority, then short-first with aging: batching/order.py; "

@@ -282,4 +282,5 @@ def engine_capacity(info: ModelInfo) -> EngineCapacity:
         ranks=ranks,
         max_loras=info.max_loras,
         prefill_chunk=info.prefill_chunk,
+        prefix_block=info.prefix_block,
     )

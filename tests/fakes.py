@@ -117,6 +117,9 @@ class FakeEngine:
     # (`prefix_hashes`: every full block of the prompt, chained, salted).
     dp_ranks: int = 1
     block_size: int = 16
+    # Reported in ModelInfo: the prefix cache on (its block size), for the core's
+    # prefix-warm order (batching/warm.py); off by default, as the tests before it.
+    prefix_cache: bool = False
     default_max_tokens: int | None = None  # reported in ModelInfo: the generation config's
     added: list[str] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -184,9 +187,11 @@ class FakeEngine:
             default_max_tokens=self.default_max_tokens,
             kind=self.kind,
             dp_ranks=self.dp_ranks,
+            prefix_block=self.block_size if self.prefix_cache else 0,
         )
         self.started = False
         self.hashed = 0  # prefix_hashes calls
+        self.hashed_tokens: list[int] = []  # the prompt tokens each call hashed
         self.shut_down = False
         self.sleeps = 0  # sleep() calls (vLLM's sleep mode, on a GPU)
         self.asleep = False
@@ -383,6 +388,7 @@ class FakeEngine:
         """As vLLM chains them (server/engines/vllm_prefix.py): each full block's
         hash covers its parent's, the first block's the salt and the adapter."""
         self.hashed += 1
+        self.hashed_tokens.append(len(prompt_tokens))
         out: list[int] = []
         parent = f"{cache_salt or ''}|{adapter.name if adapter else ''}".encode()
         size = self.block_size

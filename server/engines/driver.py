@@ -327,11 +327,16 @@ class Driver:
     def prefix(
         self, prompt_tokens: Sequence[int], cache_salt: str | None, adapter: Adapter | None = None
     ) -> tuple[int, ...]:
-        """A prompt's prefix block hashes for the core's placement (batching/prefix.py),
-        from the engine (a LoRA adapter's blocks are its own); () without placement to
-        do (one data-parallel rank, or --no-prefix-placement): no hashing then."""
-        if not self.core.places_prefix:
+        """A prompt's prefix block hashes for the core's placement (batching/prefix.py)
+        and warm order (batching/warm.py), from the engine (a LoRA adapter's blocks are
+        its own): the whole prompt's for placement, the leading blocks' for the order
+        alone; () with neither to do (one data-parallel rank or --no-prefix-placement,
+        and --no-prefix-order or the engine's prefix cache off): no hashing then."""
+        n = self.core.prefix_tokens
+        if n == 0:
             return ()
+        if n is not None and len(prompt_tokens) > n:
+            prompt_tokens = prompt_tokens[:n]
         return self.engine.prefix_hashes(prompt_tokens, cache_salt, adapter)
 
     def submit(

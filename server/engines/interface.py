@@ -107,6 +107,9 @@ class ModelInfo:
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 0
     kv_cache_tokens: int = 0  # num_gpu_blocks x block_size, summed over DP ranks
+    # The block size of the engine's prefix cache, the blocks `prefix_hashes`
+    # hashes; 0: its prefix cache is off (no prefix-warm order, batching/warm.py).
+    prefix_block: int = 0
     # Data-parallel ranks this engine client feeds (server/engines/vllm_adapter.py, dp_ranks):
     # max_num_seqs and max_num_batched_tokens are each rank's.
     dp_ranks: int = 1

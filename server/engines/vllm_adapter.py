@@ -607,7 +607,8 @@ class EngineAdapter:
         sched = llm.vllm_config.scheduler_config
         cache = llm.vllm_config.cache_config
         self._ledger.block_size = block = int(cache.block_size or 16)
-        if self._names_ranks and cache.enable_prefix_caching:
+        prefix_block = block if cache.enable_prefix_caching else 0
+        if prefix_block:  # hashes only what the driver asks for (Driver.prefix)
             self._hasher = PrefixHasher(block, str(cache.prefix_caching_hash_algo or "sha256"))
         self.info = ModelInfo(
             name=self._model_name,
@@ -621,6 +622,7 @@ class EngineAdapter:
             # Known once the engine core's handshake filled num_gpu_blocks
             # (summed over data-parallel ranks); 0 if not.
             kv_cache_tokens=int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0),
+            prefix_block=prefix_block,
             dp_ranks=dp_ranks(llm.vllm_config),
             max_loras=max_loras(llm.vllm_config),
             prefill_chunk=int(sched.long_prefill_token_threshold or 0),
@@ -1031,8 +1033,8 @@ class EngineAdapter:
         """The prompt's full blocks hashed as the engine's prefix cache hashes
         them (its block size and --prefix-caching-hash-algo, the LoRA adapter's
         name and path as lora_request() gives them, `cache_salt` in the first
-        block: vllm_prefix.py); () unless Sluice places on named ranks
-        with the prefix cache on. The values are this process's own: vLLM seeds
+        block: vllm_prefix.py); () with the prefix cache off. The driver asks only
+        for what the core uses (Driver.prefix). The values are this process's own: vLLM seeds
         its chain (NONE_HASH) per process unless PYTHONHASHSEED is set, and
         placement only needs equal prefixes to hash equal here."""
         hasher = self._hasher

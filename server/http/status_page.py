@@ -177,6 +177,7 @@ def snapshot(app: web.Application) -> Snapshot:
     # The engine steps beside a held backlog, the under-fed ones and the time
     # held by rule (batching/room.py), added up over the models' cores.
     rooms = [e.driver.core.room_counters for e in entries]
+    warm = [e.driver.core.warm_counters for e in entries]
     held_seconds: dict[str, float] = {}
     for r in rooms:
         for rule, seconds in r.held_seconds:
@@ -221,6 +222,10 @@ def snapshot(app: web.Application) -> Snapshot:
         caller_engine_seconds=dict(app[USAGE].engine_seconds),
         usage=app[USAGE].recent,
         step_share=_step_share(entries),
+        warm_releases=float(sum(w.releases for w in warm)),
+        prefix_queries=float(sum(s.prefix_cache_queries_total for s in stats.values())),
+        prefix_hits=float(sum(s.prefix_cache_hits_total for s in stats.values())),
+        passed_max=max((w.passed_max for w in warm), default=0.0),
     )
 
 

@@ -52,7 +52,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from batching import CallerStats, DedupeHit, Ended, Outcome, Refusal, Released
+from batching import CallerStats, DedupeHit, Ended, Outcome, Refusal, Released, WarmCounters
 from batching.pressure import RankStats
 from batching.step_share import StepCounters
 from server.operations.ignored_log import IgnoredFields
@@ -228,6 +228,7 @@ class _LiveCollector(Collector):
         yield from _caller_families(v.get("callers") or (), self._label)
         yield from _rank_families(v.get("ranks") or ())
         yield from _placement_families(v.get("placements") or ())
+        yield from _warm_families(v.get("warm"))
 
 
 # The model states sluice_model_state spells out (server/engines/registry.py State).
@@ -329,6 +330,43 @@ def _placement_families(placements: Sequence[tuple[str, int, int]]) -> Iterable[
     for why, rank, n in placements:
         c.add_metric([str(rank), why], float(n))
     yield c
+
+
+def _warm_families(w: object) -> Iterable[Metric]:
+    """The prefix-warm release order (batching/warm.py): what it did and its bound
+    (zeros where the core reported none)."""
+    if not isinstance(w, WarmCounters):
+        w = WarmCounters()
+    yield CounterMetricFamily(
+        "sluice_prefix_order_releases",
+        "Generations released before others the order put first, because the engine "
+        "was believed to hold their prompt's leading blocks (batching/warm.py W3)",
+        value=w.releases,
+    )
+    yield CounterMetricFamily(
+        "sluice_prefix_order_saved_tokens",
+        "Prompt tokens the engine's prefix cache held of the generations released for "
+        "warmth: the prefill they did not compute (the engine's own count)",
+        value=w.saved,
+    )
+    yield GaugeMetricFamily(
+        "sluice_prefix_order_passed_max_seconds",
+        "The longest any request waited from the first time a warmer one passed it to "
+        "its own release (bounded by --short-first-max-delay's rule: only work that "
+        "arrived within it passes)",
+        value=w.passed_max,
+    )
+    record = CounterMetricFamily(
+        "sluice_prefix_order_record_tokens",
+        "The warm order's record of cached blocks against the engine: prompt tokens "
+        "it predicted cached at release (predicted), those the engine reported cached "
+        "(cached), and those predicted and not cached (overbelief)",
+        labels=["kind"],
+    )
+    record.add_metric(["predicted"], float(w.predicted))
+    record.add_metric(["cached"], float(w.cached))
+    record.add_metric(["overbelief"], float(w.overbelief))
+    yield record
 
 
 def _caller_families(

@@ -136,6 +136,13 @@ class Snapshot:
     # What Sluice's scheduler did with background work, summed over the engines
     # (batching/step_share.py), cumulative; None without it.
     step_share: StepCounters | None = None
+    # The prefix-warm order (batching/warm.py), cumulative and summed over the
+    # models: releases made for warmth, the engine's prefix-cache lookups and hits
+    # (prompt tokens), and the longest any request was passed over (seconds).
+    warm_releases: float = 0.0
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
+    passed_max: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +198,12 @@ class Sample:
     background_capped_s: float | None = None
     step_present_ms: float | None = None
     step_absent_ms: float | None = None
+    # The prefix-warm order: releases for warmth a second (None in a second without:
+    # the plot hides), the engine's prefix-cache hits over the second in percent of
+    # the prompt tokens looked up (None without lookups), and the longest pass yet.
+    warm_s: float | None = None
+    prefix_hit_pct: float | None = None
+    passed_max_s: float | None = None
 
 
 # The keyed columns that total what a caller's view may not show by name.
@@ -397,6 +410,8 @@ class StatusSampler:
         hit: dict[str, float] = {}
         engine_s: dict[str, float] = {}
         bg: tuple[float | None, ...] = (None, None, None, None)
+        warm_s: float | None = None
+        hit_pct: float | None = None
         if self._prev is not None and now > self._prev[0]:
             old, dt = self._prev[1], now - self._prev[0]
             req = _rate(snap.requests, old.requests, dt)
@@ -420,6 +435,10 @@ class StatusSampler:
                 if v
             }
             placed = {k: v for k, v in _rates(snap.placements, old.placements, dt).items() if v}
+            warm_s = _rate(snap.warm_releases, old.warm_releases, dt) or None
+            looked = snap.prefix_queries - old.prefix_queries
+            if looked > 0:
+                hit_pct = 100.0 * max(0.0, snap.prefix_hits - old.prefix_hits) / looked
             bg = _share(snap.step_share, old.step_share, dt)
             hit = _hit_pct(snap.ranks, old.ranks)
             model_req = _rates(
@@ -475,6 +494,9 @@ class StatusSampler:
             background_capped_s=bg[1],
             step_present_ms=bg[2],
             step_absent_ms=bg[3],
+            warm_s=warm_s,
+            prefix_hit_pct=hit_pct,
+            passed_max_s=snap.passed_max or None,
         )
 
     def _append(self, s: Sample) -> None:

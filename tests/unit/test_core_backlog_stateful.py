@@ -125,6 +125,14 @@ def table(policies: list[CallerPolicy]) -> Callers:
 
 
 class BacklogMachine(RuleBasedStateMachine):
+    # The engine's prefix-cache block (0: off, no warm order); test_core_warm.py's
+    # machines set it and give prompts prefixes (`prefix`).
+    PREFIX_BLOCK = 0
+
+    def prefix(self, caller: str, plen: int) -> tuple[int, ...]:
+        """A prompt's leading block hashes (none: warm.py W5, today's order)."""
+        return ()
+
     @initialize(
         seqs=st.integers(1, 4),
         step=st.sampled_from([0, 12, 40]),
@@ -159,7 +167,11 @@ class BacklogMachine(RuleBasedStateMachine):
             release_lone=False,
             callers=self.callers,
             engine=EngineCapacity(
-                max_seqs=seqs, step_tokens=step, kv_tokens=kv, prefill_chunk=chunk
+                max_seqs=seqs,
+                step_tokens=step,
+                kv_tokens=kv,
+                prefill_chunk=chunk,
+                prefix_block=self.PREFIX_BLOCK,
             ),
             order=ReleaseOrder(rate, delay, lclass),
             kv_reserve_short=reserve,
@@ -305,6 +317,7 @@ class BacklogMachine(RuleBasedStateMachine):
             fingerprint=fp,
             caller=caller,
             open_ended=open_ended,
+            prefix=self.prefix(caller, plen),
         )
         got = self.co.add(r, self.now)
         p = self._policy(caller)
@@ -604,6 +617,11 @@ class FairnessMachine(RuleBasedStateMachine):
     CHUNK = 0
     RESERVE = CoalescerConfig().kv_reserve_short
     A_PROMPT_MIN = 0
+    PREFIX_BLOCK = 0  # as BacklogMachine's
+
+    def prefix(self, caller: str, n: int) -> tuple[int, ...]:
+        """Request `n`'s leading block hashes (none: today's order)."""
+        return ()
 
     @initialize(
         seqs=st.integers(1, 4),
@@ -627,7 +645,11 @@ class FairnessMachine(RuleBasedStateMachine):
                 window=0.0,
                 release_lone=False,
                 engine=EngineCapacity(
-                    max_seqs=seqs, step_tokens=step, kv_tokens=kv, prefill_chunk=self.CHUNK
+                    max_seqs=seqs,
+                    step_tokens=step,
+                    kv_tokens=kv,
+                    prefill_chunk=self.CHUNK,
+                    prefix_block=self.PREFIX_BLOCK,
                 ),
                 order=ReleaseOrder(max_delay=delay),
                 kv_reserve_short=self.RESERVE,
@@ -664,7 +686,14 @@ class FairnessMachine(RuleBasedStateMachine):
                 rid = f"{name}{self.n}"
                 # Every third request is open-ended: charged its caller's estimate.
                 r = Request(
-                    rid, M, (self.n,) * plen, new, self.now, caller=name, open_ended=self.n % 3 == 0
+                    rid,
+                    M,
+                    (self.n,) * plen,
+                    new,
+                    self.now,
+                    caller=name,
+                    open_ended=self.n % 3 == 0,
+                    prefix=self.prefix(name, self.n),
                 )
                 assert isinstance(self.co.add(r, self.now), Admitted)
                 self.owner[rid] = name

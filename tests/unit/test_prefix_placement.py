@@ -119,6 +119,39 @@ async def test_one_rank_hashes_nothing(make_client: Any) -> None:
     assert await metric_lines(client, "sluice_engine_rank_placements") == []
 
 
+async def test_one_rank_hashes_nothing_with_the_order_off_by_default(make_client: Any) -> None:
+    """--prefix-order is off by default: one rank with the prefix cache on hashes
+    nothing, as before the order existed (issue 62's 'no harm')."""
+    engine = FakeEngine(max_model_len=4096, prefix_cache=True)
+    client, _, engine = await make_client(engine, warmup=False)
+    await post(client, body("a", 1))
+    assert engine.hashed == 0
+
+
+async def test_one_rank_with_the_prefix_cache_hashes_the_leading_blocks(
+    make_client: Any,
+) -> None:
+    """The prefix-warm order (batching/warm.py W5; on with --prefix-order) needs
+    only a prompt's first 128 blocks: a longer prompt is hashed that far, once per
+    request."""
+    engine = FakeEngine(max_model_len=4096, prefix_cache=True)
+    client, _, engine = await make_client(engine, warmup=False, prefix_order=True)
+    long = {"model": "fake", "messages": [{"role": "user", "content": "alpha " * 500}]}
+    long["max_tokens"] = 2
+    await post(client, long)
+    await post(client, body("a", 1))
+    assert engine.hashed == 2
+    assert engine.hashed_tokens[0] == 128 * engine.block_size
+    assert engine.hashed_tokens[1] < 128 * engine.block_size
+
+
+async def test_no_prefix_order_hashes_nothing_with_one_rank(make_client: Any) -> None:
+    engine = FakeEngine(max_model_len=2048, prefix_cache=True)
+    client, _, engine = await make_client(engine, warmup=False, prefix_order=False)
+    await post(client, body("a", 1))
+    assert engine.hashed == 0
+
+
 async def test_another_callers_salt_shares_no_placement(make_client: Any) -> None:
     """Ann's conversation is on rank 1; Bob sending the same turn has another salt,
     so none of its blocks is believed held anywhere: placed by load (rank 0)."""

@@ -365,6 +365,30 @@ def test_placements_and_prefix_hits_per_rank_are_rates_of_their_own() -> None:
     assert series["rank_hit_pct"] == {"rank 1": [None, 90.0]}
 
 
+def test_the_prefix_warm_order_releases_hits_and_longest_pass() -> None:
+    """Releases for warmth a second, the engine's prefix-cache hits over the second
+    in percent of the tokens looked up, and the longest pass (batching/warm.py)."""
+    clock = Clock()
+    snaps = [Snapshot("ok", warm_releases=4, prefix_queries=1000, prefix_hits=100)]
+    s = sampler(snaps, clock)
+    first = s.sample()
+    assert first is not None and first.warm_s is None and first.prefix_hit_pct is None
+    assert first.passed_max_s is None
+    clock.tick(2.0)
+    snaps.append(
+        Snapshot("ok", warm_releases=10, prefix_queries=2000, prefix_hits=700, passed_max=0.25)
+    )
+    got = s.sample()
+    assert got is not None
+    assert (got.warm_s, got.prefix_hit_pct, got.passed_max_s) == (3.0, 60.0, 0.25)
+    clock.tick()
+    snaps.append(
+        Snapshot("ok", warm_releases=10, prefix_queries=2000, prefix_hits=700, passed_max=0.25)
+    )
+    quiet = s.sample()
+    assert quiet is not None and quiet.warm_s is None and quiet.prefix_hit_pct is None
+
+
 def test_steps_beside_a_held_backlog_are_rates_and_held_time_a_share_per_rule() -> None:
     clock = Clock()
     snaps = [Snapshot("ok", steps_held=100, underfed_steps=10, held_seconds={"feed": 5.0})]

@@ -47,6 +47,14 @@
       keyed: "rank_placed_s", onlyWithData: true },
     { id: "rank-hits", title: "Prefix-cache hits per rank", unit: "% of prompt tokens",
       series: [], keyed: "rank_hit_pct", onlyWithData: true, max: 100 },
+    // The prefix-warm order (docs/queue.md): releases made for warmth, the engine's
+    // prefix-cache hits, and the longest any request was passed over.
+    { id: "warm", title: "Released for a warm prefix", unit: "generations/s",
+      series: [["warm_s", "released for warmth"]], onlyWithData: true },
+    { id: "prefix-hits", title: "Prefix-cache hits", unit: "% of prompt tokens",
+      series: [["prefix_hit_pct", "hits"]], onlyWithData: true, max: 100 },
+    { id: "passed", title: "Longest passed over for warmth", unit: "s",
+      series: [["passed_max_s", "longest"]], onlyWithData: true },
     // Several models (--models) only: each model's own numbers.
     { id: "model-req", title: "Requests per model", unit: "req/s", series: [],
       keyed: "model_req_s", onlyWithData: true },
