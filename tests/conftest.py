@@ -102,12 +102,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         asks.setdefault(module_of(item), set()).update(item.fixturenames)
     first: dict[str, int] = {}
+    ends: dict[str, list[str]] = {}
     wrong = []
     for i, item in enumerate(items):
         module = module_of(item)
         group = group_of(item.fixturenames, asks[module], module)
-        if scheduled_group(item.nodeid) != group:
-            wrong.append(f"{item.nodeid}: {group}, not {scheduled_group(item.nodeid)}")
+        scheduled = scheduled_group(item.nodeid)
+        if scheduled != group:
+            wrong.append(f"{item.nodeid}: {group}, not {scheduled}")
+        if item.get_closest_marker("ends_shared_server") is not None:
+            ends.setdefault(group, []).append(item.nodeid)
         item.stash[GROUP] = group
         first.setdefault(group, i)
     if wrong:
@@ -115,13 +119,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             "tests/shared_servers.py MEMBERS disagrees with the fixtures the tests ask"
             " for (test: group by its fixtures, not by MEMBERS):\n  " + "\n  ".join(wrong)
         )
-    order = {id(item): i for i, item in enumerate(items)}
+    twice = [ids for ids in ends.values() if len(ids) > 1]
+    if twice:
+        raise pytest.UsageError(f"more than one test ends one shared server: {twice}")
+    # A stable sort: the suite's order within a group, its ending test last.
     items.sort(
-        key=lambda item: (
-            first[item.stash[GROUP]],
-            item.get_closest_marker("ends_shared_server") is not None,
-            order[id(item)],
-        )
+        key=lambda item: (first[item.stash[GROUP]], item.nodeid in ends.get(item.stash[GROUP], ()))
     )
 
 
@@ -130,6 +133,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     if config.getvalue("dist") == "loadgroup":
         return SharedServerScheduling(config, log)
     return None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Rule 2: a test of a group whose server a test has ended fails at once, naming it."""
+    group = item.stash.get(GROUP, None)
+    if group in SHARED:
+        POOL.check(group)
 
 
 @pytest.hookimpl(wrapper=True)

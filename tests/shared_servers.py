@@ -134,14 +134,21 @@ class Pool:
     def __init__(self) -> None:
         self._running: dict[str, SluiceProcess] = {}
 
-    def get(self, name: str, start: Callable[[], SluiceProcess]) -> SluiceProcess:
-        """The running server `name`, started (and waited for) on first use."""
+    def check(self, name: str) -> None:
+        """Rule 2: a shared server a test has ended is refused by name (its
+        fixture's value is the session's, so tests/conftest.py asks before each
+        test of the group, not only here at a start)."""
         proc = self._running.get(name)
         if proc is not None and proc.proc.poll() is not None:
             raise RuntimeError(
                 f"shared server {name} has exited ({proc.proc.returncode}): only its group's"
                 " last test may end it (rule 2, the ends_shared_server mark)"
             )
+
+    def get(self, name: str, start: Callable[[], SluiceProcess]) -> SluiceProcess:
+        """The running server `name`, started (and waited for) on first use."""
+        self.check(name)
+        proc = self._running.get(name)
         if proc is None:
             proc = start()
             try:
