@@ -224,11 +224,12 @@ def _groups(caller: str, group: int, blocks: int) -> tuple[int, ...]:
     return tuple(base + i for i in range(blocks))
 
 
-class WarmBacklogMachine(BacklogMachine):
-    """Every backlog check, with prompts under three system prompts per caller."""
+class _Warm:
+    """What each warm machine adds to its backlog machine: prompts under three
+    system prompts per caller, a block per prompt token (up to 30, or 120,
+    leading blocks, so that warmth differs by min_gain and more; the record holds
+    the KV cache's tokens), and an event when a release went for warmth."""
 
-    # A block per prompt token: up to 30 (120) leading blocks, so that warmth
-    # differs by min_gain and more; the record holds the KV cache's tokens.
     PREFIX_BLOCK = 1
 
     def prefix(self, caller: str, plen: int) -> tuple[int, ...]:
@@ -240,24 +241,16 @@ class WarmBacklogMachine(BacklogMachine):
             event("released for warmth")
 
 
-class WarmAgingMachine(AgingMachine):
+class WarmBacklogMachine(_Warm, BacklogMachine):
+    """Every backlog check, with prompts under three system prompts per caller."""
+
+
+class WarmAgingMachine(_Warm, AgingMachine):
     """The aging machine (order.py rule 3's bound, one caller mostly, long heads
     waiting for room) with warm prefixes."""
 
-    # A block per prompt token: up to 30 (120) leading blocks, so that warmth
-    # differs by min_gain and more; the record holds the KV cache's tokens.
-    PREFIX_BLOCK = 1
 
-    def prefix(self, caller: str, plen: int) -> tuple[int, ...]:
-        return _groups(caller, plen % 3, plen)
-
-    @invariant()
-    def warm_releases_happen(self) -> None:
-        if hasattr(self, "co") and self.co.warm_counters.releases:
-            event("released for warmth")
-
-
-class WarmFairnessMachine(FairnessMachine):
+class WarmFairnessMachine(_Warm, FairnessMachine):
     """Two equal-weight callers always backlogged, each with warm prefixes: the
     fair-share bound holds as it is (W4)."""
 
@@ -266,11 +259,6 @@ class WarmFairnessMachine(FairnessMachine):
     def prefix(self, caller: str, n: int) -> tuple[int, ...]:
         # a's prompts under one warm system prompt, b's under three.
         return _groups(caller, 0 if caller == "a" else n % 3, 8)
-
-    @invariant()
-    def warm_releases_happen(self) -> None:
-        if hasattr(self, "co") and self.co.warm_counters.releases:
-            event("released for warmth")
 
 
 TestWarmBacklogMachine = WarmBacklogMachine.TestCase
