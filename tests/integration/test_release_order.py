@@ -25,9 +25,10 @@ and third find its 1,600 tokens cached.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
@@ -85,24 +86,36 @@ async def _one(
     finished.append(name)
 
 
+@contextlib.asynccontextmanager
+async def _holding_the_slot(
+    client: httpx.AsyncClient, base: str, max_tokens: int
+) -> AsyncIterator[None]:
+    """A blocker stream that holds the engine's one slot, once its first token
+    came, for the block; leaving the block closes it, which aborts it. Its line
+    iterator is kept open across the block: a dropped one is finalized, which
+    closes the stream, so Sluice aborts the blocker and frees the slot early."""
+    body = {
+        "model": MODEL,
+        "prompt": [5, 6, 7],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    async with client.stream("POST", base + "/v1/completions", json=body) as blocker:
+        assert blocker.status_code == 200
+        lines = blocker.aiter_lines()
+        async for line in lines:  # it runs: the one slot is taken
+            if line.startswith("data: {"):
+                break
+        yield
+
+
 async def test_a_long_prompt_is_passed_only_within_the_max_delay(one_slot: SluiceProcess) -> None:
     base = one_slot.base
     finished: list[str] = []
     sent: dict[str, float] = {}
     async with httpx.AsyncClient(timeout=120) as client:
-        blocker_body = {
-            "model": MODEL,
-            "prompt": [5, 6, 7],
-            "max_tokens": 4000,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        async with client.stream("POST", base + "/v1/completions", json=blocker_body) as blocker:
-            assert blocker.status_code == 200
-            lines = blocker.aiter_lines()
-            async for line in lines:  # it runs: the one slot is taken
-                if line.startswith("data: {"):
-                    break
+        async with _holding_the_slot(client, base, 4000):
             tasks = []
             sent["long"] = time.monotonic()
             tasks.append(asyncio.create_task(_one(client, base, 400, finished, "long")))
@@ -153,18 +166,7 @@ async def test_prefix_groups_run_together_and_hit_the_cache(one_slot: SluiceProc
         finished.append(names[n])
 
     async with httpx.AsyncClient(timeout=120) as client:
-        blocker_body = {
-            "model": MODEL,
-            "prompt": [5, 6, 7],
-            "max_tokens": 2000,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        async with client.stream("POST", base + "/v1/completions", json=blocker_body) as blocker:
-            assert blocker.status_code == 200
-            async for line in blocker.aiter_lines():  # it runs: the one slot is taken
-                if line.startswith("data: {"):
-                    break
+        async with _holding_the_slot(client, base, 2000):
             tasks = [asyncio.create_task(one(client, n)) for n in range(len(names))]
             deadline = time.monotonic() + 30
             while (
